@@ -1,0 +1,425 @@
+/*
+ * libfp8 — FP8 mixed-precision training on NVIDIA GPUs, behind a C ABI.
+ *
+ * This header is the whole public interface. It is C99 and C++ clean, needs no CUDA header, and
+ * documents every contract; the numbers pinned here (status codes, dtypes, attribute ids and enum
+ * values) never change meaning between releases of the same major version.
+ *
+ * Conventions (they hold for every function unless its comment says otherwise)
+ * - Every call that can fail returns fp8_status_t; FP8_OK is 0. On failure, out-parameters and user
+ *   buffers are left exactly as they were, and fp8_last_error_message() says what was wrong.
+ * - Outputs come first. An object returned through `T **out` belongs to the caller, who releases it
+ *   with the matching fp8_*_destroy; fp8_*_destroy(NULL) does nothing. Pointers returned by getters
+ *   are borrowed and live as long as the object they came from.
+ * - Objects are externally synchronised: one thread at a time may use a context and everything
+ *   created from it. Different contexts may be used from different threads at once. The error
+ *   message is per thread.
+ * - A context owns one CUDA stream (the legacy default stream unless fp8_context_set_stream says
+ *   otherwise). Calls marked "asynchronous" only queue work on that stream: they never wait for the
+ *   GPU, never allocate, and can be captured in a CUDA graph. A fault inside such work is reported
+ *   by a later call or by fp8_context_synchronize. Calls marked "synchronous" return after the work
+ *   is done.
+ * - On the CPU reference backend (device FP8_DEVICE_CPU) every call runs to completion before it
+ *   returns, and "device memory" means ordinary host memory.
+ * - Objects keep their context alive: fp8_context_destroy may come before the destruction of its
+ *   tensors and scaling states; the context's resources go when the last of them goes.
+ */
+#ifndef FP8_H
+#define FP8_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define FP8_API __declspec(dllimport)
+#elif defined(__GNUC__)
+#define FP8_API __attribute__((visibility("default")))
+#else
+#define FP8_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------------
+ * Version
+ * --------------------------------------------------------------------------------------------- */
+
+#define FP8_VERSION_MAJOR 0
+#define FP8_VERSION_MINOR 1
+#define FP8_VERSION_PATCH 0
+/** MAJOR*10000 + MINOR*100 + PATCH, the same formula as fp8_version_number(). */
+#define FP8_VERSION_NUMBER (FP8_VERSION_MAJOR * 10000 + FP8_VERSION_MINOR * 100 + FP8_VERSION_PATCH)
+
+/** The version of the library actually loaded (compare with FP8_VERSION_NUMBER). Thread safe. */
+FP8_API uint32_t fp8_version_number(void);
+
+/** The same as a string, "MAJOR.MINOR.PATCH". Static storage; thread safe. */
+FP8_API const char *fp8_version_string(void);
+
+/* ------------------------------------------------------------------------------------------------
+ * Status codes and errors
+ * --------------------------------------------------------------------------------------------- */
+
+/** Result of every fallible call. 32-bit; values are pinned and never renumbered. */
+typedef int32_t fp8_status_t;
+#define FP8_OK 0                    /**< success */
+#define FP8_ERR_INVALID_ARGUMENT 1  /**< NULL where an object is required, value out of range, unknown key */
+#define FP8_ERR_DTYPE 2             /**< a tensor has a dtype the call does not accept */
+#define FP8_ERR_SHAPE 3             /**< a tensor's shape or size does not fit the call */
+#define FP8_ERR_INVALID_STATE 4     /**< the call is not allowed in the object's current state */
+#define FP8_ERR_OUT_OF_MEMORY 5     /**< host or device allocation failed */
+#define FP8_ERR_CUDA 6              /**< the CUDA runtime reported an error (message has its name) */
+#define FP8_ERR_CUBLAS 7            /**< cuBLASLt reported an error */
+#define FP8_ERR_NCCL 8              /**< NCCL reported an error */
+#define FP8_ERR_UNSUPPORTED 9       /**< valid request this build or device cannot do */
+#define FP8_ERR_IO 10               /**< a file could not be opened, read or written */
+#define FP8_ERR_CORRUPT 11          /**< data failed its integrity checks */
+#define FP8_ERR_VERSION 12          /**< data written by a newer, incompatible format version */
+#define FP8_ERR_BUFFER_TOO_SMALL 13 /**< a caller's buffer is too small; the needed size is returned */
+#define FP8_ERR_NO_DEVICE 14        /**< no CUDA device with that ordinal (or no driver) */
+#define FP8_ERR_INTERNAL 15         /**< a bug in libfp8; please report the message */
+
+/** Static name of a status ("FP8_ERR_SHAPE"); "FP8_ERR_UNKNOWN" for values not listed. Thread safe. */
+FP8_API const char *fp8_status_string(fp8_status_t status);
+
+/**
+ * The message of the last failed call on this thread, naming the function, the argument and the
+ * expected value ("fp8_quantize: out has shape [4, 8], expected [4, 9] like in"). Never NULL; ""
+ * before any failure. Valid until the next failing call on this thread. A successful call does not
+ * clear it.
+ */
+FP8_API const char *fp8_last_error_message(void);
+
+/* ------------------------------------------------------------------------------------------------
+ * Data types
+ * --------------------------------------------------------------------------------------------- */
+
+/** Element types. Values are pinned. */
+typedef int32_t fp8_dtype_t;
+#define FP8_DTYPE_F32 0  /**< IEEE binary32 */
+#define FP8_DTYPE_F16 1  /**< IEEE binary16 */
+#define FP8_DTYPE_BF16 2 /**< bfloat16 */
+#define FP8_DTYPE_E4M3 3 /**< OCP E4M3FN: bias 7, no infinities, NaN = S.1111.111, max 448 */
+#define FP8_DTYPE_E5M2 4 /**< OCP E5M2: bias 15, with infinities, max 57344 */
+
+/** Bytes per element of a dtype; 0 for an unknown value. Thread safe. */
+FP8_API size_t fp8_dtype_size(fp8_dtype_t dtype);
+/** Static name ("bf16", "e4m3", ...); "unknown" for an unknown value. Thread safe. */
+FP8_API const char *fp8_dtype_name(fp8_dtype_t dtype);
+
+/* ------------------------------------------------------------------------------------------------
+ * Scalar conversions (the numerics contract, for bindings and tests)
+ *
+ * Encoding rounds to nearest, ties to even, saturates out-of-range values and infinities to the
+ * largest finite value of the same sign, and maps any NaN to 0x7F. These are the same bits as
+ * CUDA's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, kind) for every one of the 2^32 float inputs.
+ * Decoding is exact; NaN codes decode to a quiet NaN with the code's sign, E5M2 infinities to
+ * infinities. Pure functions; thread safe. `dtype` must be FP8_DTYPE_E4M3 or FP8_DTYPE_E5M2
+ * (anything else returns 0 / NaN).
+ * --------------------------------------------------------------------------------------------- */
+FP8_API uint8_t fp8_encode(float x, fp8_dtype_t dtype);
+FP8_API float fp8_decode(uint8_t code, fp8_dtype_t dtype);
+
+/* ------------------------------------------------------------------------------------------------
+ * Context: a device, a stream, and the resources of both
+ * --------------------------------------------------------------------------------------------- */
+
+typedef struct fp8_context fp8_context_t;
+/** Device ordinal of the CPU reference backend. */
+#define FP8_DEVICE_CPU (-1)
+
+/**
+ * Creates a context on `device`: FP8_DEVICE_CPU for the CPU reference backend, or a CUDA device
+ * ordinal (0 .. count-1). The CUDA device must be compute capability 8.9 or newer (FP8 tensor
+ * cores); an older one is refused with FP8_ERR_UNSUPPORTED, a missing one with FP8_ERR_NO_DEVICE.
+ * [out] out: the new context. Not thread safe with respect to other uses of the same device's
+ * current-device setting: it sets the calling thread's current CUDA device only for its own calls.
+ */
+FP8_API fp8_status_t fp8_context_create(fp8_context_t **out, int32_t device);
+
+/** Releases the caller's reference; resources go when the last tensor/state of it is destroyed. */
+FP8_API void fp8_context_destroy(fp8_context_t *ctx);
+
+/** [out] device: the device ordinal the context was created with (FP8_DEVICE_CPU for the CPU). */
+FP8_API fp8_status_t fp8_context_device(const fp8_context_t *ctx, int32_t *device);
+
+/**
+ * Sets the CUDA stream (a cudaStream_t; NULL = the legacy default stream) on which all later work of
+ * this context is queued. The stream stays the caller's: it must outlive its use by the context.
+ * On the CPU backend only NULL is accepted (FP8_ERR_INVALID_ARGUMENT otherwise).
+ */
+FP8_API fp8_status_t fp8_context_set_stream(fp8_context_t *ctx, struct CUstream_st *stream);
+/** [out] stream: the stream set with fp8_context_set_stream (NULL by default). */
+FP8_API fp8_status_t fp8_context_get_stream(const fp8_context_t *ctx, struct CUstream_st **stream);
+
+/**
+ * Waits until all work queued by this context has finished. Reports any asynchronous fault of that
+ * work as FP8_ERR_CUDA. Synchronous.
+ */
+FP8_API fp8_status_t fp8_context_synchronize(fp8_context_t *ctx);
+
+/** What a device can do. Versioned: set struct_size = sizeof(fp8_device_info_t) before the call
+ *  (fp8_device_info_init does it); later releases only append fields. */
+typedef struct fp8_device_info {
+  uint32_t struct_size;            /**< [in] sizeof(fp8_device_info_t) as the caller compiled it */
+  int32_t device;                  /**< ordinal, FP8_DEVICE_CPU for the CPU backend */
+  char name[256];                  /**< device name, NUL-terminated */
+  int32_t compute_capability;      /**< major*10 + minor, e.g. 90 for an H100; 0 for the CPU */
+  int32_t multiprocessor_count;    /**< SMs; 0 for the CPU */
+  uint64_t total_memory_bytes;     /**< global memory; 0 for the CPU */
+  int32_t fp8_gemm;                /**< 1 if FP8 tensor-core GEMMs run here (sm_89 and newer) */
+  int32_t fp8_block_scaling;       /**< 1 if block-scaled FP8 GEMMs run here (sm_100 and newer) */
+  int32_t fp8_nccl_reduction;      /**< 1 if NCCL can reduce FP8 data natively here (NCCL >= 2.24, sm_90+) */
+  int32_t nccl_version;            /**< NCCL loaded by libfp8, e.g. 22807 for 2.28.7 */
+  int64_t cublaslt_version;        /**< cuBLASLt loaded by libfp8, e.g. 130100 */
+} fp8_device_info_t;
+
+/** Sets info->struct_size and zeroes the rest. */
+FP8_API void fp8_device_info_init(fp8_device_info_t *info);
+
+/** Fills `info` for `device` (FP8_DEVICE_CPU or a CUDA ordinal). [in,out] info: struct_size set. */
+FP8_API fp8_status_t fp8_device_query(int32_t device, fp8_device_info_t *info);
+
+/** [out] count: number of CUDA devices visible (0 with no driver or GPU; never an error for that). */
+FP8_API fp8_status_t fp8_device_count(int32_t *count);
+
+/* ------------------------------------------------------------------------------------------------
+ * Recipe: how FP8 training is done (Accelerate's FP8RecipeKwargs, TransformerEngine's DelayedScaling
+ * and MS-AMP's opt levels in one object)
+ *
+ * Attributes are integers. Each has a range and a default that fp8_recipe_attr_bounds returns.
+ * A recipe may be changed freely until a model uses it; it is then read-only (later issues).
+ *
+ * Text form (fp8_recipe_parse / fp8_recipe_to_string): comma-separated `key=value` pairs, spaces
+ * ignored, keys and values case-insensitive. Keys and values:
+ *   backend=auto|te|msamp              opt_level=O1|O2|O3
+ *   margin=<0..32>                     interval=<1..1000000>
+ *   fp8_format=E4M3|HYBRID             amax_history_len=<1..16384>
+ *   amax_compute_algo=max|most_recent
+ *   override_linear_precision=<f>/<d>/<w>   each on|off|true|false|1|0, for fprop/dgrad/wgrad
+ *   use_autocast_during_eval=on|off|true|false|1|0
+ * --------------------------------------------------------------------------------------------- */
+
+typedef struct fp8_recipe fp8_recipe_t;
+
+/** Recipe attribute ids (pinned). */
+typedef int32_t fp8_recipe_attr_t;
+#define FP8_RECIPE_BACKEND 0           /**< FP8_BACKEND_*; default FP8_BACKEND_AUTO */
+#define FP8_RECIPE_OPT_LEVEL 1         /**< FP8_OPT_O1..O3 (MS-AMP level); default FP8_OPT_O2 */
+#define FP8_RECIPE_MARGIN 2            /**< scale = fp8_max * 2^-margin / amax; 0..32, default 0 */
+#define FP8_RECIPE_INTERVAL 3          /**< recompute scales every N updates; 1..1000000, default 1 */
+#define FP8_RECIPE_FP8_FORMAT 4        /**< FP8_FORMAT_*; default FP8_FORMAT_HYBRID */
+#define FP8_RECIPE_AMAX_HISTORY_LEN 5  /**< slots of amax history; 1..16384, default 1024 */
+#define FP8_RECIPE_AMAX_COMPUTE_ALGO 6 /**< FP8_AMAX_ALGO_*; default FP8_AMAX_ALGO_MOST_RECENT */
+#define FP8_RECIPE_OVERRIDE_FPROP 7    /**< 1 = forward GEMM in bf16; 0..1, default 0 */
+#define FP8_RECIPE_OVERRIDE_DGRAD 8    /**< 1 = input-gradient GEMM in bf16; 0..1, default 0 */
+#define FP8_RECIPE_OVERRIDE_WGRAD 9    /**< 1 = weight-gradient GEMM in bf16; 0..1, default 0 */
+#define FP8_RECIPE_USE_AUTOCAST_DURING_EVAL 10 /**< 1 = FP8 also in eval mode; 0..1, default 0 */
+#define FP8_RECIPE_ATTR_COUNT 11       /**< number of attributes (grows at the end only) */
+
+/** Values of FP8_RECIPE_BACKEND. AUTO prefers MS-AMP, as Accelerate documents. */
+#define FP8_BACKEND_AUTO 0
+#define FP8_BACKEND_TE 1
+#define FP8_BACKEND_MSAMP 2
+/** Values of FP8_RECIPE_OPT_LEVEL. */
+#define FP8_OPT_O1 1
+#define FP8_OPT_O2 2
+#define FP8_OPT_O3 3
+/** Values of FP8_RECIPE_FP8_FORMAT. HYBRID: E4M3 forward, E5M2 for gradients. */
+#define FP8_FORMAT_E4M3 0
+#define FP8_FORMAT_HYBRID 1
+/** Values of FP8_RECIPE_AMAX_COMPUTE_ALGO. */
+#define FP8_AMAX_ALGO_MAX 0
+#define FP8_AMAX_ALGO_MOST_RECENT 1
+
+/** Creates a recipe holding Accelerate's defaults (listed with each attribute above). */
+FP8_API fp8_status_t fp8_recipe_create(fp8_recipe_t **out);
+/** Creates an independent copy of `src`. */
+FP8_API fp8_status_t fp8_recipe_clone(fp8_recipe_t **out, const fp8_recipe_t *src);
+FP8_API void fp8_recipe_destroy(fp8_recipe_t *recipe);
+
+/** Sets one attribute. A value outside the attribute's range is refused (FP8_ERR_INVALID_ARGUMENT)
+ *  with a message naming the attribute and the allowed values; the recipe is then unchanged. */
+FP8_API fp8_status_t fp8_recipe_set_int(fp8_recipe_t *recipe, fp8_recipe_attr_t attr, int64_t value);
+/** [out] value: the attribute's current value. */
+FP8_API fp8_status_t fp8_recipe_get_int(const fp8_recipe_t *recipe, fp8_recipe_attr_t attr, int64_t *value);
+
+/** [out] min_value, max_value, default_value: the attribute's range and default (any may be NULL).
+ *  [out] key: its text-form name ("margin"), static storage (may be NULL). */
+FP8_API fp8_status_t fp8_recipe_attr_bounds(fp8_recipe_attr_t attr, int64_t *min_value,
+                                            int64_t *max_value, int64_t *default_value,
+                                            const char **key);
+
+/**
+ * Applies `text` (the text form above) to `recipe`. All or nothing: an unknown key, a malformed
+ * pair or a value out of range leaves the recipe unchanged and returns FP8_ERR_INVALID_ARGUMENT with
+ * a message naming the key and listing the allowed values. An empty string changes nothing.
+ */
+FP8_API fp8_status_t fp8_recipe_parse(fp8_recipe_t *recipe, const char *text);
+
+/**
+ * Writes the recipe's full text form, every key in the order of the attribute ids, NUL-terminated,
+ * into buf[0..cap). [out] needed (may be NULL): bytes needed including the NUL. If cap is too small
+ * (buf may then be NULL with cap 0), returns FP8_ERR_BUFFER_TOO_SMALL and writes nothing to buf.
+ * fp8_recipe_parse of the text gives back an equal recipe.
+ */
+FP8_API fp8_status_t fp8_recipe_to_string(const fp8_recipe_t *recipe, char *buf, size_t cap, size_t *needed);
+
+/** Maps a tensor role to the FP8 dtype the recipe's format gives it: forward (activations, weights)
+ *  is E4M3; backward (gradients) is E5M2 under HYBRID and E4M3 under E4M3. */
+typedef int32_t fp8_role_t;
+#define FP8_ROLE_FORWARD 0
+#define FP8_ROLE_BACKWARD 1
+FP8_API fp8_status_t fp8_recipe_dtype_for(const fp8_recipe_t *recipe, fp8_role_t role, fp8_dtype_t *dtype);
+
+/* ------------------------------------------------------------------------------------------------
+ * Tensors: N-D, row-major (the last dimension is contiguous), 0 <= ndim <= FP8_MAX_DIMS.
+ *
+ * A tensor lives on its context's device. FP8 tensors (E4M3/E5M2) also carry a scale_inv, one float
+ * in device memory (1.0 at creation) by which their codes are multiplied when dequantised;
+ * fp8_quantize sets it. A tensor with a 0 dimension is valid and empty.
+ * --------------------------------------------------------------------------------------------- */
+
+typedef struct fp8_tensor fp8_tensor_t;
+#define FP8_MAX_DIMS 8
+
+/**
+ * Creates a tensor that owns newly allocated, uninitialised memory on the context's device.
+ * [in] shape: ndim non-negative sizes (host memory; may be NULL when ndim is 0). Synchronous.
+ */
+FP8_API fp8_status_t fp8_tensor_create(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
+                                       int32_t ndim, const int64_t *shape);
+
+/**
+ * Creates a tensor over memory the caller owns and keeps alive while the tensor exists: device
+ * memory of the context's device on a CUDA context (checked; FP8_ERR_INVALID_ARGUMENT otherwise),
+ * host memory on the CPU backend. `data` must be aligned to the dtype's size; it may be NULL only
+ * when the tensor is empty. Any alignment works; 16-byte aligned data takes the fastest paths.
+ */
+FP8_API fp8_status_t fp8_tensor_wrap(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
+                                     int32_t ndim, const int64_t *shape, void *data);
+
+FP8_API void fp8_tensor_destroy(fp8_tensor_t *tensor);
+
+/** [out] dtype. */
+FP8_API fp8_status_t fp8_tensor_dtype(const fp8_tensor_t *tensor, fp8_dtype_t *dtype);
+/** [out] ndim; [out] shape: if non-NULL, receives ndim sizes (caller's array of FP8_MAX_DIMS). */
+FP8_API fp8_status_t fp8_tensor_shape(const fp8_tensor_t *tensor, int32_t *ndim, int64_t *shape);
+/** [out] numel: number of elements (1 for ndim 0). */
+FP8_API fp8_status_t fp8_tensor_numel(const fp8_tensor_t *tensor, int64_t *numel);
+/** [out] data: the data pointer (device memory on a CUDA context), borrowed. */
+FP8_API fp8_status_t fp8_tensor_data(const fp8_tensor_t *tensor, void **data);
+
+/** Copies exactly numel*dtype_size bytes from host memory `src` into the tensor (`bytes` must equal
+ *  that). Synchronous: `src` may be reused as soon as the call returns. */
+FP8_API fp8_status_t fp8_tensor_copy_from_host(fp8_tensor_t *tensor, const void *src, size_t bytes);
+/** Copies the tensor's bytes into host memory `dst` (`bytes` must equal numel*dtype_size) after all
+ *  work queued on the context so far. Synchronous. */
+FP8_API fp8_status_t fp8_tensor_copy_to_host(const fp8_tensor_t *tensor, void *dst, size_t bytes);
+
+/** FP8 tensors only (FP8_ERR_DTYPE otherwise). [out] scale_inv: read after queued work. Synchronous. */
+FP8_API fp8_status_t fp8_tensor_get_scale_inv(const fp8_tensor_t *tensor, float *scale_inv);
+/** FP8 tensors only. Sets the dequantisation factor (must be finite and > 0). Synchronous. */
+FP8_API fp8_status_t fp8_tensor_set_scale_inv(fp8_tensor_t *tensor, float scale_inv);
+
+/* ------------------------------------------------------------------------------------------------
+ * Delayed scaling state of one tensor (TransformerEngine's DelayedScaling, per tensor)
+ *
+ * It holds, in device memory: scale (1.0 at creation), scale_inv = 1/scale, an amax history of
+ * amax_history_len slots (zeros at creation), and a count of non-finite amaxes seen. On the host it
+ * keeps the FP8 dtype it scales for and the number of updates so far.
+ *
+ * During a step, fp8_quantize and fp8_amax max-accumulate the amax of their input into history slot
+ * 0. fp8_scaling_update then, for each state:
+ *  1. takes slot 0 as the step's amax; if it is NaN or infinite the non-finite count grows and the
+ *     slot is treated as 0 (a non-finite amax never enters the history);
+ *  2. a = max over the history (algo max) or slot 0 (most_recent);
+ *  3. on updates number 0, interval, 2*interval, ... (counting from 0): if a is finite and > 0,
+ *     scale = min((fp8_max * 2^-margin) / a, FLT_MAX) and scale_inv = 1/scale; otherwise (a == 0)
+ *     the scale is kept;
+ *  4. rolls the history: slot k+1 takes slot k's value, the oldest drops out, slot 0 becomes 0.
+ * fp8_max is 448 for E4M3 and 57344 for E5M2. All arithmetic is IEEE binary32, bit-identical on
+ * the CPU and the GPU.
+ * --------------------------------------------------------------------------------------------- */
+
+typedef struct fp8_scaling fp8_scaling_t;
+
+/** Creates a state for a tensor of `role` under `recipe`: its dtype is fp8_recipe_dtype_for(recipe,
+ *  role) and its history length the recipe's amax_history_len (the recipe is not retained).
+ *  Synchronous. */
+FP8_API fp8_status_t fp8_scaling_create(fp8_scaling_t **out, fp8_context_t *ctx,
+                                        const fp8_recipe_t *recipe, fp8_role_t role);
+FP8_API void fp8_scaling_destroy(fp8_scaling_t *scaling);
+
+/** [out] dtype: the FP8 dtype this state scales for. */
+FP8_API fp8_status_t fp8_scaling_dtype(const fp8_scaling_t *scaling, fp8_dtype_t *dtype);
+
+/** A snapshot of a state, read after all queued work. Versioned: set struct_size first
+ *  (fp8_scaling_info_init). Synchronous. */
+typedef struct fp8_scaling_info {
+  uint32_t struct_size;       /**< [in] sizeof(fp8_scaling_info_t) */
+  float scale;                /**< multiply by this before the FP8 cast */
+  float scale_inv;            /**< 1/scale: multiply FP8 values by this to dequantise */
+  float amax;                 /**< history slot 0: the amax accumulated since the last update */
+  int32_t amax_history_len;   /**< slots in the history */
+  int64_t update_count;       /**< fp8_scaling_update calls that included this state */
+  int64_t nonfinite_count;    /**< updates whose amax was NaN or infinite */
+} fp8_scaling_info_t;
+FP8_API void fp8_scaling_info_init(fp8_scaling_info_t *info);
+FP8_API fp8_status_t fp8_scaling_get_info(const fp8_scaling_t *scaling, fp8_scaling_info_t *info);
+
+/** Copies the amax history into history[0..len) (len must equal amax_history_len). Synchronous. */
+FP8_API fp8_status_t fp8_scaling_get_history(const fp8_scaling_t *scaling, float *history, int32_t len);
+
+/** Sets scale (finite, > 0) and scale_inv = 1/scale, e.g. for a static scale. Synchronous. */
+FP8_API fp8_status_t fp8_scaling_set_scale(fp8_scaling_t *scaling, float scale);
+
+/**
+ * Updates `count` states with `recipe`'s margin, interval and amax_compute_algo, as described above.
+ * Every state must belong to `ctx` and have the recipe's amax_history_len. Asynchronous: scales stay
+ * on the device; the GPU runs all states in one kernel launch (per 1024 states).
+ * [in] states: host array of `count` state handles (count >= 0).
+ */
+FP8_API fp8_status_t fp8_scaling_update(fp8_context_t *ctx, fp8_scaling_t *const *states, int32_t count,
+                                        const fp8_recipe_t *recipe);
+
+/* ------------------------------------------------------------------------------------------------
+ * Casts
+ * --------------------------------------------------------------------------------------------- */
+
+/**
+ * Quantises `in` (F32, F16 or BF16) into `out` (the scaling state's FP8 dtype, same shape):
+ * out = to_fp8(float(in) * scale), with `scale` read from the state in device memory, and
+ * max-accumulates amax(in) = max|in| (NaN if any element is NaN, else inf if any is infinite) into
+ * the state's history slot 0. Sets out's scale_inv to the state's scale_inv.
+ * [out] out_transposed (may be NULL): also receives the codes transposed, viewing `in` as a matrix
+ *   [rows, cols] with cols = last dimension and rows = the product of the others; its shape must be
+ *   [cols, rows] (2-D). Written in the same pass; its scale_inv is set too.
+ * Asynchronous. `out` and `out_transposed` must not overlap `in` or each other.
+ */
+FP8_API fp8_status_t fp8_quantize(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_tensor_t *out,
+                                  fp8_tensor_t *out_transposed, fp8_scaling_t *scaling);
+
+/**
+ * Dequantises FP8 `in` into `out` (F32, F16 or BF16, same number of elements and same shape):
+ * out = convert(decode(in) * in.scale_inv), rounding to nearest even; NaN gives the output type's
+ * quiet NaN. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_dequantize(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_tensor_t *out);
+
+/**
+ * Computes amax(in) = max|in| of an F32/F16/BF16 tensor (NaN if any NaN, else inf if any inf; 0 for
+ * an empty tensor). [out] amax: an F32 tensor of one element (any shape with numel 1), overwritten.
+ * [in,out] scaling (may be NULL): the amax is also max-accumulated into its history slot 0.
+ * Asynchronous.
+ */
+FP8_API fp8_status_t fp8_amax(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_tensor_t *amax,
+                              fp8_scaling_t *scaling);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FP8_H */

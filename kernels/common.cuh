@@ -1,0 +1,107 @@
+// Device helpers shared by the kernels: typed 16-byte loads and stores, the hardware FP8 cast, and
+// the amax reduction. Numerics come from src/core/format.hpp.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "core/format.hpp"
+#include "fp8.h"
+
+namespace fp8::kernels {
+
+// Element access for each wide dtype: the raw storage type and exact widening/rounding.
+template <fp8_dtype_t DT>
+struct Wide;
+template <>
+struct Wide<FP8_DTYPE_F32> {
+  using Raw = float;
+  static __device__ __forceinline__ float to_float(float v) { return v; }
+  static __device__ __forceinline__ float from_float(float v) { return v; }
+};
+template <>
+struct Wide<FP8_DTYPE_F16> {
+  using Raw = uint16_t;
+  static __device__ __forceinline__ float to_float(uint16_t v) { return f16_to_float(v); }
+  static __device__ __forceinline__ uint16_t from_float(float v) { return float_to_f16(v); }
+};
+template <>
+struct Wide<FP8_DTYPE_BF16> {
+  using Raw = uint16_t;
+  static __device__ __forceinline__ float to_float(uint16_t v) { return bf16_to_float(v); }
+  static __device__ __forceinline__ uint16_t from_float(float v) { return float_to_bf16(v); }
+};
+
+// 8 consecutive elements = 16 bytes (2-byte types) or 32 bytes (f32), loaded with 16-byte accesses.
+template <fp8_dtype_t DT>
+struct Vec8 {
+  static constexpr int kLoads = sizeof(typename Wide<DT>::Raw) * 8 / 16;
+  uint4 raw[kLoads];
+  __device__ __forceinline__ void load(const typename Wide<DT>::Raw* p) {
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) raw[k] = __ldg(reinterpret_cast<const uint4*>(p) + k);
+  }
+  __device__ __forceinline__ float get(int i) const {
+    if constexpr (kLoads == 2) {
+      return reinterpret_cast<const float*>(raw)[i];
+    } else {
+      return Wide<DT>::to_float(reinterpret_cast<const uint16_t*>(raw)[i]);
+    }
+  }
+};
+
+template <bool E5M2>
+__device__ __forceinline__ uint8_t cast1(float x) {
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+// Four scaled values -> four codes packed little-endian in one word (two cvt ...x2 instructions).
+template <bool E5M2>
+__device__ __forceinline__ uint32_t cast4(float a, float b, float c, float d) {
+  const auto kind = E5M2 ? __NV_E5M2 : __NV_E4M3;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kind);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kind);
+  return lo | (hi << 16);
+}
+
+// Reduces each thread's amax bits over the block and max-accumulates the result into *dst (which
+// holds non-negative float bits, so an unsigned atomicMax is a float max). Every thread must call it.
+__device__ __forceinline__ void block_amax_accumulate(uint32_t v, float* dst0, float* dst1) {
+  __shared__ uint32_t warp_max[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = __reduce_max_sync(0xFFFFFFFFu, v);
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < static_cast<int>((blockDim.x + 31) >> 5) ? warp_max[lane] : 0u;
+    v = __reduce_max_sync(0xFFFFFFFFu, v);
+    if (lane == 0 && v != 0u) {
+      if (dst0) atomicMax(reinterpret_cast<unsigned int*>(dst0), v);
+      if (dst1) atomicMax(reinterpret_cast<unsigned int*>(dst1), v);
+    }
+  }
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Calls f(dtype constant, format constant) for the runtime wide dtype and FP8 format, so each
+// launcher names its kernel template once.
+template <typename F>
+void dispatch(fp8_dtype_t dt, bool e5m2, F&& f) {
+  auto with_format = [&](auto dtc) {
+    if (e5m2) f(dtc, std::true_type{});
+    else f(dtc, std::false_type{});
+  };
+  switch (dt) {
+    case FP8_DTYPE_F32: with_format(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F32>{}); break;
+    case FP8_DTYPE_F16: with_format(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F16>{}); break;
+    default: with_format(std::integral_constant<fp8_dtype_t, FP8_DTYPE_BF16>{}); break;
+  }
+}
+
+// Grid size for a grid-stride kernel: enough blocks to fill the device, never more than the work.
+int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count);
+
+}  // namespace fp8::kernels

@@ -1,0 +1,30 @@
+// Host-side entry points of the CUDA kernels, called by src/backend/cuda_backend.cpp. Each one only
+// queues work on `stream`; launch errors come back as FP8_ERR_CUDA through cuda_check.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "backend/jobs.hpp"
+
+namespace fp8::kernels {
+
+// What the launchers need to know about the device to size their grids.
+struct LaunchLimits {
+  int device;
+  int sm_count;
+};
+
+// Largest batch one scaling-update launch takes (kernel parameters carry the pointers).
+constexpr int kScalingBatch = 1024;
+
+void quantize(const QuantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);        // no transpose
+void cast_transpose(const QuantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);  // job.out_t set
+void dequantize(const DequantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);
+void amax(const AmaxJob& job, const LaunchLimits& lim, cudaStream_t stream);
+// job.count <= kScalingBatch
+void scaling_update(const ScalingUpdateJob& job, cudaStream_t stream);
+
+// Throws fp8::Error(FP8_ERR_CUDA or FP8_ERR_OUT_OF_MEMORY) naming `what` unless err is cudaSuccess.
+void cuda_check(cudaError_t err, const char* what);
+
+}  // namespace fp8::kernels

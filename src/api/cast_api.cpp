@@ -1,0 +1,87 @@
+// Quantize, dequantize and amax: argument checks, then one backend job each.
+#include "api/guard.hpp"
+
+using fp8::guard;
+using fp8::require_arg;
+
+extern "C" {
+
+FP8_API fp8_status_t fp8_quantize(fp8_context_t* ctx, const fp8_tensor_t* in, fp8_tensor_t* out,
+                                  fp8_tensor_t* out_transposed, fp8_scaling_t* scaling) {
+  return guard("fp8_quantize", [&] {
+    require_arg(ctx, "ctx");
+    require_arg(in, "in");
+    require_arg(out, "out");
+    require_arg(scaling, "scaling");
+    fp8::require_same_context(ctx, in, "in");
+    fp8::require_same_context(ctx, out, "out");
+    fp8::require_same_context(ctx, scaling, "scaling");
+    fp8::require_wide(in, "in");
+    if (out->dtype != scaling->dtype)
+      fp8::fail(FP8_ERR_DTYPE, "out has dtype ", fp8::dtype_name(out->dtype), "; expected ",
+                fp8::dtype_name(scaling->dtype), ", the dtype of the scaling state");
+    fp8::require_same_shape(out, "out", in, "in");
+    fp8::require_disjoint(out, "out", in, "in");
+    if (out_transposed) {
+      fp8::require_same_context(ctx, out_transposed, "out_transposed");
+      if (out_transposed->dtype != scaling->dtype)
+        fp8::fail(FP8_ERR_DTYPE, "out_transposed has dtype ", fp8::dtype_name(out_transposed->dtype), "; expected ",
+                  fp8::dtype_name(scaling->dtype), ", the dtype of the scaling state");
+      const int64_t want[2] = {in->cols(), in->rows()};
+      if (out_transposed->ndim != 2 || out_transposed->shape[0] != want[0] || out_transposed->shape[1] != want[1])
+        fp8::fail(FP8_ERR_SHAPE, "out_transposed has shape ",
+                  fp8::shape_string(out_transposed->ndim, out_transposed->shape), ", expected ",
+                  fp8::shape_string(2, want), " (in viewed as ", in->rows(), " rows of ", in->cols(), ", transposed)");
+      fp8::require_disjoint(out_transposed, "out_transposed", in, "in");
+      fp8::require_disjoint(out_transposed, "out_transposed", out, "out");
+    }
+    fp8::QuantizeJob job{};
+    job.in = in->data;
+    job.in_dtype = in->dtype;
+    job.rows = in->rows();
+    job.cols = in->cols();
+    job.out = static_cast<uint8_t*>(out->data);
+    job.out_t = out_transposed ? static_cast<uint8_t*>(out_transposed->data) : nullptr;
+    job.e5m2 = scaling->dtype == FP8_DTYPE_E5M2;
+    job.state = scaling->state;
+    job.out_scale_inv = out->scale_inv;
+    job.out_t_scale_inv = out_transposed ? out_transposed->scale_inv : nullptr;
+    ctx->backend->quantize(job);
+  });
+}
+
+FP8_API fp8_status_t fp8_dequantize(fp8_context_t* ctx, const fp8_tensor_t* in, fp8_tensor_t* out) {
+  return guard("fp8_dequantize", [&] {
+    require_arg(ctx, "ctx");
+    require_arg(in, "in");
+    require_arg(out, "out");
+    fp8::require_same_context(ctx, in, "in");
+    fp8::require_same_context(ctx, out, "out");
+    fp8::require_fp8(in, "in");
+    fp8::require_wide(out, "out");
+    fp8::require_same_shape(out, "out", in, "in");
+    fp8::require_disjoint(out, "out", in, "in");
+    ctx->backend->dequantize({static_cast<const uint8_t*>(in->data), in->dtype == FP8_DTYPE_E5M2, in->scale_inv,
+                              out->data, out->dtype, in->numel});
+  });
+}
+
+FP8_API fp8_status_t fp8_amax(fp8_context_t* ctx, const fp8_tensor_t* in, fp8_tensor_t* amax, fp8_scaling_t* scaling) {
+  return guard("fp8_amax", [&] {
+    require_arg(ctx, "ctx");
+    require_arg(in, "in");
+    require_arg(amax, "amax");
+    fp8::require_same_context(ctx, in, "in");
+    fp8::require_same_context(ctx, amax, "amax");
+    if (scaling) fp8::require_same_context(ctx, scaling, "scaling");
+    fp8::require_wide(in, "in");
+    if (amax->dtype != FP8_DTYPE_F32) fp8::fail(FP8_ERR_DTYPE, "amax has dtype ", fp8::dtype_name(amax->dtype), "; expected f32");
+    if (amax->numel != 1)
+      fp8::fail(FP8_ERR_SHAPE, "amax has shape ", fp8::shape_string(amax->ndim, amax->shape), "; expected one element");
+    fp8::require_disjoint(amax, "amax", in, "in");
+    ctx->backend->amax({in->data, in->dtype, in->numel, static_cast<float*>(amax->data),
+                        scaling ? fp8::scaling_history(scaling->state) : nullptr});
+  });
+}
+
+}  // extern "C"

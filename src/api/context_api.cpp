@@ -1,0 +1,81 @@
+// Contexts and device queries.
+#include <cstring>
+
+#include "api/guard.hpp"
+#include "backend/device_info.hpp"
+
+using fp8::guard;
+using fp8::require_arg;
+
+extern "C" {
+
+FP8_API fp8_status_t fp8_context_create(fp8_context_t** out, int32_t device) {
+  return guard("fp8_context_create", [&] {
+    require_arg(out, "out");
+    auto ctx = std::make_unique<fp8_context>();
+    if (device == FP8_DEVICE_CPU) ctx->backend = fp8::make_cpu_backend();
+    else ctx->backend = fp8::make_cuda_backend(device);
+    *out = ctx.release();
+  });
+}
+
+FP8_API void fp8_context_destroy(fp8_context_t* ctx) { delete ctx; }
+
+FP8_API fp8_status_t fp8_context_device(const fp8_context_t* ctx, int32_t* device) {
+  return guard("fp8_context_device", [&] {
+    require_arg(ctx, "ctx");
+    require_arg(device, "device");
+    *device = ctx->backend->device();
+  });
+}
+
+FP8_API fp8_status_t fp8_context_set_stream(fp8_context_t* ctx, struct CUstream_st* stream) {
+  return guard("fp8_context_set_stream", [&] {
+    require_arg(ctx, "ctx");
+    ctx->backend->set_stream(stream);
+  });
+}
+
+FP8_API fp8_status_t fp8_context_get_stream(const fp8_context_t* ctx, struct CUstream_st** stream) {
+  return guard("fp8_context_get_stream", [&] {
+    require_arg(ctx, "ctx");
+    require_arg(stream, "stream");
+    *stream = ctx->backend->stream();
+  });
+}
+
+FP8_API fp8_status_t fp8_context_synchronize(fp8_context_t* ctx) {
+  return guard("fp8_context_synchronize", [&] {
+    require_arg(ctx, "ctx");
+    ctx->backend->synchronize();
+  });
+}
+
+FP8_API void fp8_device_info_init(fp8_device_info_t* info) {
+  if (!info) return;
+  std::memset(info, 0, sizeof *info);
+  info->struct_size = sizeof *info;
+}
+
+FP8_API fp8_status_t fp8_device_query(int32_t device, fp8_device_info_t* info) {
+  return guard("fp8_device_query", [&] {
+    require_arg(info, "info");
+    if (info->struct_size < sizeof(fp8_device_info_t))
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "info->struct_size = ", info->struct_size, "; expected at least ",
+                sizeof(fp8_device_info_t), " (call fp8_device_info_init first)");
+    fp8_device_info_t result;
+    fp8_device_info_init(&result);
+    fp8::query_device(device, &result);
+    result.struct_size = info->struct_size;
+    std::memcpy(info, &result, sizeof result);
+  });
+}
+
+FP8_API fp8_status_t fp8_device_count(int32_t* count) {
+  return guard("fp8_device_count", [&] {
+    require_arg(count, "count");
+    *count = fp8::cuda_device_count();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,68 @@
+// What every extern "C" entry point shares: the exception-to-status guard and the checks that
+// relate handles to each other. Messages name the function, the argument and what was expected.
+#pragma once
+
+#include <new>
+#include <string>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "core/objects.hpp"
+
+namespace fp8 {
+
+// Runs `body`; turns any exception into a status and the per-thread message "fn: what".
+template <typename F>
+fp8_status_t guard(const char* fn, F&& body) noexcept {
+  try {
+    body();
+    return FP8_OK;
+  } catch (const Error& e) {
+    set_last_error(std::string(fn) + ": " + e.what());
+    return e.status();
+  } catch (const std::bad_alloc&) {
+    set_last_error(std::string(fn) + ": out of host memory");
+    return FP8_ERR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_last_error(std::string(fn) + ": internal error: " + e.what());
+    return FP8_ERR_INTERNAL;
+  } catch (...) {
+    set_last_error(std::string(fn) + ": internal error (unknown exception)");
+    return FP8_ERR_INTERNAL;
+  }
+}
+
+// The tensor or state `name` must have been made from `ctx`.
+template <typename Obj>
+void require_same_context(const fp8_context* ctx, const Obj* obj, const char* name) {
+  if (obj->backend != ctx->backend)
+    fail(FP8_ERR_INVALID_ARGUMENT, name, " belongs to another context (device ", obj->backend->device(),
+         "); expected one made from ctx (device ", ctx->backend->device(), ")");
+}
+
+inline void require_wide(const fp8_tensor* t, const char* name) {
+  if (!dtype_is_wide(t->dtype))
+    fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(t->dtype), "; expected f32, f16 or bf16");
+}
+
+inline void require_fp8(const fp8_tensor* t, const char* name) {
+  if (!dtype_is_fp8(t->dtype)) fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(t->dtype), "; expected e4m3 or e5m2");
+}
+
+inline void require_same_shape(const fp8_tensor* t, const char* name, const fp8_tensor* like, const char* like_name) {
+  bool same = t->ndim == like->ndim;
+  for (int32_t i = 0; same && i < t->ndim; ++i) same = t->shape[i] == like->shape[i];
+  if (!same)
+    fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(t->ndim, t->shape), ", expected ",
+         shape_string(like->ndim, like->shape), " like ", like_name);
+}
+
+// Two tensors whose bytes overlap cannot be input and output of one call.
+inline void require_disjoint(const fp8_tensor* a, const char* a_name, const fp8_tensor* b, const char* b_name) {
+  const char* pa = static_cast<const char*>(a->data);
+  const char* pb = static_cast<const char*>(b->data);
+  if (a->nbytes() && b->nbytes() && pa < pb + b->nbytes() && pb < pa + a->nbytes())
+    fail(FP8_ERR_INVALID_ARGUMENT, a_name, " and ", b_name, " overlap in memory; expected separate buffers");
+}
+
+}  // namespace fp8

@@ -1,0 +1,119 @@
+// Delayed-scaling states and their batched update.
+#include <cmath>
+#include <unordered_set>
+#include <vector>
+
+#include "api/guard.hpp"
+
+using fp8::guard;
+using fp8::require_arg;
+
+namespace {
+
+fp8::ScalingHeader read_header(const fp8_scaling* s) {
+  fp8::ScalingHeader h{};
+  s->backend->copy_to_host(&h, s->state, sizeof h);
+  return h;
+}
+
+}  // namespace
+
+extern "C" {
+
+FP8_API fp8_status_t fp8_scaling_create(fp8_scaling_t** out, fp8_context_t* ctx, const fp8_recipe_t* recipe,
+                                        fp8_role_t role) {
+  return guard("fp8_scaling_create", [&] {
+    require_arg(out, "out");
+    require_arg(ctx, "ctx");
+    require_arg(recipe, "recipe");
+    *out = fp8::make_scaling(ctx->backend, recipe->recipe, role).release();
+  });
+}
+
+FP8_API void fp8_scaling_destroy(fp8_scaling_t* scaling) { delete scaling; }
+
+FP8_API fp8_status_t fp8_scaling_dtype(const fp8_scaling_t* scaling, fp8_dtype_t* dtype) {
+  return guard("fp8_scaling_dtype", [&] {
+    require_arg(scaling, "scaling");
+    require_arg(dtype, "dtype");
+    *dtype = scaling->dtype;
+  });
+}
+
+FP8_API void fp8_scaling_info_init(fp8_scaling_info_t* info) {
+  if (!info) return;
+  *info = fp8_scaling_info_t{};
+  info->struct_size = sizeof *info;
+}
+
+FP8_API fp8_status_t fp8_scaling_get_info(const fp8_scaling_t* scaling, fp8_scaling_info_t* info) {
+  return guard("fp8_scaling_get_info", [&] {
+    require_arg(scaling, "scaling");
+    require_arg(info, "info");
+    if (info->struct_size < sizeof(fp8_scaling_info_t))
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "info->struct_size = ", info->struct_size, "; expected at least ",
+                sizeof(fp8_scaling_info_t), " (call fp8_scaling_info_init first)");
+    const fp8::ScalingHeader h = read_header(scaling);
+    float amax = 0.0f;
+    scaling->backend->copy_to_host(&amax, fp8::scaling_history(scaling->state), sizeof amax);
+    info->scale = h.scale;
+    info->scale_inv = h.scale_inv;
+    info->amax = amax;
+    info->amax_history_len = scaling->history_len;
+    info->update_count = scaling->update_count;
+    info->nonfinite_count = h.nonfinite_count;
+  });
+}
+
+FP8_API fp8_status_t fp8_scaling_get_history(const fp8_scaling_t* scaling, float* history, int32_t len) {
+  return guard("fp8_scaling_get_history", [&] {
+    require_arg(scaling, "scaling");
+    require_arg(history, "history");
+    if (len != scaling->history_len)
+      fp8::fail(FP8_ERR_SHAPE, "len = ", len, "; expected ", scaling->history_len, " (the state's amax_history_len)");
+    scaling->backend->copy_to_host(history, fp8::scaling_history(scaling->state), sizeof(float) * static_cast<size_t>(len));
+  });
+}
+
+FP8_API fp8_status_t fp8_scaling_set_scale(fp8_scaling_t* scaling, float scale) {
+  return guard("fp8_scaling_set_scale", [&] {
+    require_arg(scaling, "scaling");
+    if (!(std::isfinite(scale) && scale > 0.0f))
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "scale = ", scale, "; expected a finite value > 0");
+    const float pair[2] = {scale, 1.0f / scale};
+    scaling->backend->copy_from_host(scaling->state, pair, sizeof pair);
+  });
+}
+
+FP8_API fp8_status_t fp8_scaling_update(fp8_context_t* ctx, fp8_scaling_t* const* states, int32_t count,
+                                        const fp8_recipe_t* recipe) {
+  return guard("fp8_scaling_update", [&] {
+    require_arg(ctx, "ctx");
+    require_arg(recipe, "recipe");
+    if (count < 0) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "count = ", count, "; expected >= 0");
+    if (count > 0) require_arg(states, "states");
+    const fp8::Recipe& r = recipe->recipe;
+    const int64_t history_len = r.get(FP8_RECIPE_AMAX_HISTORY_LEN);
+    const int64_t interval = r.get(FP8_RECIPE_INTERVAL);
+    const int margin = static_cast<int>(r.get(FP8_RECIPE_MARGIN));
+    std::vector<fp8::ScalingUpdateItem> items(static_cast<size_t>(count));
+    std::unordered_set<const fp8_scaling*> seen;
+    for (int32_t i = 0; i < count; ++i) {
+      const fp8_scaling* s = states[i];
+      if (!s) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] is NULL");
+      fp8::require_same_context(ctx, s, "states[i]");
+      if (s->history_len != history_len)
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] has amax_history_len ", s->history_len,
+                  "; the recipe says ", history_len);
+      if (!seen.insert(s).second)
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] appears twice; expected each state once per update");
+      items[static_cast<size_t>(i)] = {s->state, fp8::scaled_fp8_max(s->dtype == FP8_DTYPE_E5M2, margin),
+                                       s->update_count % interval == 0 ? 1 : 0};
+    }
+    ctx->backend->scaling_update(
+        {items.data(), count, static_cast<int32_t>(history_len), r.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
+    for (int32_t i = 0; i < count; ++i) ++states[i]->update_count;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,44 @@
+// The device interface. Every operation exists twice: the CPU reference (cpu_backend.cpp, the
+// definition of the right answer) and the CUDA path (cuda_backend.cpp and kernels/).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "backend/jobs.hpp"
+
+struct CUstream_st;
+
+namespace fp8 {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual int32_t device() const = 0;
+
+  // Memory of this backend's device. allocate() throws FP8_ERR_OUT_OF_MEMORY; size 0 gives nullptr.
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void release(void* p) noexcept = 0;
+  // Synchronous copies between host memory and this device's memory.
+  virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
+  virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
+  // Throws FP8_ERR_INVALID_ARGUMENT naming `what` unless p is memory this device can address.
+  virtual void check_device_pointer(const void* p, const char* what) const = 0;
+
+  virtual void set_stream(CUstream_st* stream) = 0;
+  virtual CUstream_st* stream() const = 0;
+  virtual void synchronize() = 0;
+
+  virtual void quantize(const QuantizeJob& job) = 0;
+  virtual void dequantize(const DequantizeJob& job) = 0;
+  virtual void amax(const AmaxJob& job) = 0;
+  virtual void scaling_update(const ScalingUpdateJob& job) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+// Throws FP8_ERR_NO_DEVICE / FP8_ERR_UNSUPPORTED when `device` cannot run libfp8.
+std::unique_ptr<Backend> make_cuda_backend(int32_t device);
+
+}  // namespace fp8

@@ -1,0 +1,117 @@
+// The CPU reference backend: plain loops that define the right answer for every operation.
+// Simplicity over speed; the CUDA backend must reproduce these results bit for bit.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "backend/backend.hpp"
+#include "core/error.hpp"
+#include "core/format.hpp"
+
+namespace fp8 {
+
+namespace {
+
+float load_wide(const void* p, fp8_dtype_t dt, int64_t i) {
+  switch (dt) {
+    case FP8_DTYPE_F32: return static_cast<const float*>(p)[i];
+    case FP8_DTYPE_F16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+void store_wide(void* p, fp8_dtype_t dt, int64_t i, float v) {
+  switch (dt) {
+    case FP8_DTYPE_F32: static_cast<float*>(p)[i] = v; break;
+    case FP8_DTYPE_F16: static_cast<uint16_t*>(p)[i] = float_to_f16(v); break;
+    default: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
+  }
+}
+
+void max_into(float* slot, uint32_t abs) {
+  if (abs > float_bits(*slot)) *slot = bits_float(abs);
+}
+
+class CpuBackend final : public Backend {
+ public:
+  int32_t device() const override { return FP8_DEVICE_CPU; }
+
+  void* allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) fail(FP8_ERR_OUT_OF_MEMORY, "could not allocate ", bytes, " bytes of host memory");
+    return p;
+  }
+  void release(void* p) noexcept override { std::free(p); }
+  void copy_from_host(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void check_device_pointer(const void*, const char*) const override {}
+
+  void set_stream(CUstream_st* stream) override {
+    if (stream != nullptr)
+      fail(FP8_ERR_INVALID_ARGUMENT, "stream must be NULL on the CPU backend (device FP8_DEVICE_CPU)");
+  }
+  CUstream_st* stream() const override { return nullptr; }
+  void synchronize() override {}
+
+  void quantize(const QuantizeJob& j) override {
+    const float scale = j.state->scale;
+    uint32_t amax = 0;
+    for (int64_t r = 0; r < j.rows; ++r) {
+      for (int64_t c = 0; c < j.cols; ++c) {
+        const float x = load_wide(j.in, j.in_dtype, r * j.cols + c);
+        amax = std::max(amax, abs_bits(x));
+        const uint8_t q = encode_fp8(x * scale, j.e5m2);
+        j.out[r * j.cols + c] = q;
+        if (j.out_t) j.out_t[c * j.rows + r] = q;
+      }
+    }
+    max_into(scaling_history(j.state), amax);
+    *j.out_scale_inv = j.state->scale_inv;
+    if (j.out_t_scale_inv) *j.out_t_scale_inv = j.state->scale_inv;
+  }
+
+  void dequantize(const DequantizeJob& j) override {
+    const float scale_inv = *j.scale_inv;
+    for (int64_t i = 0; i < j.n; ++i) store_wide(j.out, j.out_dtype, i, decode_fp8(j.in[i], j.e5m2) * scale_inv);
+  }
+
+  void amax(const AmaxJob& j) override {
+    uint32_t amax = 0;
+    for (int64_t i = 0; i < j.n; ++i) amax = std::max(amax, abs_bits(load_wide(j.in, j.dtype, i)));
+    *j.out = bits_float(amax);
+    if (j.accumulate) max_into(j.accumulate, amax);
+  }
+
+  void scaling_update(const ScalingUpdateJob& j) override {
+    for (int32_t s = 0; s < j.count; ++s) {
+      const ScalingUpdateItem& item = j.items[s];
+      ScalingHeader* h = item.state;
+      float* hist = scaling_history(h);
+      if (!is_finite_bits(abs_bits(hist[0]))) {
+        ++h->nonfinite_count;
+        hist[0] = 0.0f;
+      }
+      uint32_t a = float_bits(hist[0]);
+      if (j.algo_max)
+        for (int32_t k = 1; k < j.history_len; ++k) a = std::max(a, float_bits(hist[k]));
+      if (item.recompute) {
+        h->scale = next_scale(bits_float(a), item.fp8_max_scaled, h->scale);
+        h->scale_inv = 1.0f / h->scale;
+      }
+      for (int32_t k = j.history_len - 1; k > 0; --k) hist[k] = hist[k - 1];
+      hist[0] = 0.0f;
+    }
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace fp8

@@ -1,0 +1,138 @@
+// The CUDA backend: memory and copies through the CUDA runtime, work queued on the context's
+// stream through the launchers in kernels/. Every call makes the context's device current for its
+// own duration and restores the caller's.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+
+#include "backend/backend.hpp"
+#include "core/error.hpp"
+#include "kernels/launch.hpp"
+
+namespace fp8 {
+
+namespace {
+
+using kernels::cuda_check;
+
+// Makes `device` current for the scope and restores the caller's device afterwards.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceScope() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int32_t device) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    if (device < 0 || device >= count)
+      fail(FP8_ERR_NO_DEVICE, "device ", device, " does not exist; ", count,
+           " CUDA device(s) visible, so expected FP8_DEVICE_CPU (-1) or 0..", count - 1);
+    cudaDeviceProp prop{};
+    cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    if (prop.major * 10 + prop.minor < 89)
+      fail(FP8_ERR_UNSUPPORTED, "device ", device, " (", prop.name, ") has compute capability ", prop.major, ".",
+           prop.minor, "; FP8 needs 8.9 or newer (Ada, Hopper, Blackwell)");
+    limits_ = {device, prop.multiProcessorCount};
+  }
+
+  int32_t device() const override { return limits_.device; }
+
+  void* allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    DeviceScope scope(limits_.device);
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // an allocation failure is not sticky; do not report it again later
+      fail(err == cudaErrorMemoryAllocation ? FP8_ERR_OUT_OF_MEMORY : FP8_ERR_CUDA, "cudaMalloc of ", bytes,
+           " bytes on device ", limits_.device, " failed: ", cudaGetErrorName(err));
+    }
+    return p;
+  }
+  void release(void* p) noexcept override {
+    if (!p) return;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(limits_.device);
+    cudaFree(p);
+    cudaSetDevice(previous);
+  }
+  void copy_from_host(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
+    cuda_check(cudaStreamSynchronize(stream_), "copy to device (synchronize)");
+  }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copy to host");
+    cuda_check(cudaStreamSynchronize(stream_), "copy to host (synchronize)");
+  }
+  void check_device_pointer(const void* p, const char* what) const override {
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+      cudaGetLastError();
+      attr.type = cudaMemoryTypeUnregistered;
+    }
+    const bool device_memory = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+    if (!device_memory || attr.device != limits_.device)
+      fail(FP8_ERR_INVALID_ARGUMENT, what, " is not device memory of device ", limits_.device,
+           device_memory ? " (it belongs to another device)" : " (it is host memory)");
+  }
+
+  void set_stream(CUstream_st* stream) override { stream_ = stream; }
+  CUstream_st* stream() const override { return stream_; }
+  void synchronize() override {
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    cuda_check(cudaGetLastError(), "an earlier asynchronous operation");
+  }
+
+  void quantize(const QuantizeJob& job) override {
+    DeviceScope scope(limits_.device);
+    if (job.out_t) kernels::cast_transpose(job, limits_, stream_);
+    else kernels::quantize(job, limits_, stream_);
+  }
+  void dequantize(const DequantizeJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::dequantize(job, limits_, stream_);
+  }
+  void amax(const AmaxJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::amax(job, limits_, stream_);
+  }
+  void scaling_update(const ScalingUpdateJob& job) override {
+    DeviceScope scope(limits_.device);
+    for (int32_t first = 0; first < job.count; first += kernels::kScalingBatch) {
+      ScalingUpdateJob part = job;
+      part.items = job.items + first;
+      part.count = std::min(job.count - first, kernels::kScalingBatch);
+      kernels::scaling_update(part, stream_);
+    }
+  }
+
+ private:
+  kernels::LaunchLimits limits_{};
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int32_t device) { return std::make_unique<CudaBackend>(device); }
+
+}  // namespace fp8

@@ -1,0 +1,83 @@
+#include "core/objects.hpp"
+
+#include <cstring>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+
+namespace {
+// Where the scale_inv of an owned FP8 tensor sits behind its data.
+size_t scale_inv_offset(size_t nbytes) { return (nbytes + 15) / 16 * 16; }
+}  // namespace
+
+fp8_tensor::~fp8_tensor() {
+  if (owns_data) backend->release(data);
+  backend->release(scale_inv_allocation);
+}
+
+size_t fp8_tensor::nbytes() const { return static_cast<size_t>(numel) * fp8::dtype_size(dtype); }
+
+fp8_scaling::~fp8_scaling() { backend->release(state); }
+
+namespace fp8 {
+
+std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend, fp8_dtype_t dtype, int32_t ndim,
+                                        const int64_t* shape, bool borrow, void* data) {
+  if (!dtype_valid(dtype))
+    fail(FP8_ERR_DTYPE, "dtype ", dtype, " is not a dtype; expected FP8_DTYPE_F32 (0), F16 (1), BF16 (2), E4M3 (3) or E5M2 (4)");
+  if (ndim < 0 || ndim > FP8_MAX_DIMS) fail(FP8_ERR_SHAPE, "ndim = ", ndim, "; expected 0..", FP8_MAX_DIMS);
+  if (ndim > 0) require_arg(shape, "shape");
+  auto t = std::make_unique<fp8_tensor>();
+  t->backend = backend;
+  t->dtype = dtype;
+  t->ndim = ndim;
+  const int64_t limit = (int64_t{1} << 62) / static_cast<int64_t>(dtype_size(dtype));
+  for (int32_t i = 0; i < ndim; ++i) {
+    if (shape[i] < 0) fail(FP8_ERR_SHAPE, "shape[", i, "] = ", shape[i], "; sizes must be >= 0");
+    t->shape[i] = shape[i];
+    if (shape[i] != 0 && t->numel > limit / shape[i])
+      fail(FP8_ERR_SHAPE, "shape ", shape_string(ndim, shape), " has too many elements");
+    t->numel *= shape[i];
+  }
+  const size_t nbytes = t->nbytes();
+  const bool fp8 = dtype_is_fp8(dtype);
+  if (borrow) {
+    if (!data && nbytes != 0) fail(FP8_ERR_INVALID_ARGUMENT, "argument 'data' is NULL; only an empty tensor may wrap NULL");
+    if (reinterpret_cast<uintptr_t>(data) % dtype_size(dtype) != 0)
+      fail(FP8_ERR_INVALID_ARGUMENT, "data is not aligned to ", dtype_size(dtype), " bytes, the size of ", dtype_name(dtype));
+    if (nbytes) backend->check_device_pointer(data, "data");
+    t->data = data;
+    if (fp8) {
+      t->scale_inv_allocation = backend->allocate(sizeof(float));
+      t->scale_inv = static_cast<float*>(t->scale_inv_allocation);
+    }
+  } else {
+    if (nbytes == 0 && !fp8) return t;
+    t->data = backend->allocate(fp8 ? scale_inv_offset(nbytes) + sizeof(float) : nbytes);
+    t->owns_data = true;
+    if (fp8) t->scale_inv = reinterpret_cast<float*>(static_cast<char*>(t->data) + scale_inv_offset(nbytes));
+  }
+  if (fp8) {
+    const float one = 1.0f;
+    backend->copy_from_host(t->scale_inv, &one, sizeof one);
+  }
+  return t;
+}
+
+std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
+                                          fp8_role_t role) {
+  auto s = std::make_unique<fp8_scaling>();
+  s->backend = backend;
+  s->dtype = recipe.dtype_for(role);
+  s->history_len = static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN));
+  const size_t bytes = sizeof(ScalingHeader) + sizeof(float) * static_cast<size_t>(s->history_len);
+  std::vector<unsigned char> init(bytes, 0);
+  const ScalingHeader header{1.0f, 1.0f, 0u, 0u};
+  std::memcpy(init.data(), &header, sizeof header);
+  s->state = static_cast<ScalingHeader*>(backend->allocate(bytes));
+  backend->copy_from_host(s->state, init.data(), bytes);
+  return s;
+}
+
+}  // namespace fp8

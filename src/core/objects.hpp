@@ -1,0 +1,69 @@
+// The objects behind the opaque handles of fp8.h. Each keeps its context's backend alive through a
+// shared_ptr, so a context may be destroyed before the tensors and states made from it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "backend/backend.hpp"
+#include "core/recipe.hpp"
+#include "core/scaling_rule.hpp"
+#include "fp8.h"
+
+struct fp8_context {
+  std::shared_ptr<fp8::Backend> backend;
+};
+
+struct fp8_recipe {
+  fp8::Recipe recipe;
+};
+
+struct fp8_tensor {
+  std::shared_ptr<fp8::Backend> backend;
+  fp8_dtype_t dtype = FP8_DTYPE_F32;
+  int32_t ndim = 0;
+  int64_t shape[FP8_MAX_DIMS] = {};
+  int64_t numel = 1;
+  void* data = nullptr;
+  bool owns_data = false;
+  // FP8 dtypes only: the dequantisation factor, in device memory. It shares the data allocation of
+  // an owned tensor and has a small allocation of its own for a wrapped one.
+  float* scale_inv = nullptr;
+  void* scale_inv_allocation = nullptr;
+
+  fp8_tensor() = default;
+  fp8_tensor(const fp8_tensor&) = delete;
+  fp8_tensor& operator=(const fp8_tensor&) = delete;
+  ~fp8_tensor();
+
+  size_t nbytes() const;
+  // The tensor as a row-major matrix: cols = last dimension, rows = product of the others.
+  int64_t cols() const { return ndim == 0 ? 1 : shape[ndim - 1]; }
+  int64_t rows() const { return cols() == 0 ? 0 : numel / cols(); }
+};
+
+struct fp8_scaling {
+  std::shared_ptr<fp8::Backend> backend;
+  fp8::ScalingHeader* state = nullptr;  // device memory: header, then the history
+  int32_t history_len = 0;
+  fp8_dtype_t dtype = FP8_DTYPE_E4M3;
+  int64_t update_count = 0;
+
+  fp8_scaling() = default;
+  fp8_scaling(const fp8_scaling&) = delete;
+  fp8_scaling& operator=(const fp8_scaling&) = delete;
+  ~fp8_scaling();
+};
+
+namespace fp8 {
+
+// Validates dtype, ndim and shape (naming them in the error) and builds a tensor: over the caller's
+// `data` when `borrow` is set, else over a new allocation (`data` ignored).
+std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend, fp8_dtype_t dtype, int32_t ndim,
+                                        const int64_t* shape, bool borrow, void* data);
+
+// A state with scale 1, scale_inv 1 and a zeroed history.
+std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
+                                          fp8_role_t role);
+
+}  // namespace fp8
