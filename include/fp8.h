@@ -42,6 +42,10 @@
 extern "C" {
 #endif
 
+/** CUDA's stream type (cudaStream_t is `struct CUstream_st *`), declared here so that no CUDA
+ *  header is needed. */
+struct CUstream_st;
+
 /* ------------------------------------------------------------------------------------------------
  * Version
  * --------------------------------------------------------------------------------------------- */

@@ -1,0 +1,81 @@
+// Small helpers for the test programs: owning handles and a status check that prints the message.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "fp8.h"
+
+#define FP8_ASSERT_OK(expr)                                                                        \
+  do {                                                                                             \
+    const fp8_status_t fp8_assert_status_ = (expr);                                                \
+    ASSERT_EQ(fp8_assert_status_, FP8_OK) << #expr << " -> " << fp8_status_string(fp8_assert_status_) \
+                                          << ": " << fp8_last_error_message();                     \
+  } while (0)
+
+namespace fp8test {
+
+struct ContextDeleter { void operator()(fp8_context_t* p) const { fp8_context_destroy(p); } };
+struct RecipeDeleter { void operator()(fp8_recipe_t* p) const { fp8_recipe_destroy(p); } };
+struct TensorDeleter { void operator()(fp8_tensor_t* p) const { fp8_tensor_destroy(p); } };
+struct ScalingDeleter { void operator()(fp8_scaling_t* p) const { fp8_scaling_destroy(p); } };
+using Context = std::unique_ptr<fp8_context_t, ContextDeleter>;
+using Recipe = std::unique_ptr<fp8_recipe_t, RecipeDeleter>;
+using Tensor = std::unique_ptr<fp8_tensor_t, TensorDeleter>;
+using Scaling = std::unique_ptr<fp8_scaling_t, ScalingDeleter>;
+
+inline Context make_context(int32_t device) {
+  fp8_context_t* c = nullptr;
+  EXPECT_EQ(fp8_context_create(&c, device), FP8_OK) << fp8_last_error_message();
+  return Context(c);
+}
+inline Recipe make_recipe(const char* text = "") {
+  fp8_recipe_t* r = nullptr;
+  EXPECT_EQ(fp8_recipe_create(&r), FP8_OK);
+  EXPECT_EQ(fp8_recipe_parse(r, text), FP8_OK) << fp8_last_error_message();
+  return Recipe(r);
+}
+inline Tensor make_tensor(fp8_context_t* ctx, fp8_dtype_t dt, std::vector<int64_t> shape) {
+  fp8_tensor_t* t = nullptr;
+  EXPECT_EQ(fp8_tensor_create(&t, ctx, dt, static_cast<int32_t>(shape.size()), shape.data()), FP8_OK)
+      << fp8_last_error_message();
+  return Tensor(t);
+}
+inline Scaling make_scaling(fp8_context_t* ctx, const fp8_recipe_t* r, fp8_role_t role) {
+  fp8_scaling_t* s = nullptr;
+  EXPECT_EQ(fp8_scaling_create(&s, ctx, r, role), FP8_OK) << fp8_last_error_message();
+  return Scaling(s);
+}
+
+template <typename T>
+void upload(fp8_tensor_t* t, const std::vector<T>& host) {
+  ASSERT_EQ(fp8_tensor_copy_from_host(t, host.data(), host.size() * sizeof(T)), FP8_OK) << fp8_last_error_message();
+}
+template <typename T>
+std::vector<T> download(const fp8_tensor_t* t) {
+  int64_t n = 0;
+  fp8_dtype_t dt = 0;
+  fp8_tensor_numel(t, &n);
+  fp8_tensor_dtype(t, &dt);
+  std::vector<T> host(static_cast<size_t>(n) * fp8_dtype_size(dt) / sizeof(T));
+  EXPECT_EQ(fp8_tensor_copy_to_host(t, host.data(), host.size() * sizeof(T)), FP8_OK) << fp8_last_error_message();
+  return host;
+}
+
+inline fp8_scaling_info_t info_of(const fp8_scaling_t* s) {
+  fp8_scaling_info_t info;
+  fp8_scaling_info_init(&info);
+  EXPECT_EQ(fp8_scaling_get_info(s, &info), FP8_OK) << fp8_last_error_message();
+  return info;
+}
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+}  // namespace fp8test
