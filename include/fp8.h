@@ -408,8 +408,8 @@ FP8_API fp8_status_t fp8_quantize(fp8_context_t *ctx, const fp8_tensor_t *in, fp
 
 /**
  * Dequantises FP8 `in` into `out` (F32, F16 or BF16, same number of elements and same shape):
- * out = convert(decode(in) * in.scale_inv), rounding to nearest even; NaN gives the output type's
- * quiet NaN. Asynchronous.
+ * out = convert(decode(in) * in.scale_inv), rounding to nearest even; a NaN gives the output type's
+ * canonical quiet NaN (0x7FFFFFFF for f32, 0x7FFF for f16 and bf16). Asynchronous.
  */
 FP8_API fp8_status_t fp8_dequantize(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_tensor_t *out);
 

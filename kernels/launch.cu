@@ -1,6 +1,10 @@
 // Launch helpers shared by every kernel file.
 #include <cuda_runtime_api.h>
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "core/error.hpp"
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
@@ -14,8 +18,19 @@ void cuda_check(cudaError_t err, const char* what) {
 }
 
 int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count) {
+  // The occupancy query costs microseconds, so it runs once per kernel and block size.
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> cache;
   int per_sm = 0;
-  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0), "occupancy query");
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find({kernel, threads});
+    if (it == cache.end()) {
+      cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0), "occupancy query");
+      it = cache.emplace(std::make_pair(kernel, threads), per_sm).first;
+    }
+    per_sm = it->second;
+  }
   const int64_t full = static_cast<int64_t>(sm_count) * (per_sm > 0 ? per_sm : 1);
   return static_cast<int>(work_blocks < 1 ? 1 : (work_blocks < full ? work_blocks : full));
 }

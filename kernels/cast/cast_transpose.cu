@@ -1,8 +1,9 @@
 // Cast + transpose + amax in one pass. Each thread owns an 8x8 sub-tile: it loads 8 rows with
 // 16-byte loads, writes the 8 row-major codes of each row as one 8-byte store, transposes the 64
 // codes in registers with byte permutes, and writes 8 columns of the transposed output as 8-byte
-// stores. A warp covers RG x (32/RG) sub-tiles, so both outputs are written in whole 32-byte sectors
-// and no shared memory is needed.
+// stores; no shared memory is needed. A warp covers RG x (32/RG) sub-tiles and the 8 warps of a
+// block stack vertically, so a block writes whole 128-byte lines of both outputs: (32/RG)*8 codes
+// per row of `out` from one warp, 8*RG*8 codes per row of `out_t` from the block.
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
 
@@ -29,17 +30,16 @@ __global__ void __launch_bounds__(kThreads)
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool vec, ScalingHeader* state,
                           float* out_scale_inv, float* out_t_scale_inv) {
   constexpr int CG = 32 / RG;
-  constexpr int kTileRows = RG * 8, kTileCols = CG * 8;
+  constexpr int kBlockRows = kWarps * RG * 8, kBlockCols = CG * 8;
   const float scale = state->scale;
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rg = lane / CG, cg = lane % CG;
-  const int64_t tiles_c = (cols + kTileCols - 1) / kTileCols;
-  const int64_t tiles = ((rows + kTileRows - 1) / kTileRows) * tiles_c;
+  const int64_t tiles_c = (cols + kBlockCols - 1) / kBlockCols;
+  const int64_t tiles = ((rows + kBlockRows - 1) / kBlockRows) * tiles_c;
   uint32_t amax = 0;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); t < tiles;
-       t += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int64_t r0 = (t / tiles_c) * kTileRows + rg * 8;
-    const int64_t c0 = (t % tiles_c) * kTileCols + cg * 8;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_c) * kBlockRows + (warp * RG + rg) * 8;
+    const int64_t c0 = (t % tiles_c) * kBlockCols + cg * 8;
     if (r0 >= rows || c0 >= cols) continue;
     if (vec) {
       // rows and cols are multiples of 8 here, so the whole 8x8 sub-tile is inside.
@@ -87,19 +87,20 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-// Rows of sub-tiles per warp; 4 makes each transposed store run 32 bytes, one DRAM sector.
+// Rows of 8x8 sub-tiles per warp (2: a block tile is 128 x 128), set by CMake for tuning.
 #ifndef FP8_CAST_TRANSPOSE_RG
-#define FP8_CAST_TRANSPOSE_RG 4
+#define FP8_CAST_TRANSPOSE_RG 2
 #endif
 
 void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream) {
   constexpr int RG = FP8_CAST_TRANSPOSE_RG;
   const bool vec = j.rows % 8 == 0 && j.cols % 8 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
-  const int64_t tiles = ((j.rows + RG * 8 - 1) / (RG * 8)) * ((j.cols + (32 / RG) * 8 - 1) / ((32 / RG) * 8));
+  constexpr int64_t kBlockRows = kWarps * RG * 8, kBlockCols = (32 / RG) * 8;
+  const int64_t tiles = ((j.rows + kBlockRows - 1) / kBlockRows) * ((j.cols + kBlockCols - 1) / kBlockCols);
   dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
     auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value, RG>;
     const int grid =
-        grid_size(reinterpret_cast<const void*>(kernel), kThreads, (tiles + kWarps - 1) / kWarps, lim.sm_count);
+        grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
                                           j.out_t, j.rows, j.cols, vec, j.state, j.out_scale_inv, j.out_t_scale_inv);
   });

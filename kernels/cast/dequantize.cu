@@ -25,11 +25,11 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
     uint4 o[kStores];
     Raw* vals = reinterpret_cast<Raw*>(o);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) vals[i] = Wide<DT>::from_float(decode_fp8(codes[i], E5M2) * scale_inv);
+    for (int i = 0; i < 16; ++i) vals[i] = Wide<DT>::from_float(dequantize_fp8(codes[i], E5M2, scale_inv));
 #pragma unroll
     for (int k = 0; k < kStores; ++k) reinterpret_cast<uint4*>(out + v * 16)[k] = o[k];
   }
-  for (int64_t i = n_vec * 16 + tid; i < n; i += stride) out[i] = Wide<DT>::from_float(decode_fp8(in[i], E5M2) * scale_inv);
+  for (int64_t i = n_vec * 16 + tid; i < n; i += stride) out[i] = Wide<DT>::from_float(dequantize_fp8(in[i], E5M2, scale_inv));
 }
 
 }  // namespace

@@ -78,7 +78,7 @@ class CpuBackend final : public Backend {
 
   void dequantize(const DequantizeJob& j) override {
     const float scale_inv = *j.scale_inv;
-    for (int64_t i = 0; i < j.n; ++i) store_wide(j.out, j.out_dtype, i, decode_fp8(j.in[i], j.e5m2) * scale_inv);
+    for (int64_t i = 0; i < j.n; ++i) store_wide(j.out, j.out_dtype, i, dequantize_fp8(j.in[i], j.e5m2, scale_inv));
   }
 
   void amax(const AmaxJob& j) override {

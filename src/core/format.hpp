@@ -102,6 +102,13 @@ FP8_HD float decode_fp8(uint8_t c, bool e5m2) {
   return bits_float(sign | ((e - s.bias + 127) << 23) | (m << (23 - s.mant_bits)));
 }
 
+// Dequantised value decode(c) * scale_inv. A NaN comes out as the canonical 0x7FFFFFFF: the GPU's
+// multiply canonicalises NaNs while the CPU's keeps their payload, so the contract fixes one.
+FP8_HD float dequantize_fp8(uint8_t c, bool e5m2, float scale_inv) {
+  const float v = decode_fp8(c, e5m2) * scale_inv;
+  return (float_bits(v) & 0x7FFFFFFFu) > 0x7F800000u ? bits_float(0x7FFFFFFFu) : v;
+}
+
 // bf16 <-> float. bf16 -> float is exact; float -> bf16 rounds to nearest even, NaN -> 0x7FFF.
 FP8_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 FP8_HD uint16_t float_to_bf16(float f) {

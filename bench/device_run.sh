@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
+# their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
+# Dependencies missing on the GPU image (GoogleTest, zlib headers) come from .device/ when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader; nvcc --version | tail -2;
+  git log -1 --format='commit %H' 2>/dev/null; date -u; } | tee "$OUT/run.log"
+
+cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
+if ! ls /usr/local/cuda/include/nccl.h /usr/include/nccl.h >/dev/null 2>&1; then
+  nccl_root=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else nvidia.nccl.__path__[0])' 2>/dev/null)
+  cmake_args+=(-DNCCL_ROOT="$nccl_root")
+fi
+if [ ! -f /usr/include/zlib.h ] && [ -d .device/zlib/include ]; then
+  libz=$(ldconfig -p | awk '/libz\.so\.1 .*x86-64/ {print $NF; exit}')
+  cmake_args+=(-DZLIB_INCLUDE_DIR="$PWD/.device/zlib/include" -DZLIB_LIBRARY="$libz")
+fi
+if ! ls /usr/lib/*/cmake/GTest /usr/lib/cmake/GTest >/dev/null 2>&1 && [ -d .device/googletest ]; then
+  cmake_args+=(-DFP8_GTEST_SOURCE_DIR="$PWD/.device/googletest")
+fi
+
+t0=$(date +%s)
+cmake -S . -B build/device "${cmake_args[@]}" ${EXTRA_CMAKE_ARGS:-} > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+cmake --build build/device -j 16 >> "$OUT/build.log" 2>&1 || { grep -E "error|Error" -A5 "$OUT/build.log" | head -60; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+
+ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+
+build/device/bench/bench_quantize "$OUT/bench_quantize.json" 2>&1 | tee -a "$OUT/run.log"
+for rg in ${BENCH_VARIANT_RG:-}; do  # other builds of the cast+transpose tile height, for tuning
+  cmake -S . -B "build/device-rg$rg" "${cmake_args[@]}" -DFP8_CAST_TRANSPOSE_RG="$rg" >/dev/null 2>&1 &&
+    cmake --build "build/device-rg$rg" -j 16 --target bench_quantize >/dev/null 2>&1 &&
+    { echo "== variant FP8_CAST_TRANSPOSE_RG=$rg"; "build/device-rg$rg/bench/bench_quantize" /dev/null | grep transpose; } 2>&1 | tee -a "$OUT/run.log"
+done
+PYTHONUNBUFFERED=1 python3 bench/peer_quantize.py "$OUT/peer_quantize.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
+echo
+grep -E "tests passed|tests failed|Skipped|Failed|Passed" "$OUT/gpu_tests.log" | tail -6
+python3 bench/report.py "$OUT/bench_quantize.json" "$OUT/peer_quantize.json" | tee "$OUT/table.md"
