@@ -31,10 +31,12 @@ echo "build: $(( $(date +%s) - t0 )) s"
 ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 
 build/device/bench/bench_quantize "$OUT/bench_quantize.json" 2>&1 | tee -a "$OUT/run.log"
-for rg in ${BENCH_VARIANT_RG:-}; do  # other builds of the cast+transpose tile height, for tuning
-  cmake -S . -B "build/device-rg$rg" "${cmake_args[@]}" -DFP8_CAST_TRANSPOSE_RG="$rg" >/dev/null 2>&1 &&
-    cmake --build "build/device-rg$rg" -j 16 --target bench_quantize >/dev/null 2>&1 &&
-    { echo "== variant FP8_CAST_TRANSPOSE_RG=$rg"; "build/device-rg$rg/bench/bench_quantize" /dev/null | grep transpose; } 2>&1 | tee -a "$OUT/run.log"
+# Other cast+transpose tile shapes, for tuning: BENCH_VARIANTS="RG:SR RG:SR ..."
+for v in ${BENCH_VARIANTS:-}; do
+  rg=${v%:*} sr=${v#*:}
+  cmake -S . -B "build/device-$rg-$sr" "${cmake_args[@]}" -DFP8_CAST_TRANSPOSE_RG="$rg" -DFP8_CAST_TRANSPOSE_SR="$sr" >/dev/null 2>&1 &&
+    cmake --build "build/device-$rg-$sr" -j 16 --target bench_quantize >/dev/null 2>&1 &&
+    { echo "== variant RG=$rg SR=$sr"; "build/device-$rg-$sr/bench/bench_quantize" /dev/null | grep transpose; } 2>&1 | tee -a "$OUT/run.log"
 done
 PYTHONUNBUFFERED=1 python3 bench/peer_quantize.py "$OUT/peer_quantize.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
 echo

@@ -24,13 +24,20 @@ __device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c,
   out[3] = __byte_perm(ab23, cd23, 0x7632);
 }
 
-template <fp8_dtype_t DT, bool E5M2, int RG>
+template <int SR>
+__device__ __forceinline__ void store_column(uint8_t* p, const uint32_t (&w)[SR / 4]) {
+  if constexpr (SR == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  else *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// RG: lanes of a warp across row groups; SR: rows per thread (8 or 16, the transposed store width).
+template <fp8_dtype_t DT, bool E5M2, int RG, int SR>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool vec, ScalingHeader* state,
                           float* out_scale_inv, float* out_t_scale_inv) {
   constexpr int CG = 32 / RG;
-  constexpr int kBlockRows = kWarps * RG * 8, kBlockCols = CG * 8;
+  constexpr int kBlockRows = kWarps * RG * SR, kBlockCols = CG * 8;
   const float scale = state->scale;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rg = lane / CG, cg = lane % CG;
@@ -38,36 +45,39 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t tiles = ((rows + kBlockRows - 1) / kBlockRows) * tiles_c;
   uint32_t amax = 0;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * kBlockRows + (warp * RG + rg) * 8;
+    const int64_t r0 = (t / tiles_c) * kBlockRows + (warp * RG + rg) * SR;
     const int64_t c0 = (t % tiles_c) * kBlockCols + cg * 8;
     if (r0 >= rows || c0 >= cols) continue;
     if (vec) {
-      // rows and cols are multiples of 8 here, so the whole 8x8 sub-tile is inside.
-      Vec8<DT> x[8];
+      // rows % SR == 0 and cols % 8 == 0 here, so the whole SR x 8 sub-tile is inside.
+      Vec8<DT> x[SR];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i].load(in + (r0 + i) * cols + c0);
-      uint32_t lo[8], hi[8];
+      for (int i = 0; i < SR; ++i) x[i].load(in + (r0 + i) * cols + c0);
+      uint32_t lo[SR], hi[SR];  // codes of columns 0..3 and 4..7 of each row
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < SR; ++i) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) amax = max(amax, abs_bits(x[i].get(k)));
         lo[i] = cast4<E5M2>(x[i].get(0) * scale, x[i].get(1) * scale, x[i].get(2) * scale, x[i].get(3) * scale);
         hi[i] = cast4<E5M2>(x[i].get(4) * scale, x[i].get(5) * scale, x[i].get(6) * scale, x[i].get(7) * scale);
         *reinterpret_cast<uint2*>(out + (r0 + i) * cols + c0) = make_uint2(lo[i], hi[i]);
       }
-      uint32_t top[4], bottom[4];
-      transpose4x4(lo[0], lo[1], lo[2], lo[3], top);
-      transpose4x4(lo[4], lo[5], lo[6], lo[7], bottom);
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        *reinterpret_cast<uint2*>(out_t + (c0 + k) * rows + r0) = make_uint2(top[k], bottom[k]);
-      transpose4x4(hi[0], hi[1], hi[2], hi[3], top);
-      transpose4x4(hi[4], hi[5], hi[6], hi[7], bottom);
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t* w = half ? hi : lo;
+        uint32_t col[4][SR / 4];  // col[k][b]: rows 4b..4b+3 of column 4*half+k
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        *reinterpret_cast<uint2*>(out_t + (c0 + 4 + k) * rows + r0) = make_uint2(top[k], bottom[k]);
+        for (int b = 0; b < SR / 4; ++b) {
+          uint32_t t4[4];
+          transpose4x4(w[4 * b], w[4 * b + 1], w[4 * b + 2], w[4 * b + 3], t4);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) col[k][b] = t4[k];
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) store_column<SR>(out_t + (c0 + 4 * half + k) * rows + r0, col[k]);
+      }
     } else {
-      for (int64_t r = r0; r < min(r0 + 8, rows); ++r) {
+      for (int64_t r = r0; r < min(r0 + SR, rows); ++r) {
         for (int64_t c = c0; c < min(c0 + 8, cols); ++c) {
           const float x = Wide<DT>::to_float(in[r * cols + c]);
           amax = max(amax, abs_bits(x));
@@ -87,18 +97,21 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-// Rows of 8x8 sub-tiles per warp (2: a block tile is 128 x 128), set by CMake for tuning.
+// Tile shape, set by CMake for tuning (bench/RESULTS.md has the measurements behind the defaults).
 #ifndef FP8_CAST_TRANSPOSE_RG
-#define FP8_CAST_TRANSPOSE_RG 2
+#define FP8_CAST_TRANSPOSE_RG 4
+#endif
+#ifndef FP8_CAST_TRANSPOSE_SR
+#define FP8_CAST_TRANSPOSE_SR 8
 #endif
 
 void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream) {
-  constexpr int RG = FP8_CAST_TRANSPOSE_RG;
-  const bool vec = j.rows % 8 == 0 && j.cols % 8 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
-  constexpr int64_t kBlockRows = kWarps * RG * 8, kBlockCols = (32 / RG) * 8;
+  constexpr int RG = FP8_CAST_TRANSPOSE_RG, SR = FP8_CAST_TRANSPOSE_SR;
+  const bool vec = j.rows % SR == 0 && j.cols % 8 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
+  constexpr int64_t kBlockRows = kWarps * RG * SR, kBlockCols = (32 / RG) * 8;
   const int64_t tiles = ((j.rows + kBlockRows - 1) / kBlockRows) * ((j.cols + kBlockCols - 1) / kBlockCols);
   dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
-    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value, RG>;
+    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value, RG, SR>;
     const int grid =
         grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,

@@ -808,7 +808,7 @@ TEST(Quantize, RefusesAnOutputDtypeOtherThanTheScalingStates) {
 
 TEST(Quantize, RefusesAnOutputOfAnotherShape) {
   QuantizeFixture f;
-  for (std::vector<int64_t> shape : {std::vector<int64_t>{4, 9}, std::vector<int64_t>{8, 4},
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{4, 9}, std::vector<int64_t>{5, 8}, std::vector<int64_t>{8, 4},
                                      std::vector<int64_t>{32}, std::vector<int64_t>{1, 4, 8}}) {
     TensorPtr bad_out = tensor(f.ctx.get(), FP8_DTYPE_E4M3, shape);
     Unchanged u({bad_out.get(), f.out_t.get()}, f.s.get());
@@ -820,7 +820,7 @@ TEST(Quantize, RefusesAnOutputOfAnotherShape) {
 
 TEST(Quantize, RefusesATransposedOutputThatIsNotColsByRows) {
   QuantizeFixture f;  // in [4, 8]: out_transposed must be [8, 4]
-  for (std::vector<int64_t> shape : {std::vector<int64_t>{4, 8}, std::vector<int64_t>{8, 5},
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{4, 8}, std::vector<int64_t>{8, 5}, std::vector<int64_t>{7, 4},
                                      std::vector<int64_t>{32}, std::vector<int64_t>{8, 4, 1},
                                      std::vector<int64_t>{1, 8, 4}}) {
     TensorPtr bad_t = tensor(f.ctx.get(), FP8_DTYPE_E4M3, shape);
