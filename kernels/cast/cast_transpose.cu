@@ -95,6 +95,89 @@ __global__ void __launch_bounds__(kThreads)
   block_amax_accumulate(amax, scaling_history(state), nullptr);
 }
 
+// Shared-memory variant: a block quantizes a 128 x 128 tile. Phase 1 gives each thread 16
+// consecutive columns of a row (16-byte codes to `out`, whole 128-byte lines per 8 lanes) and
+// parks the codes in shared memory; phase 2 gives 8 lanes one transposed row, 16 input rows each,
+// so `out_t` is written in whole 128-byte lines too. Rows of the shared tile are padded to 144
+// bytes so phase 2's byte reads (8 rows x 4 columns per instruction) hit 8 different banks.
+constexpr int kTile = 128, kTilePitch = 144;
+
+template <fp8_dtype_t DT, bool E5M2>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_smem_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
+                               uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool aligned,
+                               ScalingHeader* state, float* out_scale_inv, float* out_t_scale_inv) {
+  __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
+  const float scale = state->scale;
+  const int tid = threadIdx.x;
+  const int64_t tiles_c = (cols + kTile - 1) / kTile;
+  const int64_t tiles = ((rows + kTile - 1) / kTile) * tiles_c;
+  uint32_t amax = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t R0 = (t / tiles_c) * kTile, C0 = (t % tiles_c) * kTile;
+    if (aligned && R0 + kTile <= rows && C0 + kTile <= cols) {
+      // Phase 1: 128 rows x 8 chunks of 16 columns; 4 chunks per thread, all loads issued first.
+      constexpr int kChunks = kTile * kTile / 16 / kThreads;
+      Vec8<DT> x[kChunks][2];
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int ch = tid + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
+        const typename Wide<DT>::Raw* p = in + (R0 + r) * cols + C0 + c;
+        x[k][0].load(p);
+        x[k][1].load(p + 8);
+      }
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int ch = tid + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
+        uint32_t w[4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(x[k][h].get(i)));
+          w[2 * h] = cast4<E5M2>(x[k][h].get(0) * scale, x[k][h].get(1) * scale, x[k][h].get(2) * scale,
+                                 x[k][h].get(3) * scale);
+          w[2 * h + 1] = cast4<E5M2>(x[k][h].get(4) * scale, x[k][h].get(5) * scale, x[k][h].get(6) * scale,
+                                     x[k][h].get(7) * scale);
+        }
+        const uint4 codes = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(out + (R0 + r) * cols + C0 + c) = codes;
+        *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) = codes;
+      }
+      __syncthreads();
+      // Phase 2: transposed row c (input column C0 + c), input rows r0..r0+15, 16-byte stores.
+#pragma unroll
+      for (int k = 0; k < kTile * kTile / 16 / kThreads; ++k) {
+        const int task = tid + k * kThreads, c = task >> 3, r0 = (task & 7) * 16;
+        uint32_t w[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          w[b] = 0;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[b] |= static_cast<uint32_t>(tile[(r0 + 4 * b + i) * kTilePitch + c]) << (8 * i);
+        }
+        *reinterpret_cast<uint4*>(out_t + (C0 + c) * rows + R0 + r0) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      __syncthreads();  // the tile is reused by the next iteration
+    } else {
+      // Edge or unaligned tile: element by element, rows spread over the threads.
+      for (int64_t e = tid; e < int64_t{kTile} * kTile; e += kThreads) {
+        const int64_t r = R0 + e / kTile, c = C0 + e % kTile;
+        if (r >= rows || c >= cols) continue;
+        const float x = Wide<DT>::to_float(in[r * cols + c]);
+        amax = max(amax, abs_bits(x));
+        const uint8_t q = cast1<E5M2>(x * scale);
+        out[r * cols + c] = q;
+        out_t[c * rows + r] = q;
+      }
+    }
+  }
+  if (blockIdx.x == 0 && tid == 0) {
+    *out_scale_inv = state->scale_inv;
+    *out_t_scale_inv = state->scale_inv;
+  }
+  block_amax_accumulate(amax, scaling_history(state), nullptr);
+}
+
 }  // namespace
 
 // Tile shape, set by CMake for tuning (bench/RESULTS.md has the measurements behind the defaults).
@@ -102,10 +185,27 @@ __global__ void __launch_bounds__(kThreads)
 #define FP8_CAST_TRANSPOSE_RG 4
 #endif
 #ifndef FP8_CAST_TRANSPOSE_SR
-#define FP8_CAST_TRANSPOSE_SR 8
+#define FP8_CAST_TRANSPOSE_SR 16
+#endif
+
+#ifndef FP8_CAST_TRANSPOSE_SMEM
+#define FP8_CAST_TRANSPOSE_SMEM 1
 #endif
 
 void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream) {
+  if (FP8_CAST_TRANSPOSE_SMEM) {
+    const bool aligned = j.rows % 16 == 0 && j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
+    const int64_t tiles = ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
+    dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
+      auto* kernel = cast_transpose_smem_kernel<decltype(dt)::value, decltype(e5m2)::value>;
+      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count);
+      kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
+                                            j.out_t, j.rows, j.cols, aligned, j.state, j.out_scale_inv,
+                                            j.out_t_scale_inv);
+    });
+    cuda_check(cudaGetLastError(), "cast_transpose kernel launch");
+    return;
+  }
   constexpr int RG = FP8_CAST_TRANSPOSE_RG, SR = FP8_CAST_TRANSPOSE_SR;
   const bool vec = j.rows % SR == 0 && j.cols % 8 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
   constexpr int64_t kBlockRows = kWarps * RG * SR, kBlockCols = (32 / RG) * 8;
