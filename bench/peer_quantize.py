@@ -6,14 +6,17 @@ import torch
 
 dev = torch.device("cuda")
 
-def median_ms(fn, warm=10, reps=50):
+def median_ms(fn, warm=10, reps=50, batch=1):
+    """Median of event-timed repeats; with batch > 1, per call of `batch` calls queued back to back."""
     for i in range(warm): fn(i)
     torch.cuda.synchronize()
     ts = []
     for i in range(reps):
         s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record(); fn(i); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
+        s.record()
+        for k in range(batch): fn(i * batch + k)
+        e.record(); torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / batch)
     ts.sort(); return ts[len(ts) // 2]
 
 rows = []
@@ -35,7 +38,8 @@ for m, k in [(8192, 8192), (16384, 8192)]:
                              (f"torch.compile quantize+amax {tag}", compiled_cast, 3 * n),
                              (f"torch eager quantize+transpose+amax {tag}", fused, 4 * n),
                              (f"torch.compile quantize+transpose+amax {tag}", compiled_fused, 4 * n)]:
-        ms = median_ms(lambda i: fn(xs[i & 1]))
-        rows.append({"name": name, "ms": ms, "gbps": nbytes / ms / 1e6})
-        print(f"{name:48s} {ms:9.4f} ms {nbytes / ms / 1e6:9.1f} GB/s", flush=True)
+        for batch, suffix in [(1, ""), (20, " batched")]:
+            ms = median_ms(lambda i: fn(xs[i & 1]), batch=batch)
+            rows.append({"name": name + suffix, "ms": ms, "gbps": nbytes / ms / 1e6})
+            print(f"{name + suffix:56s} {ms:9.4f} ms {nbytes / ms / 1e6:9.1f} GB/s", flush=True)
 json.dump(rows, open(sys.argv[1], "w"), indent=1)
