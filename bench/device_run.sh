@@ -36,7 +36,7 @@ for v in ${BENCH_VARIANTS:-}; do
   IFS=: read -r smem rg sr <<< "$v"
   cmake -S . -B "build/device-${v//:/-}" "${cmake_args[@]}" -DFP8_CAST_TRANSPOSE_SMEM="$smem" -DFP8_CAST_TRANSPOSE_RG="$rg" -DFP8_CAST_TRANSPOSE_SR="$sr" >/dev/null 2>&1 &&
     cmake --build "build/device-${v//:/-}" -j 16 --target bench_quantize >/dev/null 2>&1 &&
-    { echo "== variant SMEM=$smem RG=$rg SR=$sr"; "build/device-$v/bench/bench_quantize" /dev/null | grep transpose; } 2>&1 | tee -a "$OUT/run.log"
+    { echo "== variant SMEM=$smem RG=$rg SR=$sr"; "build/device-${v//:/-}/bench/bench_quantize" /dev/null | grep transpose; } 2>&1 | tee -a "$OUT/run.log"
 done
 PYTHONUNBUFFERED=1 python3 bench/peer_quantize.py "$OUT/peer_quantize.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
 echo
