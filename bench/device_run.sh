@@ -38,6 +38,7 @@ for v in ${BENCH_VARIANTS:-}; do
     cmake --build "build/device-${v//:/-}" -j 16 --target bench_quantize >/dev/null 2>&1 &&
     { echo "== variant SMEM=$smem RG=$rg SR=$sr"; "build/device-${v//:/-}/bench/bench_quantize" /dev/null | grep transpose; } 2>&1 | tee -a "$OUT/run.log"
 done
+[ "${RUN_PEER:-1}" = 1 ] || exit 0
 PYTHONUNBUFFERED=1 python3 bench/peer_quantize.py "$OUT/peer_quantize.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
 echo
 [ -f "$OUT/gpu_tests.log" ] && grep -E "tests passed|tests failed|Skipped|Failed|Passed" "$OUT/gpu_tests.log" | tail -6

@@ -102,7 +102,8 @@ void dispatch(fp8_dtype_t dt, bool e5m2, F&& f) {
 }
 
 // Grid size for a grid-stride kernel over `work_blocks` items of one block each: at most one
-// resident wave, sized so every block loops over the same number of items.
-int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count);
+// resident wave; `balanced` sizes it so that every block loops over the same number of items,
+// otherwise it fills every resident slot (better for kernels that prefetch their next item).
+int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count, bool balanced = true);
 
 }  // namespace fp8::kernels

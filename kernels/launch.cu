@@ -17,7 +17,7 @@ void cuda_check(cudaError_t err, const char* what) {
   fail(status, what, " failed: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
 }
 
-int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count) {
+int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count, bool balanced) {
   // The occupancy query costs microseconds, so it runs once per kernel and block size.
   static std::mutex mutex;
   static std::map<std::pair<const void*, int>, int> cache;
@@ -33,6 +33,7 @@ int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count
   }
   const int64_t resident = static_cast<int64_t>(sm_count) * (per_sm > 0 ? per_sm : 1);
   if (work_blocks <= resident) return static_cast<int>(work_blocks < 1 ? 1 : work_blocks);
+  if (!balanced) return static_cast<int>(resident);
   // Balanced: every block gets the same number of work items (k), so no partial last round
   // leaves most of the GPU idle while a few blocks finish (worth ~10% at 4096 tiles on 132 SMs).
   const int64_t k = (work_blocks + resident - 1) / resident;

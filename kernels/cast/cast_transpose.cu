@@ -95,12 +95,28 @@ __global__ void __launch_bounds__(kThreads)
   block_amax_accumulate(amax, scaling_history(state), nullptr);
 }
 
-// Shared-memory variant: a block quantizes a 128 x 128 tile. Phase 1 gives each thread 16
+// Shared-memory variant: a block quantizes 128 x 128 tiles. Phase 1 gives each thread 16
 // consecutive columns of a row (16-byte codes to `out`, whole 128-byte lines per 8 lanes) and
 // parks the codes in shared memory; phase 2 gives 8 lanes one transposed row, 16 input rows each,
 // so `out_t` is written in whole 128-byte lines too. Rows of the shared tile are padded to 144
 // bytes so phase 2's byte reads (8 rows x 4 columns per instruction) hit 8 different banks.
 constexpr int kTile = 128, kTilePitch = 144;
+
+template <fp8_dtype_t DT>
+struct TileLoads {
+  static constexpr int kChunks = kTile * kTile / 16 / kThreads;  // 16-column chunks per thread
+  Vec8<DT> x[kChunks][2];
+  // Issues all loads of this thread's chunks of the tile at (R0, C0).
+  __device__ __forceinline__ void issue(const typename Wide<DT>::Raw* in, int64_t cols, int64_t R0, int64_t C0) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int ch = threadIdx.x + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
+      const typename Wide<DT>::Raw* p = in + (R0 + r) * cols + C0 + c;
+      x[k][0].load(p);
+      x[k][1].load(p + 8);
+    }
+  }
+};
 
 template <fp8_dtype_t DT, bool E5M2>
 __global__ void __launch_bounds__(kThreads)
@@ -112,32 +128,32 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x;
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
   const int64_t tiles = ((rows + kTile - 1) / kTile) * tiles_c;
+  auto full = [&](int64_t t) {
+    return aligned && (t / tiles_c + 1) * kTile <= rows && (t % tiles_c + 1) * kTile <= cols;
+  };
   uint32_t amax = 0;
+  // Software pipeline: the loads of a block's next tile are in flight while it writes the
+  // transposed output of the current one.
+  TileLoads<DT> next;
+  if (blockIdx.x < tiles && full(blockIdx.x)) next.issue(in, cols, (blockIdx.x / tiles_c) * kTile, (blockIdx.x % tiles_c) * kTile);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t R0 = (t / tiles_c) * kTile, C0 = (t % tiles_c) * kTile;
-    if (aligned && R0 + kTile <= rows && C0 + kTile <= cols) {
-      // Phase 1: 128 rows x 8 chunks of 16 columns; 4 chunks per thread, all loads issued first.
-      constexpr int kChunks = kTile * kTile / 16 / kThreads;
-      Vec8<DT> x[kChunks][2];
+    if (full(t)) {
+      // Phase 1: 128 rows x 8 chunks of 16 columns; codes to `out` and to the shared tile.
+      const TileLoads<DT> cur = next;
+      const int64_t t_next = t + gridDim.x;
+      if (t_next < tiles && full(t_next)) next.issue(in, cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
 #pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        const int ch = tid + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
-        const typename Wide<DT>::Raw* p = in + (R0 + r) * cols + C0 + c;
-        x[k][0].load(p);
-        x[k][1].load(p + 8);
-      }
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
+      for (int k = 0; k < TileLoads<DT>::kChunks; ++k) {
         const int ch = tid + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
         uint32_t w[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+          const Vec8<DT>& v = cur.x[k][h];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(x[k][h].get(i)));
-          w[2 * h] = cast4<E5M2>(x[k][h].get(0) * scale, x[k][h].get(1) * scale, x[k][h].get(2) * scale,
-                                 x[k][h].get(3) * scale);
-          w[2 * h + 1] = cast4<E5M2>(x[k][h].get(4) * scale, x[k][h].get(5) * scale, x[k][h].get(6) * scale,
-                                     x[k][h].get(7) * scale);
+          for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(v.get(i)));
+          w[2 * h] = cast4<E5M2>(v.get(0) * scale, v.get(1) * scale, v.get(2) * scale, v.get(3) * scale);
+          w[2 * h + 1] = cast4<E5M2>(v.get(4) * scale, v.get(5) * scale, v.get(6) * scale, v.get(7) * scale);
         }
         const uint4 codes = make_uint4(w[0], w[1], w[2], w[3]);
         *reinterpret_cast<uint4*>(out + (R0 + r) * cols + C0 + c) = codes;
@@ -169,6 +185,8 @@ __global__ void __launch_bounds__(kThreads)
         out[r * cols + c] = q;
         out_t[c * rows + r] = q;
       }
+      const int64_t t_next = t + gridDim.x;
+      if (t_next < tiles && full(t_next)) next.issue(in, cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
     }
   }
   if (blockIdx.x == 0 && tid == 0) {
@@ -198,7 +216,7 @@ void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t 
     const int64_t tiles = ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
     dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
       auto* kernel = cast_transpose_smem_kernel<decltype(dt)::value, decltype(e5m2)::value>;
-      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count);
+      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
       kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
                                             j.out_t, j.rows, j.cols, aligned, j.state, j.out_scale_inv,
                                             j.out_t_scale_inv);
