@@ -209,6 +209,9 @@ __global__ void __launch_bounds__(kThreads)
 #ifndef FP8_CAST_TRANSPOSE_SMEM
 #define FP8_CAST_TRANSPOSE_SMEM 1
 #endif
+#ifndef FP8_CAST_TRANSPOSE_BALANCED
+#define FP8_CAST_TRANSPOSE_BALANCED 0
+#endif
 
 void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream) {
   if (FP8_CAST_TRANSPOSE_SMEM) {
@@ -216,7 +219,7 @@ void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t 
     const int64_t tiles = ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
     dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
       auto* kernel = cast_transpose_smem_kernel<decltype(dt)::value, decltype(e5m2)::value>;
-      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
+      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, FP8_CAST_TRANSPOSE_BALANCED);
       kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
                                             j.out_t, j.rows, j.cols, aligned, j.state, j.out_scale_inv,
                                             j.out_t_scale_inv);
