@@ -31,14 +31,6 @@ echo "build: $(( $(date +%s) - t0 )) s"
 [ "${RUN_TESTS:-1}" = 1 ] && ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 
 build/device/bench/bench_quantize "$OUT/bench_quantize.json" 2>&1 | tee -a "$OUT/run.log"
-# Other cast+transpose kernels, for tuning: BENCH_VARIANTS="SMEM:RG:SR:BALANCED ..."
-for v in ${BENCH_VARIANTS:-}; do
-  IFS=: read -r smem rg sr bal <<< "$v"
-  cmake -S . -B "build/device-${v//:/-}" "${cmake_args[@]}" -DFP8_CAST_TRANSPOSE_SMEM="$smem" -DFP8_CAST_TRANSPOSE_RG="$rg" \
-    -DFP8_CAST_TRANSPOSE_SR="$sr" -DFP8_CAST_TRANSPOSE_BALANCED="${bal:-0}" >/dev/null 2>&1 &&
-    cmake --build "build/device-${v//:/-}" -j 16 --target bench_quantize >/dev/null 2>&1 &&
-    { echo "== variant SMEM=$smem RG=$rg SR=$sr BALANCED=${bal:-0}"; "build/device-${v//:/-}/bench/bench_quantize" /dev/null | grep transpose; } 2>&1 | tee -a "$OUT/run.log"
-done
 [ "${RUN_PEER:-1}" = 1 ] || exit 0
 PYTHONUNBUFFERED=1 python3 bench/peer_quantize.py "$OUT/peer_quantize.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
 echo

@@ -1,9 +1,9 @@
-// Cast + transpose + amax in one pass. Each thread owns an 8x8 sub-tile: it loads 8 rows with
-// 16-byte loads, writes the 8 row-major codes of each row as one 8-byte store, transposes the 64
-// codes in registers with byte permutes, and writes 8 columns of the transposed output as 8-byte
-// stores; no shared memory is needed. A warp covers RG x (32/RG) sub-tiles and the 8 warps of a
-// block stack vertically, so a block writes whole 128-byte lines of both outputs: (32/RG)*8 codes
-// per row of `out` from one warp, 8*RG*8 codes per row of `out_t` from the block.
+// Cast + transpose + amax in one pass over 128 x 128 tiles. Phase 1 gives each thread 16
+// consecutive columns of a row: 16-byte loads, 16-byte stores of the codes to `out` (8 lanes write
+// one whole 128-byte line) and to a shared tile. Phase 2 gives 8 lanes one row of `out_t` (an input
+// column), 16 input rows each, so `out_t` is written in whole 128-byte lines too. The loads of a
+// block's next tile are issued before it writes the current one. bench/RESULTS.md records the
+// register-only designs this one beat.
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
 
@@ -12,94 +12,9 @@ namespace fp8::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 
-// Rows of four codes (a..d, one word each) -> columns of four codes (word k holds byte k of a..d).
-__device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t out[4]) {
-  const uint32_t ab01 = __byte_perm(a, b, 0x5140), cd01 = __byte_perm(c, d, 0x5140);
-  const uint32_t ab23 = __byte_perm(a, b, 0x7362), cd23 = __byte_perm(c, d, 0x7362);
-  out[0] = __byte_perm(ab01, cd01, 0x5410);
-  out[1] = __byte_perm(ab01, cd01, 0x7632);
-  out[2] = __byte_perm(ab23, cd23, 0x5410);
-  out[3] = __byte_perm(ab23, cd23, 0x7632);
-}
-
-template <int SR>
-__device__ __forceinline__ void store_column(uint8_t* p, const uint32_t (&w)[SR / 4]) {
-  if constexpr (SR == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-  else *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// RG: lanes of a warp across row groups; SR: rows per thread (8 or 16, the transposed store width).
-template <fp8_dtype_t DT, bool E5M2, int RG, int SR>
-__global__ void __launch_bounds__(kThreads)
-    cast_transpose_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
-                          uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool vec, ScalingHeader* state,
-                          float* out_scale_inv, float* out_t_scale_inv) {
-  constexpr int CG = 32 / RG;
-  constexpr int kBlockRows = kWarps * RG * SR, kBlockCols = CG * 8;
-  const float scale = state->scale;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rg = lane / CG, cg = lane % CG;
-  const int64_t tiles_c = (cols + kBlockCols - 1) / kBlockCols;
-  const int64_t tiles = ((rows + kBlockRows - 1) / kBlockRows) * tiles_c;
-  uint32_t amax = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * kBlockRows + (warp * RG + rg) * SR;
-    const int64_t c0 = (t % tiles_c) * kBlockCols + cg * 8;
-    if (r0 >= rows || c0 >= cols) continue;
-    if (vec) {
-      // rows % SR == 0 and cols % 8 == 0 here, so the whole SR x 8 sub-tile is inside.
-      Vec8<DT> x[SR];
-#pragma unroll
-      for (int i = 0; i < SR; ++i) x[i].load(in + (r0 + i) * cols + c0);
-      uint32_t lo[SR], hi[SR];  // codes of columns 0..3 and 4..7 of each row
-#pragma unroll
-      for (int i = 0; i < SR; ++i) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) amax = max(amax, abs_bits(x[i].get(k)));
-        lo[i] = cast4<E5M2>(x[i].get(0) * scale, x[i].get(1) * scale, x[i].get(2) * scale, x[i].get(3) * scale);
-        hi[i] = cast4<E5M2>(x[i].get(4) * scale, x[i].get(5) * scale, x[i].get(6) * scale, x[i].get(7) * scale);
-        *reinterpret_cast<uint2*>(out + (r0 + i) * cols + c0) = make_uint2(lo[i], hi[i]);
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t* w = half ? hi : lo;
-        uint32_t col[4][SR / 4];  // col[k][b]: rows 4b..4b+3 of column 4*half+k
-#pragma unroll
-        for (int b = 0; b < SR / 4; ++b) {
-          uint32_t t4[4];
-          transpose4x4(w[4 * b], w[4 * b + 1], w[4 * b + 2], w[4 * b + 3], t4);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) col[k][b] = t4[k];
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) store_column<SR>(out_t + (c0 + 4 * half + k) * rows + r0, col[k]);
-      }
-    } else {
-      for (int64_t r = r0; r < min(r0 + SR, rows); ++r) {
-        for (int64_t c = c0; c < min(c0 + 8, cols); ++c) {
-          const float x = Wide<DT>::to_float(in[r * cols + c]);
-          amax = max(amax, abs_bits(x));
-          const uint8_t q = cast1<E5M2>(x * scale);
-          out[r * cols + c] = q;
-          out_t[c * rows + r] = q;
-        }
-      }
-    }
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    *out_scale_inv = state->scale_inv;
-    *out_t_scale_inv = state->scale_inv;
-  }
-  block_amax_accumulate(amax, scaling_history(state), nullptr);
-}
-
-// Shared-memory variant: a block quantizes 128 x 128 tiles. Phase 1 gives each thread 16
-// consecutive columns of a row (16-byte codes to `out`, whole 128-byte lines per 8 lanes) and
-// parks the codes in shared memory; phase 2 gives 8 lanes one transposed row, 16 input rows each,
-// so `out_t` is written in whole 128-byte lines too. Rows of the shared tile are padded to 144
-// bytes so phase 2's byte reads (8 rows x 4 columns per instruction) hit 8 different banks.
+// Rows of the shared tile are padded to 144 bytes so that phase 2's byte reads (8 rows x 4 columns
+// per warp instruction) fall in 8 different banks, and 16-byte stores stay aligned.
 constexpr int kTile = 128, kTilePitch = 144;
 
 template <fp8_dtype_t DT>
@@ -120,7 +35,7 @@ struct TileLoads {
 
 template <fp8_dtype_t DT, bool E5M2>
 __global__ void __launch_bounds__(kThreads)
-    cast_transpose_smem_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
+    cast_transpose_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
                                uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool aligned,
                                ScalingHeader* state, float* out_scale_inv, float* out_t_scale_inv) {
   __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
@@ -198,45 +113,15 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-// Tile shape, set by CMake for tuning (bench/RESULTS.md has the measurements behind the defaults).
-#ifndef FP8_CAST_TRANSPOSE_RG
-#define FP8_CAST_TRANSPOSE_RG 4
-#endif
-#ifndef FP8_CAST_TRANSPOSE_SR
-#define FP8_CAST_TRANSPOSE_SR 16
-#endif
-
-#ifndef FP8_CAST_TRANSPOSE_SMEM
-#define FP8_CAST_TRANSPOSE_SMEM 1
-#endif
-#ifndef FP8_CAST_TRANSPOSE_BALANCED
-#define FP8_CAST_TRANSPOSE_BALANCED 0
-#endif
-
 void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream) {
-  if (FP8_CAST_TRANSPOSE_SMEM) {
-    const bool aligned = j.rows % 16 == 0 && j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
-    const int64_t tiles = ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
-    dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
-      auto* kernel = cast_transpose_smem_kernel<decltype(dt)::value, decltype(e5m2)::value>;
-      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, FP8_CAST_TRANSPOSE_BALANCED);
-      kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
-                                            j.out_t, j.rows, j.cols, aligned, j.state, j.out_scale_inv,
-                                            j.out_t_scale_inv);
-    });
-    cuda_check(cudaGetLastError(), "cast_transpose kernel launch");
-    return;
-  }
-  constexpr int RG = FP8_CAST_TRANSPOSE_RG, SR = FP8_CAST_TRANSPOSE_SR;
-  const bool vec = j.rows % SR == 0 && j.cols % 8 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
-  constexpr int64_t kBlockRows = kWarps * RG * SR, kBlockCols = (32 / RG) * 8;
-  const int64_t tiles = ((j.rows + kBlockRows - 1) / kBlockRows) * ((j.cols + kBlockCols - 1) / kBlockCols);
+  const bool aligned = j.rows % 16 == 0 && j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
+  const int64_t tiles = ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
   dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
-    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value, RG, SR>;
-    const int grid =
-        grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count);
+    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value>;
+    // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
+    const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
-                                          j.out_t, j.rows, j.cols, vec, j.state, j.out_scale_inv, j.out_t_scale_inv);
+                                          j.out_t, j.rows, j.cols, aligned, j.state, j.out_scale_inv, j.out_t_scale_inv);
   });
   cuda_check(cudaGetLastError(), "cast_transpose kernel launch");
 }
