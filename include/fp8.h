@@ -183,7 +183,9 @@ typedef struct fp8_device_info {
 /** Sets info->struct_size and zeroes the rest. */
 FP8_API void fp8_device_info_init(fp8_device_info_t *info);
 
-/** Fills `info` for `device` (FP8_DEVICE_CPU or a CUDA ordinal). [in,out] info: struct_size set. */
+/** Fills `info` for `device` (FP8_DEVICE_CPU or a CUDA ordinal). [in,out] info: struct_size set to
+ *  the size the caller compiled against (at least that of the first release of the struct); only
+ *  fields inside that size are written. */
 FP8_API fp8_status_t fp8_device_query(int32_t device, fp8_device_info_t *info);
 
 /** [out] count: number of CUDA devices visible (0 with no driver or GPU; never an error for that). */
@@ -203,6 +205,8 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  *   fp8_format=E4M3|HYBRID             amax_history_len=<1..16384>
  *   amax_compute_algo=max|most_recent
  *   override_linear_precision=<f>/<d>/<w>   each on|off|true|false|1|0, for fprop/dgrad/wgrad
+ *     (also accepted one at a time: override_fprop=, override_dgrad=, override_wgrad=, which are
+ *     the keys fp8_recipe_attr_bounds returns for those attributes)
  *   use_autocast_during_eval=on|off|true|false|1|0
  * --------------------------------------------------------------------------------------------- */
 

@@ -60,14 +60,13 @@ FP8_API void fp8_device_info_init(fp8_device_info_t* info) {
 FP8_API fp8_status_t fp8_device_query(int32_t device, fp8_device_info_t* info) {
   return guard("fp8_device_query", [&] {
     require_arg(info, "info");
-    if (info->struct_size < sizeof(fp8_device_info_t))
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "info->struct_size = ", info->struct_size, "; expected at least ",
-                sizeof(fp8_device_info_t), " (call fp8_device_info_init first)");
+    // The first release of the struct ends with cublaslt_version.
+    constexpr size_t v1_size = offsetof(fp8_device_info_t, cublaslt_version) + sizeof(int64_t);
+    fp8::require_struct_size(info, v1_size, "info", "fp8_device_info_init");
     fp8_device_info_t result;
     fp8_device_info_init(&result);
     fp8::query_device(device, &result);
-    result.struct_size = info->struct_size;
-    std::memcpy(info, &result, sizeof result);
+    fp8::write_versioned(info, result);
   });
 }
 

@@ -2,6 +2,8 @@
 // relate handles to each other. Messages name the function, the argument and what was expected.
 #pragma once
 
+#include <cstddef>
+#include <cstring>
 #include <new>
 #include <string>
 
@@ -63,6 +65,21 @@ inline void require_disjoint(const fp8_tensor* a, const char* a_name, const fp8_
   const char* pb = static_cast<const char*>(b->data);
   if (a->nbytes() && b->nbytes() && pa < pb + b->nbytes() && pb < pa + a->nbytes())
     fail(FP8_ERR_INVALID_ARGUMENT, a_name, " and ", b_name, " overlap in memory; expected separate buffers");
+}
+
+// Versioned out-structs (fp8_device_info_t, ...): the caller's struct_size must cover at least the
+// struct's first release, `v1_size`; the result is then copied up to the caller's size, keeping
+// struct_size, so a program built against an older, shorter struct keeps working.
+template <typename T>
+void require_struct_size(const T* s, size_t v1_size, const char* name, const char* init_fn) {
+  if (s->struct_size < v1_size)
+    fail(FP8_ERR_INVALID_ARGUMENT, name, "->struct_size = ", s->struct_size, "; expected at least ", v1_size,
+         " (call ", init_fn, " first)");
+}
+template <typename T>
+void write_versioned(T* dst, T full) {
+  full.struct_size = dst->struct_size;
+  std::memcpy(dst, &full, dst->struct_size < sizeof(T) ? dst->struct_size : sizeof(T));
 }
 
 }  // namespace fp8

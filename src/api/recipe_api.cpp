@@ -66,11 +66,14 @@ FP8_API fp8_status_t fp8_recipe_to_string(const fp8_recipe_t* recipe, char* buf,
   return guard("fp8_recipe_to_string", [&] {
     require_arg(recipe, "recipe");
     const std::string text = recipe->recipe.to_string();
-    if (needed) *needed = text.size() + 1;
-    if (cap < text.size() + 1)
-      fp8::fail(FP8_ERR_BUFFER_TOO_SMALL, "cap = ", cap, " bytes; the text needs ", text.size() + 1, " (see *needed)");
+    const size_t size = text.size() + 1;
+    if (cap < size) {
+      if (needed) *needed = size;  // the one out-parameter a refusal sets, so the caller can retry
+      fp8::fail(FP8_ERR_BUFFER_TOO_SMALL, "cap = ", cap, " bytes; the text needs ", size, " (see *needed)");
+    }
     require_arg(buf, "buf");
-    std::memcpy(buf, text.c_str(), text.size() + 1);
+    if (needed) *needed = size;
+    std::memcpy(buf, text.c_str(), size);
   });
 }
 

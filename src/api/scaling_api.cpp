@@ -50,18 +50,18 @@ FP8_API fp8_status_t fp8_scaling_get_info(const fp8_scaling_t* scaling, fp8_scal
   return guard("fp8_scaling_get_info", [&] {
     require_arg(scaling, "scaling");
     require_arg(info, "info");
-    if (info->struct_size < sizeof(fp8_scaling_info_t))
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "info->struct_size = ", info->struct_size, "; expected at least ",
-                sizeof(fp8_scaling_info_t), " (call fp8_scaling_info_init first)");
+    // The first release of the struct ends with nonfinite_count.
+    constexpr size_t v1_size = offsetof(fp8_scaling_info_t, nonfinite_count) + sizeof(int64_t);
+    fp8::require_struct_size(info, v1_size, "info", "fp8_scaling_info_init");
     const fp8::ScalingHeader h = read_header(scaling);
-    float amax = 0.0f;
-    scaling->backend->copy_to_host(&amax, fp8::scaling_history(scaling->state), sizeof amax);
-    info->scale = h.scale;
-    info->scale_inv = h.scale_inv;
-    info->amax = amax;
-    info->amax_history_len = scaling->history_len;
-    info->update_count = scaling->update_count;
-    info->nonfinite_count = h.nonfinite_count;
+    fp8_scaling_info_t result{};
+    scaling->backend->copy_to_host(&result.amax, fp8::scaling_history(scaling->state), sizeof result.amax);
+    result.scale = h.scale;
+    result.scale_inv = h.scale_inv;
+    result.amax_history_len = scaling->history_len;
+    result.update_count = scaling->update_count;
+    result.nonfinite_count = h.nonfinite_count;
+    fp8::write_versioned(info, result);
   });
 }
 
@@ -101,7 +101,7 @@ FP8_API fp8_status_t fp8_scaling_update(fp8_context_t* ctx, fp8_scaling_t* const
     for (int32_t i = 0; i < count; ++i) {
       const fp8_scaling* s = states[i];
       if (!s) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] is NULL");
-      fp8::require_same_context(ctx, s, "states[i]");
+      fp8::require_same_context(ctx, s, ("states[" + std::to_string(i) + "]").c_str());
       if (s->history_len != history_len)
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] has amax_history_len ", s->history_len,
                   "; the recipe says ", history_len);

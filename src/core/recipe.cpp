@@ -137,7 +137,7 @@ void Recipe::parse(const std::string& text) {
       while (std::getline(parts, part, '/')) flags.push_back(trim(part));
       if (flags.size() != 3)
         fail(FP8_ERR_INVALID_ARGUMENT, kOverrideKey, "='", value,
-             "' is not allowed; expected three flags fprop/dgrad/wgrad, each on or off (e.g. off/off/on)");
+             "' is not allowed; expected three flags fprop/dgrad/wgrad, each on, off, true, false, 1 or 0 (e.g. off/off/on)");
       const fp8_recipe_attr_t attrs[3] = {FP8_RECIPE_OVERRIDE_FPROP, FP8_RECIPE_OVERRIDE_DGRAD, FP8_RECIPE_OVERRIDE_WGRAD};
       for (int i = 0; i < 3; ++i) next.values[static_cast<size_t>(attrs[i])] = parse_value(attrs[i], kOverrideKey, flags[i]);
       continue;

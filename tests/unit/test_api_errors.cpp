@@ -1113,7 +1113,7 @@ TEST(ScalingUpdate, RefusesAStateFromAnotherContext) {
 
 // The refusal names the offending entry by its index, like the NULL-entry and duplicate refusals.
 // Disabled: src/api/scaling_api.cpp passes the literal name "states[i]" to require_same_context.
-TEST(ScalingUpdate, DISABLED_RefusalOfAForeignStateNamesItsIndex) {
+TEST(ScalingUpdate, RefusalOfAForeignStateNamesItsIndex) {
   UpdateFixture f;
   ContextPtr other = cpu_context();
   ScalingPtr foreign = scaling(other.get(), f.r.get());
