@@ -1,5 +1,10 @@
-/* A user's first program: quantize a small matrix on the CPU reference backend and read it back.
- * Built against an installed libfp8, once with pkg-config and once with find_package(fp8). */
+/* A first libfp8 program: quantize a small matrix to E4M3 with a per-tensor scale, read the codes
+ * and the dequantised values back, and check them against the scalar encoder. Runs on the GPU when
+ * there is one that can do FP8, on the CPU reference backend otherwise.
+ *
+ *   cc quantize.c $(pkg-config --cflags --libs fp8) -o quantize && ./quantize
+ *
+ * The test suite builds it against an installed tree with pkg-config and with find_package(fp8). */
 #include <fp8.h>
 #include <stdio.h>
 
@@ -24,8 +29,18 @@ int main(void) {
   char text[512];
   int i;
 
+  int32_t devices = 0;
+  fp8_device_info_t info;
+
   if (fp8_version_number() != FP8_VERSION_NUMBER) return 1;
-  CHECK(fp8_context_create(&ctx, FP8_DEVICE_CPU));
+  fp8_device_info_init(&info);
+  CHECK(fp8_device_count(&devices));
+  if (devices > 0 && fp8_device_query(0, &info) == FP8_OK && info.fp8_gemm) {
+    CHECK(fp8_context_create(&ctx, 0));
+  } else {
+    CHECK(fp8_context_create(&ctx, FP8_DEVICE_CPU));
+    CHECK(fp8_device_query(FP8_DEVICE_CPU, &info));
+  }
   CHECK(fp8_recipe_create(&recipe));
   CHECK(fp8_recipe_parse(recipe, "fp8_format=E4M3, margin=0"));
   CHECK(fp8_recipe_to_string(recipe, text, sizeof text, NULL));
@@ -39,7 +54,7 @@ int main(void) {
   CHECK(fp8_dequantize(ctx, q, back));
   CHECK(fp8_tensor_copy_to_host(q, codes, sizeof codes));
   CHECK(fp8_tensor_copy_to_host(back, out, sizeof out));
-  printf("libfp8 %s, recipe: %s\n", fp8_version_string(), text);
+  printf("libfp8 %s on %s\nrecipe: %s\n", fp8_version_string(), info.name, text);
   for (i = 0; i < 8; ++i) {
     printf("%g -> 0x%02x -> %g\n", data[i], codes[i], out[i]);
     if (codes[i] != fp8_encode(data[i] * 4.0f, FP8_DTYPE_E4M3)) return 1;
