@@ -1,0 +1,46 @@
+"""The ctypes binding against the real library on the CPU reference backend (run by CTest)."""
+import sys
+import unittest
+
+import fp8
+
+
+class BindingTest(unittest.TestCase):
+    def test_recipe_text_round_trips_and_refusals_raise_with_the_message(self):
+        r = fp8.Recipe("fp8_format=E4M3, margin=1")
+        self.assertEqual(r[fp8.RECIPE_MARGIN], 1)
+        self.assertIn("fp8_format=E4M3", str(r))
+        self.assertEqual(str(fp8.Recipe(str(r))), str(r))
+        with self.assertRaises(fp8.Fp8Error) as err:
+            r.parse("fp8_format=E5M2")
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_ARGUMENT")
+        self.assertIn("E4M3, HYBRID", str(err.exception))
+
+    def test_quantize_transpose_and_dequantize(self):
+        ctx, recipe = fp8.Context(), fp8.Recipe()
+        values = [0.5, -1.25, 3.0, 100.0, -7.5, 0.001]
+        x = fp8.Tensor(ctx, fp8.F32, (2, 3))
+        q, qt, back = fp8.Tensor(ctx, fp8.E4M3, (2, 3)), fp8.Tensor(ctx, fp8.E4M3, (3, 2)), fp8.Tensor(ctx, fp8.F32, (2, 3))
+        s = fp8.Scaling(ctx, recipe)
+        s.set_scale(4.0)
+        x.write_floats(values)
+        fp8.quantize(ctx, x, q, s, out_transposed=qt)
+        codes = q.read()
+        self.assertEqual(list(codes), [fp8.encode(v * 4.0) for v in values])
+        self.assertEqual(qt.read(), bytes([codes[0], codes[3], codes[1], codes[4], codes[2], codes[5]]))
+        self.assertEqual(q.scale_inv, 0.25)
+        fp8.dequantize(ctx, q, back)
+        self.assertEqual(back.read_floats(), [fp8.decode(c) * 0.25 for c in codes])
+        fp8.scaling_update(ctx, [s], recipe)
+
+    def test_wrong_shape_is_refused_naming_the_argument(self):
+        ctx = fp8.Context()
+        s = fp8.Scaling(ctx, fp8.Recipe())
+        with self.assertRaises(fp8.Fp8Error) as err:
+            fp8.quantize(ctx, fp8.Tensor(ctx, fp8.F32, (2, 3)), fp8.Tensor(ctx, fp8.E4M3, (3, 2)), s)
+        self.assertEqual(err.exception.status_name, "FP8_ERR_SHAPE")
+        self.assertIn("out has shape [3, 2]", str(err.exception))
+
+
+if __name__ == "__main__":
+    sys.exit(0 if unittest.main(exit=False).result.wasSuccessful() else 1)
