@@ -426,6 +426,47 @@ FP8_API fp8_status_t fp8_dequantize(fp8_context_t *ctx, const fp8_tensor_t *in, 
 FP8_API fp8_status_t fp8_amax(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_tensor_t *amax,
                               fp8_scaling_t *scaling);
 
+/* ------------------------------------------------------------------------------------------------
+ * GEMM (cuBLASLt on the GPU; a float64-accumulating loop on the CPU reference backend)
+ *
+ *   D[m][n] = alpha * sa * sb * sum_k A[m][k] * B[n][k]  (+ bias[n])  (+ D[m][n] if accumulate)
+ *
+ * A is [.., k] (viewed as m rows of k), B is [n, k]: both K-major, the "TN" layout FP8 tensor cores
+ * require, so y = x * W^T is fp8_gemm(x, W). sa and sb are the scale_inv of FP8 operands (read from
+ * device memory, no host synchronisation) and 1 for BF16 operands. Combinations:
+ *  - FP8: A and B E4M3 or E5M2 (not both E5M2); D BF16, F32, E4M3 or E5M2; bias BF16.
+ *    FP8 GEMMs need k and n to be multiples of 16 and 16-byte aligned data; other shapes are
+ *    refused with FP8_ERR_SHAPE naming the dimension (pad, or use the BF16 GEMM).
+ *  - BF16 (the high-precision path): A and B BF16; D BF16 or F32; bias of D's dtype.
+ * An FP8 D is written as encode(value * d_scaling.scale); amax(value) (before that scale) is
+ * max-accumulated into d_scaling's history slot 0 and D's scale_inv is set to d_scaling's
+ * scale_inv. accumulate is refused for an FP8 D. Results agree with the CPU reference within
+ * accumulation-order rounding (and one FP8 step for an FP8 D).
+ * --------------------------------------------------------------------------------------------- */
+
+/** GEMM options. Versioned: fp8_gemm_options_init sets struct_size and the defaults. */
+typedef struct fp8_gemm_options {
+  uint32_t struct_size;      /**< [in] sizeof(fp8_gemm_options_t) */
+  float alpha;               /**< multiplies the product; default 1 */
+  int32_t accumulate;        /**< 1: add the product to D (gradient accumulation); default 0 */
+  int32_t fast_accumulation; /**< 1: FP8 tensor-core fast accumulation (faster, less precise; TE
+                                  uses it for the forward GEMM); default 0 */
+} fp8_gemm_options_t;
+
+/** Sets struct_size and the defaults listed above. */
+FP8_API void fp8_gemm_options_init(fp8_gemm_options_t *options);
+
+/**
+ * D = A * B^T as described above. [in] bias (may be NULL): 1-D of n elements. [in,out] d: [m, n]
+ * (2-D). [in,out] d_scaling: required for an FP8 D (of D's dtype), must be NULL otherwise.
+ * [in] options: NULL for the defaults. Asynchronous; uses the context's workspace, so calls on one
+ * context must not overlap (they do not: they share its stream). cuBLASLt's choice of algorithm is
+ * cached per shape and type combination.
+ */
+FP8_API fp8_status_t fp8_gemm(fp8_context_t *ctx, const fp8_tensor_t *a, const fp8_tensor_t *b,
+                              const fp8_tensor_t *bias, fp8_tensor_t *d, fp8_scaling_t *d_scaling,
+                              const fp8_gemm_options_t *options);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -35,6 +35,7 @@ class Backend {
   virtual void dequantize(const DequantizeJob& job) = 0;
   virtual void amax(const AmaxJob& job) = 0;
   virtual void scaling_update(const ScalingUpdateJob& job) = 0;
+  virtual void gemm(const GemmJob& job) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

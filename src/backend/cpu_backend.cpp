@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #include "backend/backend.hpp"
 #include "core/error.hpp"
@@ -27,6 +28,12 @@ void store_wide(void* p, fp8_dtype_t dt, int64_t i, float v) {
     case FP8_DTYPE_F16: static_cast<uint16_t*>(p)[i] = float_to_f16(v); break;
     default: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
   }
+}
+
+// An operand element: FP8 decoded, BF16 widened.
+double load_operand(const void* p, fp8_dtype_t dt, int64_t i) {
+  if (dt == FP8_DTYPE_BF16) return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  return decode_fp8(static_cast<const uint8_t*>(p)[i], dt == FP8_DTYPE_E5M2);
 }
 
 void max_into(float* slot, uint32_t abs) {
@@ -106,6 +113,41 @@ class CpuBackend final : public Backend {
       }
       for (int32_t k = j.history_len - 1; k > 0; --k) hist[k] = hist[k - 1];
       hist[0] = 0.0f;
+    }
+  }
+
+  void gemm(const GemmJob& j) override {
+    // Operands widened once to double; the sum is exact enough to be the reference for cuBLASLt.
+    std::vector<double> a(static_cast<size_t>(j.m * j.k)), b(static_cast<size_t>(j.n * j.k));
+    for (int64_t i = 0; i < j.m * j.k; ++i) a[static_cast<size_t>(i)] = load_operand(j.a, j.a_dtype, i);
+    for (int64_t i = 0; i < j.n * j.k; ++i) b[static_cast<size_t>(i)] = load_operand(j.b, j.b_dtype, i);
+    const double scale = static_cast<double>(j.alpha) * (j.a_scale_inv ? *j.a_scale_inv : 1.0f) *
+                         (j.b_scale_inv ? *j.b_scale_inv : 1.0f);
+    const bool fp8_out = j.d_state != nullptr;
+    const float d_scale = fp8_out ? j.d_state->scale : 1.0f;
+    uint32_t amax = 0;
+    for (int64_t r = 0; r < j.m; ++r) {
+      for (int64_t c = 0; c < j.n; ++c) {
+        double acc = 0.0;
+        const double* ar = &a[static_cast<size_t>(r * j.k)];
+        const double* bc = &b[static_cast<size_t>(c * j.k)];
+        for (int64_t k = 0; k < j.k; ++k) acc += ar[k] * bc[k];
+        double v = scale * acc;
+        if (j.bias) v += load_wide(j.bias, j.bias_dtype, c);
+        const int64_t i = r * j.n + c;
+        if (j.accumulate) v += load_wide(j.d, j.d_dtype, i);
+        const float value = static_cast<float>(v);
+        if (fp8_out) {
+          amax = std::max(amax, abs_bits(value));
+          static_cast<uint8_t*>(j.d)[i] = encode_fp8(value * d_scale, j.d_dtype == FP8_DTYPE_E5M2);
+        } else {
+          store_wide(j.d, j.d_dtype, i, value);
+        }
+      }
+    }
+    if (fp8_out) {
+      max_into(scaling_history(j.d_state), amax);
+      *j.d_scale_inv = j.d_state->scale_inv;
     }
   }
 };

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "backend/backend.hpp"
+#include "backend/cublaslt_gemm.hpp"
 #include "core/error.hpp"
 #include "kernels/launch.hpp"
 
@@ -47,6 +48,15 @@ class CudaBackend final : public Backend {
       fail(FP8_ERR_UNSUPPORTED, "device ", device, " (", prop.name, ") has compute capability ", prop.major, ".",
            prop.minor, "; FP8 needs 8.9 or newer (Ada, Hopper, Blackwell)");
     limits_ = {device, prop.multiProcessorCount};
+    DeviceScope scope(device);
+    gemm_ = std::make_unique<CublasLtGemm>(device);
+  }
+  ~CudaBackend() override {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(limits_.device);
+    gemm_.reset();
+    cudaSetDevice(previous);
   }
 
   int32_t device() const override { return limits_.device; }
@@ -125,10 +135,15 @@ class CudaBackend final : public Backend {
       kernels::scaling_update(part, stream_);
     }
   }
+  void gemm(const GemmJob& job) override {
+    DeviceScope scope(limits_.device);
+    gemm_->run(job, stream_);
+  }
 
  private:
   kernels::LaunchLimits limits_{};
   cudaStream_t stream_ = nullptr;
+  std::unique_ptr<CublasLtGemm> gemm_;
 };
 
 }  // namespace

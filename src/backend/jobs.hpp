@@ -56,4 +56,24 @@ struct ScalingUpdateJob {
   bool algo_max;  // false: most_recent
 };
 
+// d[m][n] = alpha * sa * sb * sum_k a[m][k] * b[n][k] (+ bias[n]) (+ d if accumulate); an FP8 d
+// is encode(value * d_state.scale) with amax(value) max-accumulated into d_state's slot 0.
+struct GemmJob {
+  const void* a;
+  const void* b;
+  fp8_dtype_t a_dtype, b_dtype;  // both FP8, or both BF16
+  const float* a_scale_inv;      // FP8 operands: device scalars; nullptr for BF16
+  const float* b_scale_inv;
+  int64_t m, n, k;
+  const void* bias;  // nullptr or n elements of bias_dtype
+  fp8_dtype_t bias_dtype;
+  void* d;
+  fp8_dtype_t d_dtype;
+  ScalingHeader* d_state;  // FP8 d only
+  float* d_scale_inv;      // FP8 d only: receives d_state.scale_inv
+  float alpha;
+  bool accumulate;
+  bool fast_accumulation;
+};
+
 }  // namespace fp8

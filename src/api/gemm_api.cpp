@@ -1,0 +1,128 @@
+// GEMM: the checks that make every refusal say which argument and dimension, then one job.
+#include <algorithm>
+#include <utility>
+
+#include "api/guard.hpp"
+
+using fp8::guard;
+using fp8::require_arg;
+
+namespace {
+
+void require_16(int64_t value, const char* what) {
+  if (value % 16 != 0)
+    fp8::fail(FP8_ERR_SHAPE, what, " = ", value,
+              " is not a multiple of 16, which FP8 GEMMs need; pad it or use the BF16 GEMM");
+}
+
+void require_aligned(const fp8_tensor* t, const char* name) {
+  if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0)
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, "'s data is not 16-byte aligned, which FP8 GEMMs need");
+}
+
+}  // namespace
+
+extern "C" {
+
+FP8_API void fp8_gemm_options_init(fp8_gemm_options_t* options) {
+  if (!options) return;
+  *options = fp8_gemm_options_t{};
+  options->struct_size = sizeof *options;
+  options->alpha = 1.0f;
+}
+
+FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const fp8_tensor_t* b,
+                              const fp8_tensor_t* bias, fp8_tensor_t* d, fp8_scaling_t* d_scaling,
+                              const fp8_gemm_options_t* options) {
+  return guard("fp8_gemm", [&] {
+    require_arg(ctx, "ctx");
+    require_arg(a, "a");
+    require_arg(b, "b");
+    require_arg(d, "d");
+    fp8_gemm_options_t opts;
+    fp8_gemm_options_init(&opts);
+    if (options) {
+      constexpr size_t v1_size = offsetof(fp8_gemm_options_t, fast_accumulation) + sizeof(int32_t);
+      fp8::require_struct_size(options, v1_size, "options", "fp8_gemm_options_init");
+      std::memcpy(&opts, options, std::min<size_t>(options->struct_size, sizeof opts));
+    }
+    for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"}, {b, "b"}, {d, "d"}, {bias, "bias"}})
+      if (t) fp8::require_same_context(ctx, t, name);
+    if (d_scaling) fp8::require_same_context(ctx, d_scaling, "d_scaling");
+
+    const bool fp8_in = fp8::dtype_is_fp8(a->dtype);
+    if (fp8_in) {
+      fp8::require_fp8(b, "b");
+      if (a->dtype == FP8_DTYPE_E5M2 && b->dtype == FP8_DTYPE_E5M2)
+        fp8::fail(FP8_ERR_DTYPE, "a and b are both e5m2; FP8 GEMMs take e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3");
+    } else if (a->dtype != FP8_DTYPE_BF16 || b->dtype != FP8_DTYPE_BF16) {
+      fp8::fail(FP8_ERR_DTYPE, "a has dtype ", fp8::dtype_name(a->dtype), " and b ", fp8::dtype_name(b->dtype),
+                "; expected both FP8 (e4m3/e5m2) or both bf16");
+    }
+    const bool fp8_out = fp8::dtype_is_fp8(d->dtype);
+    if (fp8_out ? !fp8_in : (d->dtype != FP8_DTYPE_BF16 && d->dtype != FP8_DTYPE_F32))
+      fp8::fail(FP8_ERR_DTYPE, "d has dtype ", fp8::dtype_name(d->dtype), "; expected ",
+                fp8_in ? "bf16, f32, e4m3 or e5m2" : "bf16 or f32", " for ", fp8_in ? "FP8" : "bf16", " operands");
+
+    const int64_t k = a->cols(), m = a->rows();
+    if (a->ndim < 2) fp8::fail(FP8_ERR_SHAPE, "a has shape ", fp8::shape_string(a->ndim, a->shape), "; expected [.., m, k]");
+    if (b->ndim != 2 || b->shape[1] != k)
+      fp8::fail(FP8_ERR_SHAPE, "b has shape ", fp8::shape_string(b->ndim, b->shape), ", expected [n, ", k,
+                "] (k = the last dimension of a)");
+    const int64_t n = b->shape[0];
+    const int64_t want_d[2] = {m, n};
+    if (d->ndim != 2 || d->shape[0] != m || d->shape[1] != n)
+      fp8::fail(FP8_ERR_SHAPE, "d has shape ", fp8::shape_string(d->ndim, d->shape), ", expected ",
+                fp8::shape_string(2, want_d), " (m rows of a, n rows of b)");
+    if (bias) {
+      const fp8_dtype_t want = fp8_in ? FP8_DTYPE_BF16 : d->dtype;
+      if (bias->dtype != want)
+        fp8::fail(FP8_ERR_DTYPE, "bias has dtype ", fp8::dtype_name(bias->dtype), "; expected ", fp8::dtype_name(want));
+      if (bias->ndim != 1 || bias->shape[0] != n)
+        fp8::fail(FP8_ERR_SHAPE, "bias has shape ", fp8::shape_string(bias->ndim, bias->shape), ", expected [", n, "]");
+    }
+    if (fp8_out) {
+      if (!d_scaling) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "argument 'd_scaling' is NULL; an FP8 d needs one");
+      if (d_scaling->dtype != d->dtype)
+        fp8::fail(FP8_ERR_DTYPE, "d has dtype ", fp8::dtype_name(d->dtype), " but d_scaling quantizes to ",
+                  fp8::dtype_name(d_scaling->dtype));
+      if (opts.accumulate) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->accumulate = 1 with an FP8 d; expected 0");
+    } else if (d_scaling) {
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "d_scaling is given but d has dtype ", fp8::dtype_name(d->dtype),
+                "; expected NULL (only an FP8 d is scaled)");
+    }
+    if (fp8_in) {
+      require_16(k, "k (the last dimension of a and b)");
+      require_16(n, "n (the rows of b)");
+      for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"}, {b, "b"}, {d, "d"}, {bias, "bias"}})
+        if (t) require_aligned(t, name);
+    }
+    fp8::require_disjoint(d, "d", a, "a");
+    fp8::require_disjoint(d, "d", b, "b");
+    if (bias) fp8::require_disjoint(d, "d", bias, "bias");
+
+    fp8::GemmJob job{};
+    job.a = a->data;
+    job.b = b->data;
+    job.a_dtype = a->dtype;
+    job.b_dtype = b->dtype;
+    job.a_scale_inv = fp8_in ? a->scale_inv : nullptr;
+    job.b_scale_inv = fp8_in ? b->scale_inv : nullptr;
+    job.m = m;
+    job.n = n;
+    job.k = k;
+    job.bias = bias ? bias->data : nullptr;
+    job.bias_dtype = bias ? bias->dtype : FP8_DTYPE_BF16;
+    job.d = d->data;
+    job.d_dtype = d->dtype;
+    job.d_state = fp8_out ? d_scaling->state : nullptr;
+    job.d_scale_inv = fp8_out ? d->scale_inv : nullptr;
+    job.alpha = opts.alpha;
+    job.accumulate = opts.accumulate != 0;
+    job.fast_accumulation = opts.fast_accumulation != 0;
+    if (m == 0 || n == 0) return;  // nothing to compute
+    ctx->backend->gemm(job);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,142 @@
+#include "backend/cublaslt_gemm.hpp"
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "kernels/launch.hpp"
+
+namespace fp8 {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // what cuBLAS recommends for Hopper
+
+void check(cublasStatus_t st, const char* what) {
+  if (st == CUBLAS_STATUS_SUCCESS) return;
+  fail(st == CUBLAS_STATUS_NOT_SUPPORTED ? FP8_ERR_UNSUPPORTED : FP8_ERR_CUBLAS, what, " failed: ",
+       cublasLtGetStatusName(st), " (", cublasLtGetStatusString(st), ")");
+}
+
+cudaDataType_t cuda_type(fp8_dtype_t dt) {
+  switch (dt) {
+    case FP8_DTYPE_F32: return CUDA_R_32F;
+    case FP8_DTYPE_F16: return CUDA_R_16F;
+    case FP8_DTYPE_BF16: return CUDA_R_16BF;
+    case FP8_DTYPE_E4M3: return CUDA_R_8F_E4M3;
+    default: return CUDA_R_8F_E5M2;
+  }
+}
+
+template <typename T>
+void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  check(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof value), "cublasLtMatmulDescSetAttribute");
+}
+
+}  // namespace
+
+CublasLtGemm::CublasLtGemm(int device) {
+  (void)device;  // the caller has made it current
+  check(cublasLtCreate(&handle_), "cublasLtCreate");
+  try {
+    kernels::cuda_check(cudaMalloc(&workspace_, kWorkspaceBytes), "cudaMalloc of the GEMM workspace");
+    kernels::cuda_check(cudaMalloc(reinterpret_cast<void**>(&amax_), sizeof(float)), "cudaMalloc of the GEMM amax");
+  } catch (...) {
+    cudaFree(workspace_);
+    cublasLtDestroy(handle_);
+    throw;
+  }
+}
+
+CublasLtGemm::~CublasLtGemm() {
+  for (auto& [key, plan] : plans_) destroy(plan);
+  cudaFree(amax_);
+  cudaFree(workspace_);
+  cublasLtDestroy(handle_);
+}
+
+void CublasLtGemm::destroy(Plan& p) noexcept {
+  if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+  for (auto* layout : {p.a, p.b, p.c, p.d})
+    if (layout) cublasLtMatrixLayoutDestroy(layout);
+}
+
+// Row-major D[m][n] = A[m][k] * B[n][k]^T is, in cuBLASLt's column-major terms,
+// D'(n x m) = B'(k x n)^T * A'(k x m): cuBLASLt's "A" is our B (transposed), its "B" is our A.
+CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
+  const Key key{j.m, j.n, j.k, j.a_dtype, j.b_dtype, j.d_dtype, j.bias ? j.bias_dtype : -1, j.accumulate,
+                j.fast_accumulation};
+  auto found = plans_.find(key);
+  if (found != plans_.end()) return found->second;
+
+  Plan p;
+  try {
+    const bool fp8_in = dtype_is_fp8(j.a_dtype);
+    const bool fp8_out = dtype_is_fp8(j.d_dtype);
+    check(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+    set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+    set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+    if (fp8_in) set(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(j.fast_accumulation));
+    if (j.bias) {
+      set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+      set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(cuda_type(j.bias_dtype)));
+    }
+    check(cublasLtMatrixLayoutCreate(&p.a, cuda_type(j.b_dtype), static_cast<uint64_t>(j.k), static_cast<uint64_t>(j.n), j.k),
+          "cublasLtMatrixLayoutCreate");
+    check(cublasLtMatrixLayoutCreate(&p.b, cuda_type(j.a_dtype), static_cast<uint64_t>(j.k), static_cast<uint64_t>(j.m), j.k),
+          "cublasLtMatrixLayoutCreate");
+    // C is only read when accumulating (beta = 1); an FP8 D takes a BF16 C, as cuBLASLt requires.
+    const fp8_dtype_t c_dtype = fp8_out ? FP8_DTYPE_BF16 : j.d_dtype;
+    check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(c_dtype), static_cast<uint64_t>(j.n), static_cast<uint64_t>(j.m), j.n),
+          "cublasLtMatrixLayoutCreate");
+    check(cublasLtMatrixLayoutCreate(&p.d, cuda_type(j.d_dtype), static_cast<uint64_t>(j.n), static_cast<uint64_t>(j.m), j.n),
+          "cublasLtMatrixLayoutCreate");
+    if (fp8_out) {
+      // The heuristic must see that scale and amax pointers will be set.
+      set(p.desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void*>(amax_));
+      set(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void*>(amax_));
+    }
+    if (fp8_in) {
+      set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(amax_));
+      set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(amax_));
+    }
+
+    cublasLtMatmulPreference_t pref = nullptr;
+    check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+    const uint64_t ws = kWorkspaceBytes;
+    cublasLtMatmulHeuristicResult_t result{};
+    int found_count = 0;
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.d, pref, 1, &result, &found_count);
+    cublasLtMatmulPreferenceDestroy(pref);
+    check(st, "cublasLtMatmulAlgoGetHeuristic");
+    if (found_count == 0)
+      fail(FP8_ERR_UNSUPPORTED, "cuBLASLt has no kernel for ", dtype_name(j.a_dtype), " x ", dtype_name(j.b_dtype),
+           " -> ", dtype_name(j.d_dtype), " at m=", j.m, " n=", j.n, " k=", j.k, " on this device");
+    p.algo = result.algo;
+  } catch (...) {
+    destroy(p);
+    throw;
+  }
+  return plans_.emplace(key, p).first->second;
+}
+
+void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
+  Plan& p = plan_for(j);
+  const bool fp8_out = dtype_is_fp8(j.d_dtype);
+  if (dtype_is_fp8(j.a_dtype)) {
+    set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(j.b_scale_inv));
+    set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(j.a_scale_inv));
+  }
+  if (fp8_out) {
+    set(p.desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void*>(&j.d_state->scale));
+    set(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void*>(amax_));
+  }
+  if (j.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, j.bias);
+  const float alpha = j.alpha, beta = j.accumulate ? 1.0f : 0.0f;
+  check(cublasLtMatmul(handle_, p.desc, &alpha, j.b, p.a, j.a, p.b, &beta, j.d, p.c, j.d, p.d, &p.algo, workspace_,
+                       kWorkspaceBytes, stream),
+        "cublasLtMatmul");
+  if (fp8_out) kernels::gemm_fp8_output_epilogue(amax_, j.d_state, j.d_scale_inv, stream);
+}
+
+}  // namespace fp8
