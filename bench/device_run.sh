@@ -31,8 +31,11 @@ echo "build: $(( $(date +%s) - t0 )) s"
 [ "${RUN_TESTS:-1}" = 1 ] && ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 
 build/device/bench/bench_quantize "$OUT/bench_quantize.json" 2>&1 | tee -a "$OUT/run.log"
+build/device/bench/bench_gemm "$OUT/bench_gemm.json" 2>&1 | tee -a "$OUT/run.log"
 [ "${RUN_PEER:-1}" = 1 ] || exit 0
+PYTHONUNBUFFERED=1 python3 bench/peer_gemm.py "$OUT/peer_gemm.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
 PYTHONUNBUFFERED=1 python3 bench/peer_quantize.py "$OUT/peer_quantize.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
 echo
 [ -f "$OUT/gpu_tests.log" ] && grep -E "tests passed|tests failed|Skipped|Failed|Passed" "$OUT/gpu_tests.log" | tail -6
-python3 bench/report.py "$OUT/bench_quantize.json" "$OUT/peer_quantize.json" | tee "$OUT/table.md"
+{ python3 bench/report.py "$OUT/bench_quantize.json" "$OUT/peer_quantize.json"; echo;
+  python3 bench/report_gemm.py "$OUT/bench_gemm.json" "$OUT/peer_gemm.json"; } | tee "$OUT/table.md"
