@@ -16,7 +16,8 @@
  *   message is per thread.
  * - A context owns one CUDA stream (the legacy default stream unless fp8_context_set_stream says
  *   otherwise). Calls marked "asynchronous" only queue work on that stream: they never wait for the
- *   GPU, never allocate, and can be captured in a CUDA graph. A fault inside such work is reported
+ *   GPU, never allocate device memory, and can be captured in a CUDA graph. fp8_context_set_stream
+ *   orders the new stream after the work already queued on the old one. A fault inside such work is reported
  *   by a later call or by fp8_context_synchronize. Calls marked "synchronous" return after the work
  *   is done.
  * - On the CPU reference backend (device FP8_DEVICE_CPU) every call runs to completion before it
@@ -30,8 +31,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#if defined(_WIN32)
+#if defined(_WIN32) && defined(FP8_BUILDING)
+#define FP8_API __declspec(dllexport)
+#elif defined(_WIN32) && !defined(FP8_STATIC)
 #define FP8_API __declspec(dllimport)
+#elif defined(_WIN32)
+#define FP8_API
 #elif defined(__GNUC__)
 #define FP8_API __attribute__((visibility("default")))
 #else
@@ -303,8 +308,8 @@ FP8_API fp8_status_t fp8_tensor_create(fp8_tensor_t **out, fp8_context_t *ctx, f
 /**
  * Creates a tensor over memory the caller owns and keeps alive while the tensor exists: device
  * memory of the context's device on a CUDA context (checked; FP8_ERR_INVALID_ARGUMENT otherwise),
- * host memory on the CPU backend. `data` must be aligned to the dtype's size; it may be NULL only
- * when the tensor is empty. Any alignment works; 16-byte aligned data takes the fastest paths.
+ * host memory on the CPU backend. `data` must be aligned to the dtype's size (16-byte aligned data
+ * takes the fastest paths); it may be NULL only when the tensor is empty.
  */
 FP8_API fp8_status_t fp8_tensor_wrap(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
                                      int32_t ndim, const int64_t *shape, void *data);
@@ -336,8 +341,9 @@ FP8_API fp8_status_t fp8_tensor_set_scale_inv(fp8_tensor_t *tensor, float scale_
  * Delayed scaling state of one tensor (TransformerEngine's DelayedScaling, per tensor)
  *
  * It holds, in device memory: scale (1.0 at creation), scale_inv = 1/scale, an amax history of
- * amax_history_len slots (zeros at creation), and a count of non-finite amaxes seen. On the host it
- * keeps the FP8 dtype it scales for and the number of updates so far.
+ * amax_history_len slots (zeros at creation), the number of updates so far and a count of
+ * non-finite amaxes seen. On the host it keeps the FP8 dtype it scales for. Because the whole rule
+ * runs on the device, a CUDA graph that captured an update replays it correctly, interval included.
  *
  * During a step, fp8_quantize and fp8_amax max-accumulate the amax of their input into history slot
  * 0. fp8_scaling_update then, for each state:
@@ -372,6 +378,7 @@ typedef struct fp8_scaling_info {
   float scale_inv;            /**< 1/scale: multiply FP8 values by this to dequantise */
   float amax;                 /**< history slot 0: the amax accumulated since the last update */
   int32_t amax_history_len;   /**< slots in the history */
+  int32_t reserved;           /**< 0; keeps the 64-bit fields 8-byte aligned on every ABI */
   int64_t update_count;       /**< fp8_scaling_update calls that included this state */
   int64_t nonfinite_count;    /**< updates whose amax was NaN or infinite */
 } fp8_scaling_info_t;

@@ -3,6 +3,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "core/error.hpp"
@@ -20,14 +21,15 @@ void cuda_check(cudaError_t err, const char* what) {
 int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count, bool balanced) {
   // The occupancy query costs microseconds, so it runs once per kernel and block size.
   static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> cache;
-  int per_sm = 0;
+  static std::map<std::tuple<const void*, int, int>, int> cache;  // (kernel, threads, device)
+  int per_sm = 0, device = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
   {
     std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find({kernel, threads});
+    auto it = cache.find({kernel, threads, device});
     if (it == cache.end()) {
       cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0), "occupancy query");
-      it = cache.emplace(std::make_pair(kernel, threads), per_sm).first;
+      it = cache.emplace(std::make_tuple(kernel, threads, device), per_sm).first;
     }
     per_sm = it->second;
   }

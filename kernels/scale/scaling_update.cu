@@ -13,11 +13,10 @@ constexpr int kThreads = 256;
 struct ScalingBatch {
   ScalingHeader* state[kScalingBatch];
   float fp8_max_scaled[kScalingBatch];
-  int8_t recompute[kScalingBatch];
 };
 
 __global__ void __launch_bounds__(kThreads) scaling_update_kernel(const __grid_constant__ ScalingBatch batch,
-                                                                  int32_t history_len, bool algo_max) {
+                                                                  int32_t history_len, int64_t interval, bool algo_max) {
   __shared__ uint32_t warp_max[kThreads / 32];
   ScalingHeader* h = batch.state[blockIdx.x];
   float* hist = scaling_history(h);
@@ -44,9 +43,12 @@ __global__ void __launch_bounds__(kThreads) scaling_update_kernel(const __grid_c
   }
 
   // 3. The new scale on recompute steps.
-  if (tid == 0 && batch.recompute[blockIdx.x]) {
-    h->scale = next_scale(bits_float(a), batch.fp8_max_scaled[blockIdx.x], h->scale);
-    h->scale_inv = 1.0f / h->scale;
+  if (tid == 0) {
+    if (scaling_recomputes(h->update_count, interval)) {
+      h->scale = next_scale(bits_float(a), batch.fp8_max_scaled[blockIdx.x], h->scale);
+      h->scale_inv = 1.0f / h->scale;
+    }
+    ++h->update_count;
   }
   __syncthreads();
 
@@ -69,9 +71,8 @@ void scaling_update(const ScalingUpdateJob& j, cudaStream_t stream) {
   for (int32_t i = 0; i < j.count; ++i) {
     batch.state[i] = j.items[i].state;
     batch.fp8_max_scaled[i] = j.items[i].fp8_max_scaled;
-    batch.recompute[i] = static_cast<int8_t>(j.items[i].recompute);
   }
-  scaling_update_kernel<<<j.count, kThreads, 0, stream>>>(batch, j.history_len, j.algo_max);
+  scaling_update_kernel<<<j.count, kThreads, 0, stream>>>(batch, j.history_len, j.interval, j.algo_max);
   cuda_check(cudaGetLastError(), "scaling_update kernel launch");
 }
 

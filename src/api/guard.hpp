@@ -13,23 +13,32 @@
 
 namespace fp8 {
 
-// Runs `body`; turns any exception into a status and the per-thread message "fn: what".
+// Sets the per-thread message "fn: what", falling back to a static one if even that allocation fails.
+inline void report(const char* fn, const char* what) noexcept {
+  try {
+    set_last_error(std::string(fn) + ": " + what);
+  } catch (...) {
+    set_last_error_static("out of host memory while reporting an error");
+  }
+}
+
+// Runs `body`; turns any exception into a status and the per-thread message.
 template <typename F>
 fp8_status_t guard(const char* fn, F&& body) noexcept {
   try {
     body();
     return FP8_OK;
   } catch (const Error& e) {
-    set_last_error(std::string(fn) + ": " + e.what());
+    report(fn, e.what());
     return e.status();
   } catch (const std::bad_alloc&) {
-    set_last_error(std::string(fn) + ": out of host memory");
+    report(fn, "out of host memory");
     return FP8_ERR_OUT_OF_MEMORY;
   } catch (const std::exception& e) {
-    set_last_error(std::string(fn) + ": internal error: " + e.what());
+    report(fn, (std::string("internal error: ") + e.what()).c_str());
     return FP8_ERR_INTERNAL;
   } catch (...) {
-    set_last_error(std::string(fn) + ": internal error (unknown exception)");
+    report(fn, "internal error (unknown exception)");
     return FP8_ERR_INTERNAL;
   }
 }

@@ -59,8 +59,8 @@ FP8_API fp8_status_t fp8_scaling_get_info(const fp8_scaling_t* scaling, fp8_scal
     result.scale = h.scale;
     result.scale_inv = h.scale_inv;
     result.amax_history_len = scaling->history_len;
-    result.update_count = scaling->update_count;
-    result.nonfinite_count = h.nonfinite_count;
+    result.update_count = static_cast<int64_t>(h.update_count);
+    result.nonfinite_count = static_cast<int64_t>(h.nonfinite_count);
     fp8::write_versioned(info, result);
   });
 }
@@ -107,12 +107,10 @@ FP8_API fp8_status_t fp8_scaling_update(fp8_context_t* ctx, fp8_scaling_t* const
                   "; the recipe says ", history_len);
       if (!seen.insert(s).second)
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] appears twice; expected each state once per update");
-      items[static_cast<size_t>(i)] = {s->state, fp8::scaled_fp8_max(s->dtype == FP8_DTYPE_E5M2, margin),
-                                       s->update_count % interval == 0 ? 1 : 0};
+      items[static_cast<size_t>(i)] = {s->state, fp8::scaled_fp8_max(s->dtype == FP8_DTYPE_E5M2, margin)};
     }
-    ctx->backend->scaling_update(
-        {items.data(), count, static_cast<int32_t>(history_len), r.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
-    for (int32_t i = 0; i < count; ++i) ++states[i]->update_count;
+    ctx->backend->scaling_update({items.data(), count, static_cast<int32_t>(history_len), interval,
+                                  r.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
   });
 }
 

@@ -75,7 +75,7 @@ class CpuBackend final : public Backend {
         amax = std::max(amax, abs_bits(x));
         const uint8_t q = encode_fp8(x * scale, j.e5m2);
         j.out[r * j.cols + c] = q;
-        if (j.out_t) j.out_t[c * j.rows + r] = q;
+        if (j.out_t_scale_inv) j.out_t[c * j.rows + r] = q;
       }
     }
     max_into(scaling_history(j.state), amax);
@@ -107,10 +107,11 @@ class CpuBackend final : public Backend {
       uint32_t a = float_bits(hist[0]);
       if (j.algo_max)
         for (int32_t k = 1; k < j.history_len; ++k) a = std::max(a, float_bits(hist[k]));
-      if (item.recompute) {
+      if (scaling_recomputes(h->update_count, j.interval)) {
         h->scale = next_scale(bits_float(a), item.fp8_max_scaled, h->scale);
         h->scale_inv = 1.0f / h->scale;
       }
+      ++h->update_count;
       for (int32_t k = j.history_len - 1; k > 0; --k) hist[k] = hist[k - 1];
       hist[0] = 0.0f;
     }

@@ -133,8 +133,9 @@ void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
   }
   if (j.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, j.bias);
   const float alpha = j.alpha, beta = j.accumulate ? 1.0f : 0.0f;
-  check(cublasLtMatmul(handle_, p.desc, &alpha, j.b, p.a, j.a, p.b, &beta, j.d, p.c, j.d, p.d, &p.algo, workspace_,
-                       kWorkspaceBytes, stream),
+  // An FP8 D is never accumulated into, and cuBLASLt wants no C then (C = D would need C's type).
+  check(cublasLtMatmul(handle_, p.desc, &alpha, j.b, p.a, j.a, p.b, &beta, fp8_out ? nullptr : j.d, p.c, j.d, p.d,
+                       &p.algo, workspace_, kWorkspaceBytes, stream),
         "cublasLtMatmul");
   if (fp8_out) kernels::gemm_fp8_output_epilogue(amax_, j.d_state, j.d_scale_inv, stream);
 }

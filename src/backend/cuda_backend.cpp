@@ -20,6 +20,9 @@ using kernels::cuda_check;
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
+    // A non-sticky error left by earlier, unrelated calls on this thread would otherwise be
+    // reported by our launch checks; sticky faults (a crashed kernel) still surface.
+    (void)cudaGetLastError();
     cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
     if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
   }
@@ -38,7 +41,10 @@ class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int32_t device) {
     int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      (void)cudaGetLastError();
+      count = 0;
+    }
     if (device < 0 || device >= count)
       fail(FP8_ERR_NO_DEVICE, "device ", device, " does not exist; ", count,
            " CUDA device(s) visible, so expected FP8_DEVICE_CPU (-1) or 0..", count - 1);
@@ -105,7 +111,18 @@ class CudaBackend final : public Backend {
            device_memory ? " (it belongs to another device)" : " (it is host memory)");
   }
 
-  void set_stream(CUstream_st* stream) override { stream_ = stream; }
+  // Work already queued on the old stream comes before anything queued on the new one.
+  void set_stream(CUstream_st* stream) override {
+    if (stream == stream_) return;
+    DeviceScope scope(limits_.device);
+    cudaEvent_t done = nullptr;
+    cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    const cudaError_t recorded = cudaEventRecord(done, stream_);
+    const cudaError_t waited = recorded == cudaSuccess ? cudaStreamWaitEvent(stream, done, 0) : recorded;
+    cudaEventDestroy(done);
+    cuda_check(waited, "ordering the new stream after the old one");
+    stream_ = stream;
+  }
   CUstream_st* stream() const override { return stream_; }
   void synchronize() override {
     DeviceScope scope(limits_.device);
@@ -115,7 +132,7 @@ class CudaBackend final : public Backend {
 
   void quantize(const QuantizeJob& job) override {
     DeviceScope scope(limits_.device);
-    if (job.out_t) kernels::cast_transpose(job, limits_, stream_);
+    if (job.out_t_scale_inv) kernels::cast_transpose(job, limits_, stream_);
     else kernels::quantize(job, limits_, stream_);
   }
   void dequantize(const DequantizeJob& job) override {

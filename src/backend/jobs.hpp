@@ -16,11 +16,11 @@ struct QuantizeJob {
   fp8_dtype_t in_dtype;  // F32, F16 or BF16
   int64_t rows, cols;    // the input viewed as a row-major matrix
   uint8_t* out;
-  uint8_t* out_t;  // [cols][rows] or nullptr
+  uint8_t* out_t;  // [cols][rows], or nullptr (also when out_t is requested but empty)
   bool e5m2;
   ScalingHeader* state;
   float* out_scale_inv;
-  float* out_t_scale_inv;  // nullptr when out_t is
+  float* out_t_scale_inv;  // set exactly when a transposed copy is requested
 };
 
 // out[i] = convert(decode(in[i]) * *scale_inv)
@@ -46,13 +46,13 @@ struct AmaxJob {
 struct ScalingUpdateItem {
   ScalingHeader* state;
   float fp8_max_scaled;  // fp8_max * 2^-margin for the state's format
-  int32_t recompute;     // 1 on updates where the interval says the scale is recomputed
 };
 
 struct ScalingUpdateJob {
   const ScalingUpdateItem* items;  // host array
   int32_t count;
   int32_t history_len;
+  int64_t interval;
   bool algo_max;  // false: most_recent
 };
 

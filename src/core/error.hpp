@@ -36,6 +36,7 @@ void require_arg(const T* p, const char* name) {
 
 // The per-thread message behind fp8_last_error_message().
 void set_last_error(const std::string& message);
+void set_last_error_static(const char* message) noexcept;  // no allocation
 const char* last_error();
 
 }  // namespace fp8

@@ -39,7 +39,11 @@ struct fp8_tensor {
   size_t nbytes() const;
   // The tensor as a row-major matrix: cols = last dimension, rows = product of the others.
   int64_t cols() const { return ndim == 0 ? 1 : shape[ndim - 1]; }
-  int64_t rows() const { return cols() == 0 ? 0 : numel / cols(); }
+  int64_t rows() const {
+    int64_t r = 1;
+    for (int32_t i = 0; i + 1 < ndim; ++i) r *= shape[i];
+    return r;
+  }
 };
 
 struct fp8_scaling {
@@ -47,7 +51,6 @@ struct fp8_scaling {
   fp8::ScalingHeader* state = nullptr;  // device memory: header, then the history
   int32_t history_len = 0;
   fp8_dtype_t dtype = FP8_DTYPE_E4M3;
-  int64_t update_count = 0;
 
   fp8_scaling() = default;
   fp8_scaling(const fp8_scaling&) = delete;

@@ -11,14 +11,21 @@
 namespace fp8 {
 
 // One state in device memory: this header, then amax_history_len floats (slot 0 first).
-// Keeping scale and scale_inv next to the history lets one pointer serve every kernel.
+// Keeping scale, scale_inv and the counters next to the history lets one pointer serve every
+// kernel, and keeps the whole rule on the device, so a captured CUDA graph replays it correctly.
 struct ScalingHeader {
   float scale;
   float scale_inv;
-  uint32_t nonfinite_count;
-  uint32_t reserved;
+  uint32_t reserved[2];
+  uint64_t nonfinite_count;  // updates whose amax was NaN or infinite
+  uint64_t update_count;     // updates so far; the interval rule counts these
 };
-static_assert(sizeof(ScalingHeader) == 16, "history must start 16-byte aligned");
+static_assert(sizeof(ScalingHeader) == 32, "history must start 16-byte aligned");
+
+// Step 3 happens on updates number 0, interval, 2*interval, ...
+FP8_HD bool scaling_recomputes(uint64_t update_count, int64_t interval) {
+  return update_count % static_cast<uint64_t>(interval) == 0;
+}
 
 FP8_HD float* scaling_history(ScalingHeader* h) { return reinterpret_cast<float*>(h + 1); }
 

@@ -15,4 +15,5 @@ echo "pkg-config consumer: ok"
 cmake -S "$src_dir" -B "$work/cmake_build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_C_COMPILER="$cc" -DFP8_EXAMPLE="$example" >/dev/null
 cmake --build "$work/cmake_build" >/dev/null
 "$work/cmake_build/consumer"
-echo "find_package consumer: ok"
+"$work/cmake_build/consumer_static"
+echo "find_package consumers (fp8::fp8 and fp8::fp8_static): ok"

@@ -253,6 +253,38 @@ TEST_F(GpuVsCpu, AStepOfCastsAndUpdatesCanBeCapturedInACudaGraph) {
   cudaStreamDestroy(stream);
 }
 
+TEST_F(GpuVsCpu, ACapturedScalingUpdateReplaysTheIntervalRuleOnTheDevice) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  FP8_ASSERT_OK(fp8_context_set_stream(gpu.get(), stream));
+  Recipe r = make_recipe("interval=2, amax_history_len=4");
+  Scaling s = make_scaling(gpu.get(), r.get(), FP8_ROLE_FORWARD);
+  Tensor x = make_tensor(gpu.get(), FP8_DTYPE_F32, {4}), amax = make_tensor(gpu.get(), FP8_DTYPE_F32, {1});
+  fp8_scaling_t* list[1] = {s.get()};
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  EXPECT_EQ(fp8_amax(gpu.get(), x.get(), amax.get(), s.get()), FP8_OK) << fp8_last_error_message();
+  EXPECT_EQ(fp8_scaling_update(gpu.get(), list, 1, r.get()), FP8_OK) << fp8_last_error_message();
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  // Replays 0..3 see amaxes 1, 2, 4, 8; the scale is recomputed on updates 0 and 2 only.
+  const float expected_scale[] = {448.0f / 1, 448.0f / 1, 448.0f / 4, 448.0f / 4};
+  for (int i = 0; i < 4; ++i) {
+    const float v = static_cast<float>(1 << i);
+    upload<float>(x.get(), {v, -v / 2, 0.0f, v / 4});
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    FP8_ASSERT_OK(fp8_context_synchronize(gpu.get()));
+    const fp8_scaling_info_t info = info_of(s.get());
+    EXPECT_EQ(info.scale, expected_scale[i]) << "replay " << i;
+    EXPECT_EQ(info.update_count, i + 1);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  FP8_ASSERT_OK(fp8_context_set_stream(gpu.get(), nullptr));
+  cudaStreamDestroy(stream);
+}
+
 // More than 2^31 elements: 64-bit indexing in every kernel. The CPU reference would take minutes,
 // so the check samples positions (including the very last ones) against the scalar encoder.
 TEST_F(GpuVsCpu, QuantizeHandlesTensorsLargerThan2To31Elements) {

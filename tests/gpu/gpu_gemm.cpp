@@ -142,18 +142,20 @@ TEST_P(GpuGemm, MatchesTheCpuReference) {
   }
 }
 
-// Bounds: f32 output, FP8 products are exact in fp32, so only the summation order differs (1e-5);
-// bf16 output adds one bf16 rounding (2^-9 relative, 5e-3 in norm); fast accumulation loses
-// bits in the tensor cores (1e-3); an FP8 output adds one E4M3/E5M2 rounding (0.07 / 0.13).
+// Bounds. BF16 operands with an f32 output: only the summation order differs (1e-5). FP8 operands:
+// Hopper's FP8 tensor cores add products with fewer than fp32's 24 significant bits and cuBLASLt
+// promotes partial sums to fp32 only periodically (measured on an H100: 3e-5 to 1.3e-4, so 5e-4);
+// fast accumulation never promotes (measured 8.5e-4 at k=2048, so 3e-3). A bf16 output adds one
+// bf16 rounding (5e-3 in norm); an FP8 output one E4M3 rounding (0.07).
 INSTANTIATE_TEST_SUITE_P(
     Cases, GpuGemm,
-    ::testing::Values(Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_F32, 128, 256, 512, false, false, false, 1e-5},
+    ::testing::Values(Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_F32, 128, 256, 512, false, false, false, 5e-4},
                       Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_BF16, 1000, 512, 1024, false, false, false, 5e-3},
                       Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_BF16, 333, 64, 4096, true, false, true, 5e-3},
                       Case{FP8_DTYPE_E5M2, FP8_DTYPE_E4M3, FP8_DTYPE_BF16, 256, 128, 256, true, false, false, 5e-3},
-                      Case{FP8_DTYPE_E4M3, FP8_DTYPE_E5M2, FP8_DTYPE_F32, 96, 160, 272, false, true, false, 1e-5},
-                      Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_F32, 17, 16, 16, true, true, false, 1e-5},
-                      Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_F32, 512, 512, 2048, false, false, true, 1e-3},
+                      Case{FP8_DTYPE_E4M3, FP8_DTYPE_E5M2, FP8_DTYPE_F32, 96, 160, 272, false, true, false, 5e-4},
+                      Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_F32, 17, 16, 16, true, true, false, 5e-4},
+                      Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_F32, 512, 512, 2048, false, false, true, 3e-3},
                       Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, 256, 256, 256, false, false, false, 0.07},
                       Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, 200, 128, 512, true, false, true, 0.07},
                       Case{FP8_DTYPE_BF16, FP8_DTYPE_BF16, FP8_DTYPE_BF16, 300, 200, 100, true, false, false, 5e-3},

@@ -158,6 +158,11 @@ TEST_F(CpuCasts, EmptyTensorsAreValidAndQuantizeToNothing) {
   Scaling s = make_scaling(ctx.get(), recipe.get(), FP8_ROLE_FORWARD);
   FP8_ASSERT_OK(fp8_quantize(ctx.get(), in.get(), out.get(), out_t.get(), s.get()));
   EXPECT_EQ(info_of(s.get()).amax, 0.0f);
+  // An empty last dimension: the matrix view is 5 rows of 0 columns, transposed [0, 5].
+  Tensor in_cols0 = make_tensor(ctx.get(), FP8_DTYPE_F32, {5, 0});
+  Tensor out_cols0 = make_tensor(ctx.get(), FP8_DTYPE_E4M3, {5, 0});
+  Tensor t_cols0 = make_tensor(ctx.get(), FP8_DTYPE_E4M3, {0, 5});
+  FP8_ASSERT_OK(fp8_quantize(ctx.get(), in_cols0.get(), out_cols0.get(), t_cols0.get(), s.get()));
 }
 
 }  // namespace
