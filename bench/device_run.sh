@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
+# RUN_TESTS=0, RUN_BENCH=0 or RUN_PEER=0 leave a stage out.
 # Dependencies missing on the GPU image (GoogleTest, zlib headers) come from .device/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 
 [ "${RUN_TESTS:-1}" = 1 ] && ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 
+[ "${RUN_BENCH:-1}" = 1 ] || exit 0
 build/device/bench/bench_quantize "$OUT/bench_quantize.json" 2>&1 | tee -a "$OUT/run.log"
 build/device/bench/bench_gemm "$OUT/bench_gemm.json" 2>&1 | tee -a "$OUT/run.log"
 [ "${RUN_PEER:-1}" = 1 ] || exit 0
