@@ -36,7 +36,8 @@ struct TileLoads {
 template <fp8_dtype_t DT, bool E5M2>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
-                               uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool aligned,
+                               uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool rows_aligned,
+                               bool cols_aligned,
                                ScalingHeader* state, float* out_scale_inv, float* out_t_scale_inv) {
   __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
   const float scale = state->scale;
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
   const int64_t tiles = ((rows + kTile - 1) / kTile) * tiles_c;
   auto full = [&](int64_t t) {
-    return aligned && (t / tiles_c + 1) * kTile <= rows && (t % tiles_c + 1) * kTile <= cols;
+    return cols_aligned && (t / tiles_c + 1) * kTile <= rows && (t % tiles_c + 1) * kTile <= cols;
   };
   uint32_t amax = 0;
   // Software pipeline: the loads of a block's next tile are in flight while it writes the
@@ -75,7 +76,9 @@ __global__ void __launch_bounds__(kThreads)
         *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) = codes;
       }
       __syncthreads();
-      // Phase 2: transposed row c (input column C0 + c), input rows r0..r0+15, 16-byte stores.
+      // Phase 2: transposed row c (input column C0 + c), input rows r0..r0+15: one 16-byte store
+      // when rows keeps the transposed rows 16-byte aligned, else 16 byte stores (e.g. a vocabulary
+      // of 50257 rows still gets the vector loads and the row-major stores of phase 1).
 #pragma unroll
       for (int k = 0; k < kTile * kTile / 16 / kThreads; ++k) {
         const int task = tid + k * kThreads, c = task >> 3, r0 = (task & 7) * 16;
@@ -86,7 +89,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int i = 0; i < 4; ++i) w[b] |= static_cast<uint32_t>(tile[(r0 + 4 * b + i) * kTilePitch + c]) << (8 * i);
         }
-        *reinterpret_cast<uint4*>(out_t + (C0 + c) * rows + R0 + r0) = make_uint4(w[0], w[1], w[2], w[3]);
+        uint8_t* dst = out_t + (C0 + c) * rows + R0 + r0;
+        if (rows_aligned) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+        }
       }
       __syncthreads();  // the tile is reused by the next iteration
     } else {
@@ -114,14 +123,18 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream) {
-  const bool aligned = j.rows % 16 == 0 && j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out) && aligned16(j.out_t);
+  // Phase 1 (loads and row-major stores) needs 16-byte aligned rows of `in` and `out`; phase 2's
+  // vector stores need 16-byte aligned rows of `out_t`.
+  const bool cols_aligned = j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out);
+  const bool rows_aligned = j.rows % 16 == 0 && aligned16(j.out_t);
   const int64_t tiles = ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
   dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
     auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value>;
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
-                                          j.out_t, j.rows, j.cols, aligned, j.state, j.out_scale_inv, j.out_t_scale_inv);
+                                          j.out_t, j.rows, j.cols, rows_aligned, cols_aligned, j.state, j.out_scale_inv,
+                                          j.out_t_scale_inv);
   });
   cuda_check(cudaGetLastError(), "cast_transpose kernel launch");
 }

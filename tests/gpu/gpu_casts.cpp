@@ -109,7 +109,8 @@ class GpuVsCpu : public ::testing::Test {
 const std::vector<std::vector<int64_t>> kShapes = {
     {1, 1},   {1, 7},    {7, 1},    {3, 5},      {17, 33},   {8, 8},     {32, 64},   {64, 64},
     {128, 256}, {1000, 24}, {24, 1000}, {8, 4104}, {4104, 8}, {2, 3, 40}, {255, 257}, {1, 100003},
-    {100003, 1}, {513, 1024}, {1024, 513}, {96, 8, 16}, {5}, {4096, 4096}};
+    {100003, 1}, {513, 1024}, {1024, 513}, {96, 8, 16}, {5}, {4096, 4096},
+    {1001, 1024}, {333, 256}, {2, 129, 384}};  // rows not a multiple of 16: vector loads, byte stores of out_t
 
 TEST_F(GpuVsCpu, QuantizeWithTransposeIsBitExactForEveryDtypeShapeAndFormat) {
   uint32_t seed = 1;
