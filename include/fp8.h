@@ -474,6 +474,35 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t *ctx, const fp8_tensor_t *a, const f
                               const fp8_tensor_t *bias, fp8_tensor_t *d, fp8_scaling_t *d_scaling,
                               const fp8_gemm_options_t *options);
 
+/* ------------------------------------------------------------------------------------------------
+ * Activations (forward and backward), with an optional FP8 output for the GEMM that follows
+ *
+ * An FP8 output (y, or dx) is encode(value * scaling.scale), with amax(value) max-accumulated into
+ * the scaling state's history slot 0 and the tensor's scale_inv set to the state's scale_inv: the
+ * hand-off to the next Linear without a bf16 round trip. The scaling argument is required for an
+ * FP8 output (of the output's dtype) and must be NULL otherwise. The CPU reference and the GPU use
+ * the same formulas in float and agree to an ulp or two of tanhf/expf (not bit for bit).
+ * --------------------------------------------------------------------------------------------- */
+
+typedef int32_t fp8_activation_t;
+#define FP8_ACTIVATION_RELU 0   /**< max(x, 0); NaN stays NaN */
+#define FP8_ACTIVATION_GELU 1   /**< 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), TransformerEngine's */
+#define FP8_ACTIVATION_SWIGLU 2 /**< x = [gate | up] along the last dimension: silu(gate) * up */
+
+/**
+ * y = act(x). [in] x: F32, F16 or BF16, [.., d]. [out] y: [.., d] (SwiGLU: d must be even, y is
+ * [.., d/2]), F32/F16/BF16 or FP8 with y_scaling. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_activation_forward(fp8_context_t *ctx, fp8_activation_t activation, const fp8_tensor_t *x,
+                                            fp8_tensor_t *y, fp8_scaling_t *y_scaling);
+
+/**
+ * dx = dy * act'(x). [in] x: the forward's input; [in] dy: the forward output's shape, x's dtype;
+ * [out] dx: x's shape, F32/F16/BF16 or FP8 with dx_scaling (E5M2 under HYBRID). Asynchronous.
+ */
+FP8_API fp8_status_t fp8_activation_backward(fp8_context_t *ctx, fp8_activation_t activation, const fp8_tensor_t *x,
+                                             const fp8_tensor_t *dy, fp8_tensor_t *dx, fp8_scaling_t *dx_scaling);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

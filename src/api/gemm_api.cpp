@@ -81,16 +81,9 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
       if (bias->ndim != 1 || bias->shape[0] != n)
         fp8::fail(FP8_ERR_SHAPE, "bias has shape ", fp8::shape_string(bias->ndim, bias->shape), ", expected [", n, "]");
     }
-    if (fp8_out) {
-      if (!d_scaling) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "argument 'd_scaling' is NULL; an FP8 d needs one");
-      if (d_scaling->dtype != d->dtype)
-        fp8::fail(FP8_ERR_DTYPE, "d has dtype ", fp8::dtype_name(d->dtype), " but d_scaling quantizes to ",
-                  fp8::dtype_name(d_scaling->dtype));
-      if (opts.accumulate) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->accumulate = 1 with an FP8 d; expected 0");
-    } else if (d_scaling) {
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "d_scaling is given but d has dtype ", fp8::dtype_name(d->dtype),
-                "; expected NULL (only an FP8 d is scaled)");
-    }
+    fp8::require_output_scaling(d, "d", d_scaling, "d_scaling");
+    if (fp8_out && opts.accumulate)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->accumulate = 1 with an FP8 d; expected 0");
     if (fp8_in) {
       require_16(k, "k (the last dimension of a and b)");
       require_16(n, "n (the rows of b)");

@@ -76,6 +76,23 @@ inline void require_disjoint(const fp8_tensor* a, const char* a_name, const fp8_
     fail(FP8_ERR_INVALID_ARGUMENT, a_name, " and ", b_name, " overlap in memory; expected separate buffers");
 }
 
+// An output that may be FP8: an FP8 `out` needs a scaling state of its dtype, any other must come
+// without one. Returns whether `out` is FP8.
+inline bool require_output_scaling(const fp8_tensor* out, const char* out_name, const fp8_scaling* scaling,
+                                   const char* scaling_name) {
+  if (dtype_is_fp8(out->dtype)) {
+    if (!scaling) fail(FP8_ERR_INVALID_ARGUMENT, "argument '", scaling_name, "' is NULL; an FP8 ", out_name, " needs one");
+    if (scaling->dtype != out->dtype)
+      fail(FP8_ERR_DTYPE, out_name, " has dtype ", dtype_name(out->dtype), " but ", scaling_name, " quantizes to ",
+           dtype_name(scaling->dtype));
+    return true;
+  }
+  if (scaling)
+    fail(FP8_ERR_INVALID_ARGUMENT, scaling_name, " is given but ", out_name, " has dtype ", dtype_name(out->dtype),
+         "; expected NULL (only an FP8 output is scaled)");
+  return false;
+}
+
 // Versioned out-structs (fp8_device_info_t, ...): the caller's struct_size must cover at least the
 // struct's first release, `v1_size`; the result is then copied up to the caller's size, keeping
 // struct_size, so a program built against an older, shorter struct keeps working.

@@ -36,6 +36,7 @@ class Backend {
   virtual void amax(const AmaxJob& job) = 0;
   virtual void scaling_update(const ScalingUpdateJob& job) = 0;
   virtual void gemm(const GemmJob& job) = 0;
+  virtual void activation(const ActivationJob& job) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

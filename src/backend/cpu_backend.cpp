@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "core/activation.hpp"
 #include "core/error.hpp"
 #include "core/format.hpp"
 
@@ -114,6 +115,50 @@ class CpuBackend final : public Backend {
       ++h->update_count;
       for (int32_t k = j.history_len - 1; k > 0; --k) hist[k] = hist[k - 1];
       hist[0] = 0.0f;
+    }
+  }
+
+  void activation(const ActivationJob& j) override {
+    const bool fp8_out = j.out_state != nullptr;
+    const float scale = fp8_out ? j.out_state->scale : 1.0f;
+    uint32_t amax = 0;
+    auto put = [&](int64_t i, float v) {
+      if (fp8_out) {
+        amax = std::max(amax, abs_bits(v));
+        static_cast<uint8_t*>(j.out)[i] = encode_fp8(v * scale, j.out_dtype == FP8_DTYPE_E5M2);
+      } else {
+        store_wide(j.out, j.out_dtype, i, v);
+      }
+    };
+    const int64_t half = j.cols / 2;
+    for (int64_t r = 0; r < j.rows; ++r) {
+      if (j.act == FP8_ACTIVATION_SWIGLU) {
+        for (int64_t c = 0; c < half; ++c) {
+          const float a = load_wide(j.x, j.x_dtype, r * j.cols + c), b = load_wide(j.x, j.x_dtype, r * j.cols + half + c);
+          if (!j.backward) {
+            put(r * half + c, swiglu(a, b));
+          } else {
+            const float dy = load_wide(j.dy, j.x_dtype, r * half + c);
+            put(r * j.cols + c, swiglu_grad_a(a, b, dy));
+            put(r * j.cols + half + c, swiglu_grad_b(a, dy));
+          }
+        }
+        continue;
+      }
+      for (int64_t c = 0; c < j.cols; ++c) {
+        const int64_t i = r * j.cols + c;
+        const float x = load_wide(j.x, j.x_dtype, i);
+        if (!j.backward) {
+          put(i, j.act == FP8_ACTIVATION_RELU ? relu(x) : gelu(x));
+        } else {
+          const float dy = load_wide(j.dy, j.x_dtype, i);
+          put(i, j.act == FP8_ACTIVATION_RELU ? relu_grad(x, dy) : gelu_grad(x, dy));
+        }
+      }
+    }
+    if (fp8_out) {
+      max_into(scaling_history(j.out_state), amax);
+      *j.out_scale_inv = j.out_state->scale_inv;
     }
   }
 

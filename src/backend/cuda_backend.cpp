@@ -152,6 +152,10 @@ class CudaBackend final : public Backend {
       kernels::scaling_update(part, stream_);
     }
   }
+  void activation(const ActivationJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::activation(job, limits_, stream_);
+  }
   void gemm(const GemmJob& job) override {
     DeviceScope scope(limits_.device);
     gemm_->run(job, stream_);

@@ -56,6 +56,21 @@ struct ScalingUpdateJob {
   bool algo_max;  // false: most_recent
 };
 
+// out = act(x), or dx = dy * act'(x) when backward; x is rows x cols; an FP8 out is
+// encode(value * out_state.scale) with amax(value) max-accumulated into out_state's slot 0.
+struct ActivationJob {
+  fp8_activation_t act;
+  bool backward;
+  const void* x;
+  const void* dy;  // backward only; x's dtype, the forward output's shape
+  fp8_dtype_t x_dtype;
+  int64_t rows, cols;
+  void* out;
+  fp8_dtype_t out_dtype;
+  ScalingHeader* out_state;  // FP8 out only
+  float* out_scale_inv;      // FP8 out only
+};
+
 // d[m][n] = alpha * sa * sb * sum_k a[m][k] * b[n][k] (+ bias[n]) (+ d if accumulate); an FP8 d
 // is encode(value * d_state.scale) with amax(value) max-accumulated into d_state's slot 0.
 struct GemmJob {
