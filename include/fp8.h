@@ -503,6 +503,44 @@ FP8_API fp8_status_t fp8_activation_forward(fp8_context_t *ctx, fp8_activation_t
 FP8_API fp8_status_t fp8_activation_backward(fp8_context_t *ctx, fp8_activation_t activation, const fp8_tensor_t *x,
                                              const fp8_tensor_t *dy, fp8_tensor_t *dx, fp8_scaling_t *dx_scaling);
 
+/* ------------------------------------------------------------------------------------------------
+ * LayerNorm and RMSNorm over the last dimension, forward and backward
+ *
+ * For each row of x [.., d]: LayerNorm y = (x - mean) * rstd * gamma + beta with rstd =
+ * 1/sqrt(var + eps) (biased variance); RMSNorm y = x * rstd * gamma with rstd = 1/sqrt(mean(x^2) +
+ * eps). gamma and beta are F32 [d] (beta may be NULL: no shift; RMSNorm takes none). y may be FP8
+ * (with y_scaling, as for the activations), which is the input the following Linear needs. The
+ * statistics are computed in float on the GPU and in double on the CPU reference; results agree
+ * within float rounding. The backward's dgamma and dbeta are summed over rows in a fixed order
+ * (deterministic), using a scratch buffer the context owns.
+ * --------------------------------------------------------------------------------------------- */
+
+typedef int32_t fp8_norm_t;
+#define FP8_NORM_LAYERNORM 0
+#define FP8_NORM_RMSNORM 1
+
+/**
+ * [in] x: F32/F16/BF16 [.., d]. [in] gamma, beta: F32 [d] (beta NULL for RMSNorm or no shift).
+ * [out] y: x's shape, F32/F16/BF16 or FP8 with y_scaling. [out] mean (LayerNorm) and rstd: F32,
+ * one element per row (any shape with that many elements), saved for the backward; either may be
+ * NULL when no backward follows (mean must be NULL for RMSNorm). eps > 0. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_norm_forward(fp8_context_t *ctx, fp8_norm_t kind, const fp8_tensor_t *x,
+                                      const fp8_tensor_t *gamma, const fp8_tensor_t *beta, float eps,
+                                      fp8_tensor_t *y, fp8_scaling_t *y_scaling, fp8_tensor_t *mean,
+                                      fp8_tensor_t *rstd);
+
+/**
+ * [in] x, gamma: as in the forward; [in] mean (LayerNorm; NULL for RMSNorm), rstd: as the forward
+ * wrote them; [in] dy: x's shape, F32/F16/BF16. [out] dx: x's shape, F32/F16/BF16. [out] dgamma:
+ * F32 [d], overwritten; [out] dbeta: F32 [d] or NULL (LayerNorm with a shift), overwritten.
+ * Asynchronous.
+ */
+FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, const fp8_tensor_t *x,
+                                       const fp8_tensor_t *gamma, const fp8_tensor_t *mean,
+                                       const fp8_tensor_t *rstd, const fp8_tensor_t *dy, fp8_tensor_t *dx,
+                                       fp8_tensor_t *dgamma, fp8_tensor_t *dbeta);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -84,6 +84,20 @@ __device__ __forceinline__ void block_amax_accumulate(uint32_t v, float* dst0, f
   }
 }
 
+// Sum of v over the block, returned to every thread, in a fixed order (deterministic). `scratch`
+// is 32 floats of shared memory; the call starts and ends with a barrier so it can be reused.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < warps; ++w) total += scratch[w];
+  return total;
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Calls f(dtype constant, format constant) for the runtime wide dtype and FP8 format, so each

@@ -25,6 +25,8 @@ void amax(const AmaxJob& job, const LaunchLimits& lim, cudaStream_t stream);
 void scaling_update(const ScalingUpdateJob& job, cudaStream_t stream);
 
 void activation(const ActivationJob& job, const LaunchLimits& lim, cudaStream_t stream);
+// `scratch` holds at least 2 * job.cols floats (the backward's partial column sums).
+void norm(const NormJob& job, const LaunchLimits& lim, float* scratch, size_t scratch_floats, cudaStream_t stream);
 
 // Folds the amax cuBLASLt wrote for an FP8 GEMM output into `state` and sets D's scale_inv.
 void gemm_fp8_output_epilogue(const float* gemm_amax, ScalingHeader* state, float* d_scale_inv, cudaStream_t stream);

@@ -37,6 +37,7 @@ class Backend {
   virtual void scaling_update(const ScalingUpdateJob& job) = 0;
   virtual void gemm(const GemmJob& job) = 0;
   virtual void activation(const ActivationJob& job) = 0;
+  virtual void norm(const NormJob& job) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -1,6 +1,7 @@
 // The CPU reference backend: plain loops that define the right answer for every operation.
 // Simplicity over speed; the CUDA backend must reproduce these results bit for bit.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -159,6 +160,67 @@ class CpuBackend final : public Backend {
     if (fp8_out) {
       max_into(scaling_history(j.out_state), amax);
       *j.out_scale_inv = j.out_state->scale_inv;
+    }
+  }
+
+  void norm(const NormJob& j) override {
+    const int64_t d = j.cols;
+    if (!j.backward) {
+      const bool fp8_out = j.y_state != nullptr;
+      const float scale = fp8_out ? j.y_state->scale : 1.0f;
+      uint32_t amax = 0;
+      for (int64_t r = 0; r < j.rows; ++r) {
+        double mean = 0, sq = 0;
+        for (int64_t c = 0; c < d; ++c) mean += load_wide(j.x, j.x_dtype, r * d + c);
+        mean = j.rms ? 0.0 : mean / static_cast<double>(d);
+        for (int64_t c = 0; c < d; ++c) {
+          const double v = load_wide(j.x, j.x_dtype, r * d + c) - mean;
+          sq += v * v;
+        }
+        const float rstd = static_cast<float>(1.0 / std::sqrt(sq / static_cast<double>(d) + j.eps));
+        if (j.mean) j.mean[r] = static_cast<float>(mean);
+        if (j.rstd) j.rstd[r] = rstd;
+        for (int64_t c = 0; c < d; ++c) {
+          const double xhat = (load_wide(j.x, j.x_dtype, r * d + c) - mean) * rstd;
+          const float y = static_cast<float>(xhat * j.gamma[c] + (j.beta ? j.beta[c] : 0.0f));
+          if (fp8_out) {
+            amax = std::max(amax, abs_bits(y));
+            static_cast<uint8_t*>(j.y)[r * d + c] = encode_fp8(y * scale, j.y_dtype == FP8_DTYPE_E5M2);
+          } else {
+            store_wide(j.y, j.y_dtype, r * d + c, y);
+          }
+        }
+      }
+      if (fp8_out) {
+        max_into(scaling_history(j.y_state), amax);
+        *j.y_scale_inv = j.y_state->scale_inv;
+      }
+      return;
+    }
+    std::vector<double> dgamma(static_cast<size_t>(d), 0.0), dbeta(static_cast<size_t>(d), 0.0);
+    for (int64_t r = 0; r < j.rows; ++r) {
+      const double mean = j.rms ? 0.0 : j.mean[r], rstd = j.rstd[r];
+      double mean_g = 0, mean_gx = 0;
+      for (int64_t c = 0; c < d; ++c) {
+        const double xhat = (load_wide(j.x, j.x_dtype, r * d + c) - mean) * rstd;
+        const double dy = load_wide(j.dy, j.dy_dtype, r * d + c);
+        const double g = dy * j.gamma[c];
+        mean_g += g;
+        mean_gx += g * xhat;
+        dgamma[static_cast<size_t>(c)] += dy * xhat;
+        dbeta[static_cast<size_t>(c)] += dy;
+      }
+      mean_g = j.rms ? 0.0 : mean_g / static_cast<double>(d);
+      mean_gx /= static_cast<double>(d);
+      for (int64_t c = 0; c < d; ++c) {
+        const double xhat = (load_wide(j.x, j.x_dtype, r * d + c) - mean) * rstd;
+        const double g = load_wide(j.dy, j.dy_dtype, r * d + c) * j.gamma[c];
+        store_wide(j.dx, j.dx_dtype, r * d + c, static_cast<float>(rstd * (g - mean_g - xhat * mean_gx)));
+      }
+    }
+    for (int64_t c = 0; c < d; ++c) {
+      j.dgamma[c] = static_cast<float>(dgamma[static_cast<size_t>(c)]);
+      if (j.dbeta) j.dbeta[c] = static_cast<float>(dbeta[static_cast<size_t>(c)]);
     }
   }
 

@@ -56,12 +56,14 @@ class CudaBackend final : public Backend {
     limits_ = {device, prop.multiProcessorCount};
     DeviceScope scope(device);
     gemm_ = std::make_unique<CublasLtGemm>(device);
+    cuda_check(cudaMalloc(reinterpret_cast<void**>(&scratch_), kScratchFloats * sizeof(float)), "cudaMalloc of the scratch buffer");
   }
   ~CudaBackend() override {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(limits_.device);
     gemm_.reset();
+    cudaFree(scratch_);
     cudaSetDevice(previous);
   }
 
@@ -156,6 +158,10 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::activation(job, limits_, stream_);
   }
+  void norm(const NormJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::norm(job, limits_, scratch_, kScratchFloats, stream_);
+  }
   void gemm(const GemmJob& job) override {
     DeviceScope scope(limits_.device);
     gemm_->run(job, stream_);
@@ -165,6 +171,10 @@ class CudaBackend final : public Backend {
   kernels::LaunchLimits limits_{};
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<CublasLtGemm> gemm_;
+  // Scratch for reductions in several passes (the norm backward's partial column sums): 16 MiB,
+  // allocated once so that no call allocates.
+  static constexpr size_t kScratchFloats = size_t{4} << 20;
+  float* scratch_ = nullptr;
 };
 
 }  // namespace

@@ -71,6 +71,31 @@ struct ActivationJob {
   float* out_scale_inv;      // FP8 out only
 };
 
+// Per row of x (rows x cols): LayerNorm (rms = false) or RMSNorm. Forward writes y (FP8 when
+// y_state), mean (LayerNorm) and rstd when non-null. Backward writes dx, dgamma, dbeta (if non-null).
+struct NormJob {
+  bool rms;
+  bool backward;
+  const void* x;
+  fp8_dtype_t x_dtype;
+  int64_t rows, cols;
+  const float* gamma;
+  const float* beta;  // forward, may be nullptr
+  float eps;
+  void* y;            // forward
+  fp8_dtype_t y_dtype;
+  ScalingHeader* y_state;  // FP8 y only
+  float* y_scale_inv;      // FP8 y only
+  float* mean;             // forward: written if non-null; backward: read (LayerNorm)
+  float* rstd;             // forward: written if non-null; backward: read
+  const void* dy;          // backward
+  fp8_dtype_t dy_dtype;
+  void* dx;
+  fp8_dtype_t dx_dtype;
+  float* dgamma;
+  float* dbeta;  // may be nullptr
+};
+
 // d[m][n] = alpha * sa * sb * sum_k a[m][k] * b[n][k] (+ bias[n]) (+ d if accumulate); an FP8 d
 // is encode(value * d_state.scale) with amax(value) max-accumulated into d_state's slot 0.
 struct GemmJob {

@@ -1,0 +1,124 @@
+// LayerNorm / RMSNorm on the GPU against the CPU reference (float statistics against double):
+// forward outputs in every dtype (FP8 included) with the saved statistics, and the backward's dx,
+// dgamma and dbeta, on awkward shapes.
+#include <cmath>
+#include <random>
+
+#include "core/format.hpp"
+#include "fp8_test_util.hpp"
+
+using namespace fp8test;
+
+namespace {
+
+std::vector<uint8_t> random_bytes(fp8_dtype_t dt, size_t n, uint32_t seed, float mean) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(mean, 1.5f);
+  std::vector<uint8_t> bytes(n * fp8_dtype_size(dt));
+  for (size_t i = 0; i < n; ++i) {
+    const float x = normal(rng);
+    if (dt == FP8_DTYPE_F32) std::memcpy(&bytes[i * 4], &x, 4);
+    else {
+      const uint16_t h = dt == FP8_DTYPE_F16 ? fp8::float_to_f16(x) : fp8::float_to_bf16(x);
+      std::memcpy(&bytes[i * 2], &h, 2);
+    }
+  }
+  return bytes;
+}
+
+std::vector<double> values(const fp8_tensor_t* t) {
+  fp8_dtype_t dt = 0;
+  fp8_tensor_dtype(t, &dt);
+  std::vector<double> v;
+  if (dt == FP8_DTYPE_F32) {
+    for (float x : download<float>(t)) v.push_back(x);
+  } else if (dt == FP8_DTYPE_F16 || dt == FP8_DTYPE_BF16) {
+    for (uint16_t x : download<uint16_t>(t)) v.push_back(dt == FP8_DTYPE_F16 ? fp8::f16_to_float(x) : fp8::bf16_to_float(x));
+  } else {
+    float si = 0;
+    EXPECT_EQ(fp8_tensor_get_scale_inv(t, &si), FP8_OK);
+    for (uint8_t x : download<uint8_t>(t)) v.push_back(static_cast<double>(fp8_decode(x, dt)) * si);
+  }
+  return v;
+}
+
+double relative_error(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+TEST(GpuNorm, ForwardAndBackwardMatchTheCpuReference) {
+  Context cpu = make_context(FP8_DEVICE_CPU), gpu = make_context(0);
+  Recipe recipe = make_recipe();
+  const std::vector<std::vector<int64_t>> shapes = {{1, 1}, {3, 1000}, {257, 64}, {2, 3, 40}, {128, 4096}, {2048, 1024}};
+  uint32_t seed = 1;
+  for (fp8_norm_t kind : {FP8_NORM_LAYERNORM, FP8_NORM_RMSNORM}) {
+    const bool rms = kind == FP8_NORM_RMSNORM;
+    for (fp8_dtype_t x_dt : {FP8_DTYPE_F32, FP8_DTYPE_F16, FP8_DTYPE_BF16}) {
+      for (const auto& shape : shapes) {
+        const int64_t d = shape.back();
+        int64_t n = 1;
+        for (auto s : shape) n *= s;
+        const int64_t rows = n / d;
+        SCOPED_TRACE(::testing::Message() << (rms ? "rmsnorm" : "layernorm") << " x " << fp8_dtype_name(x_dt) << " rows "
+                                          << rows << " d " << d);
+        const auto xb = random_bytes(x_dt, static_cast<size_t>(n), seed++, 2.0f);
+        const auto dyb = random_bytes(x_dt, static_cast<size_t>(n), seed++, 0.0f);
+        const auto gb = random_bytes(FP8_DTYPE_F32, static_cast<size_t>(d), seed++, 1.0f);
+        const auto bb = random_bytes(FP8_DTYPE_F32, static_cast<size_t>(d), seed++, 0.0f);
+        auto twin = [&](fp8_dtype_t dt, const std::vector<int64_t>& s, const std::vector<uint8_t>* bytes) {
+          std::pair<Tensor, Tensor> t{make_tensor(cpu.get(), dt, s), make_tensor(gpu.get(), dt, s)};
+          if (bytes) {
+            upload(t.first.get(), *bytes);
+            upload(t.second.get(), *bytes);
+          }
+          return t;
+        };
+        auto [x_c, x_g] = twin(x_dt, shape, &xb);
+        auto [dy_c, dy_g] = twin(x_dt, shape, &dyb);
+        auto [g_c, g_g] = twin(FP8_DTYPE_F32, {d}, &gb);
+        auto [b_c, b_g] = twin(FP8_DTYPE_F32, {d}, &bb);
+        auto [m_c, m_g] = twin(FP8_DTYPE_F32, {rows}, nullptr);
+        auto [s_c, s_g] = twin(FP8_DTYPE_F32, {rows}, nullptr);
+        for (fp8_dtype_t y_dt : {FP8_DTYPE_F32, FP8_DTYPE_BF16, FP8_DTYPE_E4M3}) {
+          auto [y_c, y_g] = twin(y_dt, shape, nullptr);
+          Scaling sc_c, sc_g;
+          if (y_dt == FP8_DTYPE_E4M3) {
+            sc_c = make_scaling(cpu.get(), recipe.get(), FP8_ROLE_FORWARD);
+            sc_g = make_scaling(gpu.get(), recipe.get(), FP8_ROLE_FORWARD);
+            FP8_ASSERT_OK(fp8_scaling_set_scale(sc_c.get(), 16.0f));
+            FP8_ASSERT_OK(fp8_scaling_set_scale(sc_g.get(), 16.0f));
+          }
+          FP8_ASSERT_OK(fp8_norm_forward(cpu.get(), kind, x_c.get(), g_c.get(), rms ? nullptr : b_c.get(), 1e-5f, y_c.get(),
+                                         sc_c.get(), rms ? nullptr : m_c.get(), s_c.get()));
+          FP8_ASSERT_OK(fp8_norm_forward(gpu.get(), kind, x_g.get(), g_g.get(), rms ? nullptr : b_g.get(), 1e-5f, y_g.get(),
+                                         sc_g.get(), rms ? nullptr : m_g.get(), s_g.get()));
+          // float statistics against double: 1e-5; bf16 output: one rounding (4e-3); FP8: rare step flips.
+          const double bound = y_dt == FP8_DTYPE_F32 ? 1e-5 : y_dt == FP8_DTYPE_BF16 ? 4e-3 : 2e-2;
+          EXPECT_LT(relative_error(values(y_g.get()), values(y_c.get())), bound) << "y " << fp8_dtype_name(y_dt);
+          EXPECT_LT(relative_error(values(s_g.get()), values(s_c.get())), 1e-5) << "rstd";
+          if (!rms) EXPECT_LT(relative_error(values(m_g.get()), values(m_c.get())), 1e-5) << "mean";
+        }
+        for (fp8_dtype_t dx_dt : {FP8_DTYPE_F32, FP8_DTYPE_BF16}) {
+          auto [dx_c, dx_g] = twin(dx_dt, shape, nullptr);
+          auto [dg_c, dg_g] = twin(FP8_DTYPE_F32, {d}, nullptr);
+          auto [db_c, db_g] = twin(FP8_DTYPE_F32, {d}, nullptr);
+          FP8_ASSERT_OK(fp8_norm_backward(cpu.get(), kind, x_c.get(), g_c.get(), rms ? nullptr : m_c.get(), s_c.get(), dy_c.get(),
+                                          dx_c.get(), dg_c.get(), rms ? nullptr : db_c.get()));
+          FP8_ASSERT_OK(fp8_norm_backward(gpu.get(), kind, x_g.get(), g_g.get(), rms ? nullptr : m_g.get(), s_g.get(), dy_g.get(),
+                                          dx_g.get(), dg_g.get(), rms ? nullptr : db_g.get()));
+          EXPECT_LT(relative_error(values(dx_g.get()), values(dx_c.get())), dx_dt == FP8_DTYPE_F32 ? 1e-4 : 4e-3) << "dx";
+          EXPECT_LT(relative_error(values(dg_g.get()), values(dg_c.get())), 1e-4) << "dgamma";
+          if (!rms) EXPECT_LT(relative_error(values(db_g.get()), values(db_c.get())), 1e-4) << "dbeta";
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
