@@ -11,18 +11,10 @@
 #include <vector>
 
 #include "core/format.hpp"
+#include "bench/bench_util.hpp"
 #include "fp8.h"
 
 namespace {
-
-#define CHECK_FP8(call)                                                                             \
-  do {                                                                                              \
-    fp8_status_t s_ = (call);                                                                       \
-    if (s_ != FP8_OK) {                                                                             \
-      std::fprintf(stderr, "%s: %s: %s\n", #call, fp8_status_string(s_), fp8_last_error_message()); \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
 
 struct Matrix {
   fp8_tensor_t* t = nullptr;

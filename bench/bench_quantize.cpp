@@ -12,26 +12,10 @@
 #include <vector>
 
 #include "core/format.hpp"
+#include "bench/bench_util.hpp"
 #include "fp8.h"
 
 namespace {
-
-#define CHECK_FP8(call)                                                                             \
-  do {                                                                                              \
-    fp8_status_t s_ = (call);                                                                       \
-    if (s_ != FP8_OK) {                                                                             \
-      std::fprintf(stderr, "%s: %s: %s\n", #call, fp8_status_string(s_), fp8_last_error_message()); \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
-#define CHECK_CUDA(call)                                                            \
-  do {                                                                              \
-    cudaError_t e_ = (call);                                                        \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));              \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
 // Median time in ms of `fn` over `reps` runs, each timed with CUDA events on `stream`. With
 // batch > 1, each timed region queues `batch` calls back to back and the time is per call: the

@@ -5,53 +5,11 @@
 #include <random>
 
 #include "core/format.hpp"
-#include "fp8_test_util.hpp"
+#include "gpu/gpu_compare.hpp"
 
 using namespace fp8test;
 
 namespace {
-
-std::vector<uint8_t> random_bytes(fp8_dtype_t dt, size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  std::vector<uint8_t> bytes(n * fp8_dtype_size(dt));
-  for (size_t i = 0; i < n; ++i) {
-    const float x = normal(rng);
-    if (dt == FP8_DTYPE_F32) std::memcpy(&bytes[i * 4], &x, 4);
-    else {
-      const uint16_t h = dt == FP8_DTYPE_F16 ? fp8::float_to_f16(x) : fp8::float_to_bf16(x);
-      std::memcpy(&bytes[i * 2], &h, 2);
-    }
-  }
-  return bytes;
-}
-
-std::vector<double> values(const fp8_tensor_t* t) {
-  fp8_dtype_t dt = 0;
-  fp8_tensor_dtype(t, &dt);
-  std::vector<double> v;
-  if (dt == FP8_DTYPE_F32) {
-    for (float x : download<float>(t)) v.push_back(x);
-  } else if (dt == FP8_DTYPE_F16 || dt == FP8_DTYPE_BF16) {
-    for (uint16_t x : download<uint16_t>(t)) v.push_back(dt == FP8_DTYPE_F16 ? fp8::f16_to_float(x) : fp8::bf16_to_float(x));
-  } else {
-    float si = 0;
-    EXPECT_EQ(fp8_tensor_get_scale_inv(t, &si), FP8_OK);
-    for (uint8_t x : download<uint8_t>(t)) v.push_back(static_cast<double>(fp8_decode(x, dt)) * si);
-  }
-  return v;
-}
-
-double relative_error(const std::vector<double>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (std::isnan(got[i]) != std::isnan(want[i])) return INFINITY;
-    if (std::isnan(want[i])) continue;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
 
 TEST(GpuActivation, ForwardAndBackwardMatchTheCpuReference) {
   Context cpu = make_context(FP8_DEVICE_CPU), gpu = make_context(0);
@@ -72,8 +30,8 @@ TEST(GpuActivation, ForwardAndBackwardMatchTheCpuReference) {
             int64_t n = 1, n_y = 1;
             for (auto d : shape) n *= d;
             for (auto d : y_shape) n_y *= d;
-            const auto xb = random_bytes(x_dt, static_cast<size_t>(n), seed++);
-            const auto dyb = random_bytes(x_dt, static_cast<size_t>(n_y), seed++);
+            const auto xb = to_wide_bytes(x_dt, normal_floats(static_cast<size_t>(n), seed++, 0.0f, 2.0f));
+            const auto dyb = to_wide_bytes(x_dt, normal_floats(static_cast<size_t>(n_y), seed++, 0.0f, 2.0f));
             Tensor x_c = make_tensor(cpu.get(), x_dt, shape), x_g = make_tensor(gpu.get(), x_dt, shape);
             Tensor dy_c = make_tensor(cpu.get(), x_dt, y_shape), dy_g = make_tensor(gpu.get(), x_dt, y_shape);
             Tensor o_c = make_tensor(cpu.get(), out_dt, out_shape), o_g = make_tensor(gpu.get(), out_dt, out_shape);

@@ -7,7 +7,7 @@
 #include <random>
 
 #include "core/format.hpp"
-#include "fp8_test_util.hpp"
+#include "gpu/gpu_compare.hpp"
 
 using namespace fp8test;
 
@@ -18,18 +18,12 @@ constexpr fp8_dtype_t kWide[] = {FP8_DTYPE_F32, FP8_DTYPE_F16, FP8_DTYPE_BF16};
 // Raw bytes of n random values of a wide dtype; with `specials`, about one in 5000 is NaN or +-inf.
 std::vector<uint8_t> random_bytes(fp8_dtype_t dt, size_t n, uint32_t seed, bool specials) {
   std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint8_t> bytes(n * fp8_dtype_size(dt));
-  for (size_t i = 0; i < n; ++i) {
-    float x = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 16) - 8);
+  std::vector<float> v = normal_floats(n, seed);
+  for (auto& x : v) {
+    x *= std::ldexp(1.0f, static_cast<int>(rng() % 16) - 8);
     if (specials && rng() % 5000 == 0) x = (rng() & 1) ? NAN : (rng() & 1) ? INFINITY : -INFINITY;
-    if (dt == FP8_DTYPE_F32) std::memcpy(&bytes[i * 4], &x, 4);
-    else {
-      const uint16_t h = dt == FP8_DTYPE_F16 ? fp8::float_to_f16(x) : fp8::float_to_bf16(x);
-      std::memcpy(&bytes[i * 2], &h, 2);
-    }
   }
-  return bytes;
+  return to_wide_bytes(dt, v);
 }
 
 // A device buffer of its own, optionally offset so the data is not 16-byte aligned.

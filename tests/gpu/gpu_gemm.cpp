@@ -5,7 +5,7 @@
 #include <random>
 
 #include "core/format.hpp"
-#include "fp8_test_util.hpp"
+#include "gpu/gpu_compare.hpp"
 
 using namespace fp8test;
 
@@ -31,32 +31,6 @@ std::pair<Tensor, Tensor> twin(fp8_context_t* cpu, fp8_context_t* gpu, fp8_dtype
     EXPECT_EQ(fp8_tensor_set_scale_inv(g.get(), scale_inv), FP8_OK);
   }
   return {std::move(c), std::move(g)};
-}
-
-std::vector<double> values(const fp8_tensor_t* t) {
-  fp8_dtype_t dt = 0;
-  fp8_tensor_dtype(t, &dt);
-  std::vector<double> v;
-  if (dt == FP8_DTYPE_F32) {
-    for (float x : download<float>(t)) v.push_back(x);
-  } else if (dt == FP8_DTYPE_BF16) {
-    for (uint16_t x : download<uint16_t>(t)) v.push_back(fp8::bf16_to_float(x));
-  } else {
-    float si = 0;
-    EXPECT_EQ(fp8_tensor_get_scale_inv(t, &si), FP8_OK);
-    for (uint8_t x : download<uint8_t>(t)) v.push_back(static_cast<double>(fp8_decode(x, dt)) * si);
-  }
-  return v;
-}
-
-double relative_error(const std::vector<double>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / den);
 }
 
 struct Case {

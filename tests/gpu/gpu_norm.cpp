@@ -5,61 +5,11 @@
 #include <random>
 
 #include "core/format.hpp"
-#include "fp8_test_util.hpp"
+#include "gpu/gpu_compare.hpp"
 
 using namespace fp8test;
 
 namespace {
-
-std::vector<uint8_t> random_bytes(fp8_dtype_t dt, size_t n, uint32_t seed, float mean) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(mean, 1.5f);
-  std::vector<uint8_t> bytes(n * fp8_dtype_size(dt));
-  for (size_t i = 0; i < n; ++i) {
-    const float x = normal(rng);
-    if (dt == FP8_DTYPE_F32) std::memcpy(&bytes[i * 4], &x, 4);
-    else {
-      const uint16_t h = dt == FP8_DTYPE_F16 ? fp8::float_to_f16(x) : fp8::float_to_bf16(x);
-      std::memcpy(&bytes[i * 2], &h, 2);
-    }
-  }
-  return bytes;
-}
-
-std::vector<double> values(const fp8_tensor_t* t) {
-  fp8_dtype_t dt = 0;
-  fp8_tensor_dtype(t, &dt);
-  std::vector<double> v;
-  if (dt == FP8_DTYPE_F32) {
-    for (float x : download<float>(t)) v.push_back(x);
-  } else if (dt == FP8_DTYPE_F16 || dt == FP8_DTYPE_BF16) {
-    for (uint16_t x : download<uint16_t>(t)) v.push_back(dt == FP8_DTYPE_F16 ? fp8::f16_to_float(x) : fp8::bf16_to_float(x));
-  } else {
-    float si = 0;
-    EXPECT_EQ(fp8_tensor_get_scale_inv(t, &si), FP8_OK);
-    for (uint8_t x : download<uint8_t>(t)) v.push_back(static_cast<double>(fp8_decode(x, dt)) * si);
-  }
-  return v;
-}
-
-// ||got - want|| / max(||want||, floor): `floor` is the size of the terms that cancel, for results
-// that are mathematically (near) zero, like dx of a one-column LayerNorm.
-double relative_error(const std::vector<double>& got, const std::vector<double>& want, double floor = 0) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  den = std::max(std::sqrt(den), floor);
-  return den > 0 ? std::sqrt(num) / den : std::sqrt(num);
-}
-
-double norm2(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return std::sqrt(s);
-}
 
 TEST(GpuNorm, ForwardAndBackwardMatchTheCpuReference) {
   Context cpu = make_context(FP8_DEVICE_CPU), gpu = make_context(0);
@@ -76,10 +26,10 @@ TEST(GpuNorm, ForwardAndBackwardMatchTheCpuReference) {
         const int64_t rows = n / d;
         SCOPED_TRACE(::testing::Message() << (rms ? "rmsnorm" : "layernorm") << " x " << fp8_dtype_name(x_dt) << " rows "
                                           << rows << " d " << d);
-        const auto xb = random_bytes(x_dt, static_cast<size_t>(n), seed++, 2.0f);
-        const auto dyb = random_bytes(x_dt, static_cast<size_t>(n), seed++, 0.0f);
-        const auto gb = random_bytes(FP8_DTYPE_F32, static_cast<size_t>(d), seed++, 1.0f);
-        const auto bb = random_bytes(FP8_DTYPE_F32, static_cast<size_t>(d), seed++, 0.0f);
+        const auto xb = to_wide_bytes(x_dt, normal_floats(static_cast<size_t>(n), seed++, 2.0f, 1.5f));
+        const auto dyb = to_wide_bytes(x_dt, normal_floats(static_cast<size_t>(n), seed++, 0.0f, 1.5f));
+        const auto gb = to_wide_bytes(FP8_DTYPE_F32, normal_floats(static_cast<size_t>(d), seed++, 1.0f, 1.5f));
+        const auto bb = to_wide_bytes(FP8_DTYPE_F32, normal_floats(static_cast<size_t>(d), seed++, 0.0f, 1.5f));
         auto twin = [&](fp8_dtype_t dt, const std::vector<int64_t>& s, const std::vector<uint8_t>* bytes) {
           std::pair<Tensor, Tensor> t{make_tensor(cpu.get(), dt, s), make_tensor(gpu.get(), dt, s)};
           if (bytes) {
