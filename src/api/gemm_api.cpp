@@ -70,6 +70,7 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
       fp8::fail(FP8_ERR_SHAPE, "b has shape ", fp8::shape_string(b->ndim, b->shape), ", expected [n, ", k,
                 "] (k = the last dimension of a)");
     const int64_t n = b->shape[0];
+    if (k == 0) fp8::fail(FP8_ERR_SHAPE, "k = 0 (the last dimension of a and b); expected k > 0");
     const int64_t want_d[2] = {m, n};
     if (d->ndim != 2 || d->shape[0] != m || d->shape[1] != n)
       fp8::fail(FP8_ERR_SHAPE, "d has shape ", fp8::shape_string(d->ndim, d->shape), ", expected ",

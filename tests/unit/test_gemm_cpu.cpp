@@ -170,6 +170,11 @@ TEST_F(GemmRefusals, KOrNNotAMultipleOf16NamesTheDimension) {
   expect_refused(fp8_gemm(ctx.get(), a.get(), b12.get(), nullptr, d12.get(), nullptr, nullptr), FP8_ERR_SHAPE, "n (the rows of b)", nullptr);
 }
 
+TEST_F(GemmRefusals, EmptyInnerDimension) {
+  Tensor a0 = make_tensor(ctx.get(), FP8_DTYPE_BF16, {8, 0}), b0 = make_tensor(ctx.get(), FP8_DTYPE_BF16, {16, 0});
+  expect_refused(fp8_gemm(ctx.get(), a0.get(), b0.get(), nullptr, d.get(), nullptr, nullptr), FP8_ERR_SHAPE, "k = 0", d.get());
+}
+
 TEST_F(GemmRefusals, MismatchedShapes) {
   Tensor b_k = make_tensor(ctx.get(), FP8_DTYPE_E4M3, {16, 48});
   expect_refused(fp8_gemm(ctx.get(), a.get(), b_k.get(), nullptr, d.get(), nullptr, nullptr), FP8_ERR_SHAPE, "b has shape [16, 48], expected [n, 32]", d.get());
