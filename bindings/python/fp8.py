@@ -17,14 +17,19 @@ import struct
 
 _lib = ctypes.CDLL(os.environ.get("FP8_LIBRARY", "libfp8.so.0"))
 
-# Pinned values from fp8.h.
+# Pinned values of fp8.h, named as there without the FP8_ prefix (test_fp8.py checks every one
+# against the header).
 OK = 0
+ERR_BUFFER_TOO_SMALL = 13
 DEVICE_CPU = -1
-F32, F16, BF16, E4M3, E5M2 = 0, 1, 2, 3, 4
+DTYPE_F32, DTYPE_F16, DTYPE_BF16, DTYPE_E4M3, DTYPE_E5M2 = 0, 1, 2, 3, 4
 ROLE_FORWARD, ROLE_BACKWARD = 0, 1
 (RECIPE_BACKEND, RECIPE_OPT_LEVEL, RECIPE_MARGIN, RECIPE_INTERVAL, RECIPE_FP8_FORMAT, RECIPE_AMAX_HISTORY_LEN,
  RECIPE_AMAX_COMPUTE_ALGO, RECIPE_OVERRIDE_FPROP, RECIPE_OVERRIDE_DGRAD, RECIPE_OVERRIDE_WGRAD,
  RECIPE_USE_AUTOCAST_DURING_EVAL) = range(11)
+FORMAT_E4M3, FORMAT_HYBRID = 0, 1
+ACTIVATION_RELU, ACTIVATION_GELU, ACTIVATION_SWIGLU = 0, 1, 2
+NORM_LAYERNORM, NORM_RMSNORM = 0, 1
 
 _p = ctypes.c_void_p
 _i32, _i64, _u8, _f32, _size = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint8, ctypes.c_float, ctypes.c_size_t
@@ -58,6 +63,8 @@ for _name, _args in {
     "fp8_scaling_update": (_p, ctypes.POINTER(_p), _i32, _p),
     "fp8_quantize": (_p, _p, _p, _p, _p),
     "fp8_dequantize": (_p, _p, _p),
+    "fp8_activation_forward": (_p, _i32, _p, _p, _p),
+    "fp8_gemm": (_p, _p, _p, _p, _p, _p, _p),
 }.items():
     _declare(_name, _i32, *_args)
 for _name in ["fp8_context_destroy", "fp8_recipe_destroy", "fp8_tensor_destroy", "fp8_scaling_destroy"]:
@@ -80,11 +87,11 @@ def version():
     return _lib.fp8_version_string().decode()
 
 
-def encode(x, dtype=E4M3):
+def encode(x, dtype=DTYPE_E4M3):
     return _lib.fp8_encode(x, dtype)
 
 
-def decode(code, dtype=E4M3):
+def decode(code, dtype=DTYPE_E4M3):
     return _lib.fp8_decode(code, dtype)
 
 
@@ -130,7 +137,9 @@ class Recipe(_Handle):
 
     def __str__(self):
         needed = _size()
-        _lib.fp8_recipe_to_string(self.handle, None, 0, ctypes.byref(needed))  # FP8_ERR_BUFFER_TOO_SMALL + size
+        status = _lib.fp8_recipe_to_string(self.handle, None, 0, ctypes.byref(needed))
+        if status != ERR_BUFFER_TOO_SMALL:
+            _check(status)
         buf = ctypes.create_string_buffer(needed.value)
         _check(_lib.fp8_recipe_to_string(self.handle, buf, needed.value, None))
         return buf.value.decode()
@@ -196,3 +205,14 @@ def dequantize(ctx, q, out):
 def scaling_update(ctx, states, recipe):
     arr = (_p * len(states))(*[s.handle.value for s in states])
     _check(_lib.fp8_scaling_update(ctx.handle, arr, len(states), recipe.handle))
+
+
+def gemm(ctx, a, b, d, bias=None, d_scaling=None):
+    """d = a * b^T (+ bias), the default options (see fp8_gemm in fp8.h)."""
+    _check(_lib.fp8_gemm(ctx.handle, a.handle, b.handle, bias.handle if bias else None, d.handle,
+                         d_scaling.handle if d_scaling else None, None))
+
+
+def activation_forward(ctx, activation, x, y, y_scaling=None):
+    _check(_lib.fp8_activation_forward(ctx.handle, activation, x.handle, y.handle,
+                                       y_scaling.handle if y_scaling else None))

@@ -1,11 +1,35 @@
 """The ctypes binding against the real library on the CPU reference backend (run by CTest)."""
+import os
+import re
 import sys
 import unittest
 
 import fp8
 
 
+HEADER = os.environ.get("FP8_HEADER", os.path.join(os.path.dirname(__file__), "..", "..", "include", "fp8.h"))
+
+
 class BindingTest(unittest.TestCase):
+    def test_every_constant_equals_its_definition_in_fp8_h(self):
+        defines = dict(re.findall(r"^#define FP8_([A-Z0-9_]+) \(?(-?\d+)\)?", open(HEADER).read(), re.M))
+        constants = {k: v for k, v in vars(fp8).items() if k.isupper() and isinstance(v, int)}
+        self.assertGreater(len(constants), 25)
+        for name, value in constants.items():
+            self.assertIn(name, defines, f"fp8.{name} has no FP8_{name} in fp8.h")
+            self.assertEqual(value, int(defines[name]), f"fp8.{name}")
+
+    def test_gemm_and_activation(self):
+        ctx = fp8.Context()
+        a, b, d = fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 16)), fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16)), fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 16))
+        with self.assertRaises(fp8.Fp8Error) as err:  # f32 operands: FP8 or bf16 only
+            fp8.gemm(ctx, a, b, d)
+        self.assertEqual(err.exception.status_name, "FP8_ERR_DTYPE")
+        y = fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 8))
+        a.write_floats([float(i % 5) - 2 for i in range(32)])
+        fp8.activation_forward(ctx, fp8.ACTIVATION_SWIGLU, a, y)
+        self.assertEqual(len(y.read_floats()), 16)
+
     def test_recipe_text_round_trips_and_refusals_raise_with_the_message(self):
         r = fp8.Recipe("fp8_format=E4M3, margin=1")
         self.assertEqual(r[fp8.RECIPE_MARGIN], 1)
@@ -19,8 +43,8 @@ class BindingTest(unittest.TestCase):
     def test_quantize_transpose_and_dequantize(self):
         ctx, recipe = fp8.Context(), fp8.Recipe()
         values = [0.5, -1.25, 3.0, 100.0, -7.5, 0.001]
-        x = fp8.Tensor(ctx, fp8.F32, (2, 3))
-        q, qt, back = fp8.Tensor(ctx, fp8.E4M3, (2, 3)), fp8.Tensor(ctx, fp8.E4M3, (3, 2)), fp8.Tensor(ctx, fp8.F32, (2, 3))
+        x = fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 3))
+        q, qt, back = fp8.Tensor(ctx, fp8.DTYPE_E4M3, (2, 3)), fp8.Tensor(ctx, fp8.DTYPE_E4M3, (3, 2)), fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 3))
         s = fp8.Scaling(ctx, recipe)
         s.set_scale(4.0)
         x.write_floats(values)
@@ -37,7 +61,7 @@ class BindingTest(unittest.TestCase):
         ctx = fp8.Context()
         s = fp8.Scaling(ctx, fp8.Recipe())
         with self.assertRaises(fp8.Fp8Error) as err:
-            fp8.quantize(ctx, fp8.Tensor(ctx, fp8.F32, (2, 3)), fp8.Tensor(ctx, fp8.E4M3, (3, 2)), s)
+            fp8.quantize(ctx, fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 3)), fp8.Tensor(ctx, fp8.DTYPE_E4M3, (3, 2)), s)
         self.assertEqual(err.exception.status_name, "FP8_ERR_SHAPE")
         self.assertIn("out has shape [3, 2]", str(err.exception))
 
