@@ -1,5 +1,8 @@
 #include "backend/cublaslt_gemm.hpp"
 
+#include <cstdint>
+#include <utility>
+
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "kernels/launch.hpp"
@@ -24,6 +27,14 @@ cudaDataType_t cuda_type(fp8_dtype_t dt) {
     case FP8_DTYPE_E4M3: return CUDA_R_8F_E4M3;
     default: return CUDA_R_8F_E5M2;
   }
+}
+
+// The largest power of two up to 256 that divides the address (cuBLASLt assumes 256 unless told).
+uint32_t alignment(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && address % a != 0) a /= 2;
+  return a;
 }
 
 template <typename T>
@@ -62,8 +73,9 @@ void CublasLtGemm::destroy(Plan& p) noexcept {
 // Row-major D[m][n] = A[m][k] * B[n][k]^T is, in cuBLASLt's column-major terms,
 // D'(n x m) = B'(k x n)^T * A'(k x m): cuBLASLt's "A" is our B (transposed), its "B" is our A.
 CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
+  const uint32_t align_a = alignment(j.a), align_b = alignment(j.b), align_d = alignment(j.d);
   const Key key{j.m, j.n, j.k, j.a_dtype, j.b_dtype, j.d_dtype, j.bias ? j.bias_dtype : -1, j.accumulate,
-                j.fast_accumulation};
+                j.fast_accumulation, align_a, align_b, align_d};
   auto found = plans_.find(key);
   if (found != plans_.end()) return found->second;
 
@@ -105,6 +117,12 @@ CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
     cublasLtMatmulHeuristicResult_t result{};
     int found_count = 0;
     cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    // cuBLASLt's "A" is our b, its "B" our a; C is D (or absent).
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
+    for (const auto& [attr, value] : aligns)
+      if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value);
     if (st == CUBLAS_STATUS_SUCCESS)
       st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.d, pref, 1, &result, &found_count);
     cublasLtMatmulPreferenceDestroy(pref);
