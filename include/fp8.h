@@ -441,14 +441,16 @@ FP8_API fp8_status_t fp8_amax(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_te
  * A is [.., k] (viewed as m rows of k), B is [n, k]: both K-major, the "TN" layout FP8 tensor cores
  * require, so y = x * W^T is fp8_gemm(x, W). sa and sb are the scale_inv of FP8 operands (read from
  * device memory, no host synchronisation) and 1 for BF16 operands. Combinations:
- *  - FP8: A and B E4M3 or E5M2 (not both E5M2); D BF16, F32, E4M3 or E5M2; bias BF16.
+ *  - FP8: A and B E4M3 or E5M2 (not both E5M2); D BF16, F32 or E4M3, or E5M2 when an operand is
+ *    E5M2 (cuBLASLt has no E4M3 x E4M3 -> E5M2); bias BF16.
  *    FP8 GEMMs need k and n to be multiples of 16 and 16-byte aligned data; other shapes are
  *    refused with FP8_ERR_SHAPE naming the dimension (pad, or use the BF16 GEMM).
  *  - BF16 (the high-precision path): A and B BF16; D BF16 or F32; bias of D's dtype.
  * An FP8 D is written as encode(value * d_scaling.scale); amax(value) (before that scale) is
  * max-accumulated into d_scaling's history slot 0 and D's scale_inv is set to d_scaling's
  * scale_inv. accumulate is refused for an FP8 D. Results agree with the CPU reference within
- * accumulation-order rounding (and one FP8 step for an FP8 D).
+ * accumulation-order rounding (and one FP8 step for an FP8 D). An empty product (m or n = 0)
+ * writes nothing, not even D's scale_inv.
  * --------------------------------------------------------------------------------------------- */
 
 /** GEMM options. Versioned: fp8_gemm_options_init sets struct_size and the defaults. */
@@ -468,7 +470,8 @@ FP8_API void fp8_gemm_options_init(fp8_gemm_options_t *options);
  * (2-D). [in,out] d_scaling: required for an FP8 D (of D's dtype), must be NULL otherwise.
  * [in] options: NULL for the defaults. Asynchronous; uses the context's workspace, so calls on one
  * context must not overlap (they do not: they share its stream). cuBLASLt's choice of algorithm is
- * cached per shape and type combination.
+ * cached per shape, type combination and pointer alignment, for the context's lifetime (a workload
+ * whose m varies without bound grows the cache).
  */
 FP8_API fp8_status_t fp8_gemm(fp8_context_t *ctx, const fp8_tensor_t *a, const fp8_tensor_t *b,
                               const fp8_tensor_t *bias, fp8_tensor_t *d, fp8_scaling_t *d_scaling,
@@ -523,7 +526,8 @@ typedef int32_t fp8_norm_t;
  * [in] x: F32/F16/BF16 [.., d]. [in] gamma, beta: F32 [d] (beta NULL for RMSNorm or no shift).
  * [out] y: x's shape, F32/F16/BF16 or FP8 with y_scaling. [out] mean (LayerNorm) and rstd: F32,
  * one element per row (any shape with that many elements), saved for the backward; either may be
- * NULL when no backward follows (mean must be NULL for RMSNorm). eps > 0. Asynchronous.
+ * NULL when no backward follows (mean must be NULL for RMSNorm). eps > 0. Output buffers must not
+ * overlap the inputs or each other. Asynchronous.
  */
 FP8_API fp8_status_t fp8_norm_forward(fp8_context_t *ctx, fp8_norm_t kind, const fp8_tensor_t *x,
                                       const fp8_tensor_t *gamma, const fp8_tensor_t *beta, float eps,
@@ -534,7 +538,8 @@ FP8_API fp8_status_t fp8_norm_forward(fp8_context_t *ctx, fp8_norm_t kind, const
  * [in] x, gamma: as in the forward; [in] mean (LayerNorm; NULL for RMSNorm), rstd: as the forward
  * wrote them; [in] dy: x's shape, F32/F16/BF16. [out] dx: x's shape, F32/F16/BF16. [out] dgamma:
  * F32 [d], overwritten; [out] dbeta: F32 [d] or NULL (LayerNorm with a shift), overwritten.
- * Asynchronous.
+ * d is at most 2^20 here (the partial column sums live in the context's scratch). Outputs must not
+ * overlap the inputs or each other. Asynchronous.
  */
 FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, const fp8_tensor_t *x,
                                        const fp8_tensor_t *gamma, const fp8_tensor_t *mean,

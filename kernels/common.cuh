@@ -85,7 +85,8 @@ __device__ __forceinline__ void block_amax_accumulate(uint32_t v, float* dst0, f
 }
 
 // Sum of v over the block, returned to every thread, in a fixed order (deterministic). `scratch`
-// is 32 floats of shared memory; the call starts and ends with a barrier so it can be reused.
+// is 32 floats of shared memory. The call starts with a barrier, so consecutive calls may share
+// `scratch`; anything else written to it right after a call needs a barrier of its own first.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
 #pragma unroll

@@ -60,12 +60,14 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
                 "; expected both FP8 (e4m3/e5m2) or both bf16");
     }
     const bool fp8_out = fp8::dtype_is_fp8(d->dtype);
+    if (d->dtype == FP8_DTYPE_E5M2 && a->dtype == FP8_DTYPE_E4M3 && b->dtype == FP8_DTYPE_E4M3)
+      fp8::fail(FP8_ERR_DTYPE, "d has dtype e5m2 with e4m3 x e4m3 operands; cuBLASLt writes e5m2 only when an operand is e5m2");
     if (fp8_out ? !fp8_in : (d->dtype != FP8_DTYPE_BF16 && d->dtype != FP8_DTYPE_F32))
       fp8::fail(FP8_ERR_DTYPE, "d has dtype ", fp8::dtype_name(d->dtype), "; expected ",
                 fp8_in ? "bf16, f32, e4m3 or e5m2" : "bf16 or f32", " for ", fp8_in ? "FP8" : "bf16", " operands");
 
     const int64_t k = a->cols(), m = a->rows();
-    if (a->ndim < 2) fp8::fail(FP8_ERR_SHAPE, "a has shape ", fp8::shape_string(a->ndim, a->shape), "; expected [.., m, k]");
+    if (a->ndim < 1) fp8::fail(FP8_ERR_SHAPE, "a has shape [] (a scalar); expected [.., k]");
     if (b->ndim != 2 || b->shape[1] != k)
       fp8::fail(FP8_ERR_SHAPE, "b has shape ", fp8::shape_string(b->ndim, b->shape), ", expected [n, ", k,
                 "] (k = the last dimension of a)");

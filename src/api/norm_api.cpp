@@ -1,5 +1,7 @@
 // LayerNorm / RMSNorm: argument checks, then one backend job.
 #include <cmath>
+#include <initializer_list>
+#include <iterator>
 #include <utility>
 
 #include "api/guard.hpp"
@@ -9,7 +11,7 @@ using fp8::require_arg;
 
 namespace {
 
-constexpr int64_t kMaxNormDim = int64_t{1} << 20;  // the CUDA backend's scratch holds 2 partial rows of this
+constexpr int64_t kMaxBackwardDim = int64_t{1} << 20;  // the CUDA backend's scratch holds 2 partial rows of this
 
 void check_kind(fp8_norm_t kind) {
   if (kind != FP8_NORM_LAYERNORM && kind != FP8_NORM_RMSNORM)
@@ -22,7 +24,6 @@ int64_t check_x(const fp8_context_t* ctx, const fp8_tensor_t* x) {
   fp8::require_same_context(ctx, x, "x");
   fp8::require_wide(x, "x");
   if (x->ndim == 0 || x->cols() == 0) fp8::fail(FP8_ERR_SHAPE, "x has shape ", fp8::shape_string(x->ndim, x->shape), "; expected [.., d] with d > 0");
-  if (x->cols() > kMaxNormDim) fp8::fail(FP8_ERR_SHAPE, "x has d = ", x->cols(), "; at most ", kMaxNormDim, " is supported");
   return x->cols();
 }
 
@@ -31,6 +32,19 @@ void check_f32_vector(const fp8_context_t* ctx, const fp8_tensor_t* t, const cha
   fp8::require_same_context(ctx, t, name);
   if (t->dtype != FP8_DTYPE_F32) fp8::fail(FP8_ERR_DTYPE, name, " has dtype ", fp8::dtype_name(t->dtype), "; expected f32");
   if (t->numel != n) fp8::fail(FP8_ERR_SHAPE, name, " has ", t->numel, " elements; expected ", n, " (", what, ")");
+}
+
+using Named = std::pair<const fp8_tensor*, const char*>;
+
+// Every output (NULL ones skipped) is disjoint from every input and from the other outputs.
+void require_outputs_disjoint(std::initializer_list<Named> outputs, std::initializer_list<Named> inputs) {
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    if (!o->first) continue;
+    for (const Named& i : inputs)
+      if (i.first) fp8::require_disjoint(o->first, o->second, i.first, i.second);
+    for (auto p = std::next(o); p != outputs.end(); ++p)
+      if (p->first) fp8::require_disjoint(o->first, o->second, p->first, p->second);
+  }
 }
 
 }  // namespace
@@ -62,6 +76,7 @@ FP8_API fp8_status_t fp8_norm_forward(fp8_context_t* ctx, fp8_norm_t kind, const
       check_f32_vector(ctx, mean, "mean", x->rows(), "one per row of x");
     }
     if (rstd) check_f32_vector(ctx, rstd, "rstd", x->rows(), "one per row of x");
+    require_outputs_disjoint({{y, "y"}, {mean, "mean"}, {rstd, "rstd"}}, {{x, "x"}, {gamma, "gamma"}, {beta, "beta"}});
     fp8::NormJob job{};
     job.rms = kind == FP8_NORM_RMSNORM;
     job.x = x->data;
@@ -89,6 +104,8 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t* ctx, fp8_norm_t kind, cons
     require_arg(ctx, "ctx");
     check_kind(kind);
     const int64_t d = check_x(ctx, x);
+    if (d > kMaxBackwardDim)
+      fp8::fail(FP8_ERR_SHAPE, "x has d = ", d, "; the backward supports at most ", kMaxBackwardDim);
     require_arg(gamma, "gamma");
     require_arg(rstd, "rstd");
     require_arg(dy, "dy");
@@ -113,14 +130,8 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t* ctx, fp8_norm_t kind, cons
       if (kind == FP8_NORM_RMSNORM) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "dbeta is given for RMSNorm; expected NULL");
       check_f32_vector(ctx, dbeta, "dbeta", d, "d, the last dimension of x");
     }
-    for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{dgamma, "dgamma"}, {dbeta, "dbeta"}})
-      if (t) {
-        fp8::require_disjoint(dx, "dx", t, name);
-        fp8::require_disjoint(t, name, x, "x");
-        fp8::require_disjoint(t, name, dy, "dy");
-      }
-    fp8::require_disjoint(dx, "dx", x, "x");
-    fp8::require_disjoint(dx, "dx", dy, "dy");
+    require_outputs_disjoint({{dx, "dx"}, {dgamma, "dgamma"}, {dbeta, "dbeta"}},
+                             {{x, "x"}, {gamma, "gamma"}, {mean, "mean"}, {rstd, "rstd"}, {dy, "dy"}});
     fp8::NormJob job{};
     job.rms = kind == FP8_NORM_RMSNORM;
     job.backward = true;

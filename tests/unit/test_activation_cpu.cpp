@@ -136,6 +136,16 @@ TEST(CpuActivationSpecials, ReluKeepsNanAndGradientIsZeroBelowZero) {
   EXPECT_EQ(v[2], 2.0f);
 }
 
+TEST(CpuActivationSpecials, GeluGradientIsOneOrZeroFarOutNotNan) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {4}), dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {4});
+  Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {4});
+  upload<float>(x.get(), {6e19f, -1e20f, 12.0f, -12.0f});
+  upload<float>(dy.get(), {2.0f, 2.0f, 2.0f, 2.0f});
+  FP8_ASSERT_OK(fp8_activation_backward(ctx.get(), FP8_ACTIVATION_GELU, x.get(), dy.get(), dx.get(), nullptr));
+  EXPECT_EQ(download<float>(dx.get()), (std::vector<float>{2.0f, 0.0f, 2.0f, 0.0f}));
+}
+
 TEST(CpuActivationRefusals, BadArgumentsNameWhatIsWrong) {
   Context ctx = make_context(FP8_DEVICE_CPU);
   Recipe recipe = make_recipe();

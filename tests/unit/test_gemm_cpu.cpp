@@ -175,6 +175,26 @@ TEST_F(GemmRefusals, EmptyInnerDimension) {
   expect_refused(fp8_gemm(ctx.get(), a0.get(), b0.get(), nullptr, d.get(), nullptr, nullptr), FP8_ERR_SHAPE, "k = 0", d.get());
 }
 
+TEST_F(GemmRefusals, E5M2OutputNeedsAnE5M2Operand) {
+  Recipe recipe = make_recipe();
+  Scaling bwd = make_scaling(ctx.get(), recipe.get(), FP8_ROLE_BACKWARD);
+  Tensor d5 = make_tensor(ctx.get(), FP8_DTYPE_E5M2, {8, 16});
+  expect_refused(fp8_gemm(ctx.get(), a.get(), b.get(), nullptr, d5.get(), bwd.get(), nullptr), FP8_ERR_DTYPE,
+                 "e5m2 only when an operand is e5m2", nullptr);
+  Tensor a5 = make_tensor(ctx.get(), FP8_DTYPE_E5M2, {8, 32});
+  upload(a5.get(), std::vector<uint8_t>(8 * 32, 0x3C));
+  FP8_ASSERT_OK(fp8_gemm(ctx.get(), a5.get(), b.get(), nullptr, d5.get(), bwd.get(), nullptr));
+}
+
+TEST_F(CpuGemm, OneDimensionalAIsOneRow) {
+  Tensor a = make_tensor(ctx.get(), FP8_DTYPE_BF16, {16}), b = make_tensor(ctx.get(), FP8_DTYPE_BF16, {4, 16});
+  upload(a.get(), std::vector<uint16_t>(16, fp8::float_to_bf16(0.5f)));
+  upload(b.get(), std::vector<uint16_t>(64, fp8::float_to_bf16(2.0f)));
+  Tensor d = make_tensor(ctx.get(), FP8_DTYPE_F32, {1, 4});
+  FP8_ASSERT_OK(fp8_gemm(ctx.get(), a.get(), b.get(), nullptr, d.get(), nullptr, nullptr));
+  EXPECT_EQ(download<float>(d.get()), std::vector<float>(4, 16.0f));
+}
+
 TEST_F(GemmRefusals, MismatchedShapes) {
   Tensor b_k = make_tensor(ctx.get(), FP8_DTYPE_E4M3, {16, 48});
   expect_refused(fp8_gemm(ctx.get(), a.get(), b_k.get(), nullptr, d.get(), nullptr, nullptr), FP8_ERR_SHAPE, "b has shape [16, 48], expected [n, 32]", d.get());

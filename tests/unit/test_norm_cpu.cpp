@@ -161,6 +161,23 @@ TEST(CpuNormRefusals, BadArgumentsNameWhatIsWrong) {
       {fp8_norm_backward(ctx.get(), FP8_NORM_RMSNORM, x.get(), g.get(), nullptr, m.get(), x.get(), y8.get(), g7.get(), nullptr), FP8_ERR_DTYPE, "dx has dtype e4m3"},
   };
   for (const auto& c : cases) EXPECT_EQ(c.got, c.want) << c.words;
+  // rstd written over x, and a backward wider than the scratch allows.
+  void* x_data = nullptr;
+  FP8_ASSERT_OK(fp8_tensor_data(x.get(), &x_data));
+  const int64_t four = 4;
+  fp8_tensor_t* alias = nullptr;
+  FP8_ASSERT_OK(fp8_tensor_wrap(&alias, ctx.get(), FP8_DTYPE_F32, 1, &four, x_data));
+  Tensor hold(alias);
+  EXPECT_EQ(fp8_norm_forward(ctx.get(), FP8_NORM_RMSNORM, x.get(), g.get(), nullptr, 1e-5f, y.get(), nullptr, nullptr, alias),
+            FP8_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fp8_last_error_message()).find("rstd and x overlap"), std::string::npos) << fp8_last_error_message();
+  const int64_t wide = (int64_t{1} << 20) + 16;
+  Tensor xw = make_tensor(ctx.get(), FP8_DTYPE_BF16, {1, wide}), gw = make_tensor(ctx.get(), FP8_DTYPE_F32, {wide});
+  Tensor sw = make_tensor(ctx.get(), FP8_DTYPE_F32, {1}), dgw = make_tensor(ctx.get(), FP8_DTYPE_F32, {wide});
+  Tensor dxw = make_tensor(ctx.get(), FP8_DTYPE_BF16, {1, wide});
+  EXPECT_EQ(fp8_norm_backward(ctx.get(), FP8_NORM_RMSNORM, xw.get(), gw.get(), nullptr, sw.get(), xw.get(), dxw.get(), dgw.get(), nullptr),
+            FP8_ERR_SHAPE);
+  EXPECT_NE(std::string(fp8_last_error_message()).find("at most 1048576"), std::string::npos) << fp8_last_error_message();
   EXPECT_EQ(fp8_norm_forward(ctx.get(), FP8_NORM_LAYERNORM, x.get(), g7.get(), nullptr, 1e-5f, y.get(), nullptr, nullptr, nullptr), FP8_ERR_SHAPE);
   EXPECT_NE(std::string(fp8_last_error_message()).find("fp8_norm_forward: gamma has 7 elements; expected 8"), std::string::npos)
       << fp8_last_error_message();
