@@ -101,18 +101,44 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Calls f(dtype constant, format constant) for the runtime wide dtype and FP8 format, so each
-// launcher names its kernel template once.
+// Calls f(dtype constant) for a runtime wide dtype (F32, F16, BF16), so each launcher names its
+// kernel template once.
+template <typename F>
+void dispatch_wide(fp8_dtype_t dt, F&& f) {
+  switch (dt) {
+    case FP8_DTYPE_F32: f(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F32>{}); break;
+    case FP8_DTYPE_F16: f(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F16>{}); break;
+    default: f(std::integral_constant<fp8_dtype_t, FP8_DTYPE_BF16>{}); break;
+  }
+}
+
+// The same for any dtype, FP8 ones included (an output that may be wide or FP8).
+template <typename F>
+void dispatch_any(fp8_dtype_t dt, F&& f) {
+  switch (dt) {
+    case FP8_DTYPE_E4M3: f(std::integral_constant<fp8_dtype_t, FP8_DTYPE_E4M3>{}); break;
+    case FP8_DTYPE_E5M2: f(std::integral_constant<fp8_dtype_t, FP8_DTYPE_E5M2>{}); break;
+    default: dispatch_wide(dt, f); break;
+  }
+}
+
+// f(dtype constant, format constant) for a wide dtype and an FP8 format.
 template <typename F>
 void dispatch(fp8_dtype_t dt, bool e5m2, F&& f) {
-  auto with_format = [&](auto dtc) {
+  dispatch_wide(dt, [&](auto dtc) {
     if (e5m2) f(dtc, std::true_type{});
     else f(dtc, std::false_type{});
-  };
-  switch (dt) {
-    case FP8_DTYPE_F32: with_format(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F32>{}); break;
-    case FP8_DTYPE_F16: with_format(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F16>{}); break;
-    default: with_format(std::integral_constant<fp8_dtype_t, FP8_DTYPE_BF16>{}); break;
+  });
+}
+
+// Stores element i of an output that is wide (rounded) or FP8 (scaled, cast, its amax tracked).
+template <fp8_dtype_t OUT>
+__device__ __forceinline__ void store_output(void* out, int64_t i, float v, float scale, uint32_t& amax) {
+  if constexpr (OUT == FP8_DTYPE_E4M3 || OUT == FP8_DTYPE_E5M2) {
+    amax = max(amax, abs_bits(v));
+    static_cast<uint8_t*>(out)[i] = cast1<OUT == FP8_DTYPE_E5M2>(v * scale);
+  } else {
+    static_cast<typename Wide<OUT>::Raw*>(out)[i] = Wide<OUT>::from_float(v);
   }
 }
 

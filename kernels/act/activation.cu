@@ -11,27 +11,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <fp8_dtype_t OUT>
-struct Store {
-  static __device__ __forceinline__ void put(void* out, int64_t i, float v, float, uint32_t&) {
-    static_cast<typename Wide<OUT>::Raw*>(out)[i] = Wide<OUT>::from_float(v);
-  }
-};
-template <>
-struct Store<FP8_DTYPE_E4M3> {
-  static __device__ __forceinline__ void put(void* out, int64_t i, float v, float scale, uint32_t& amax) {
-    amax = max(amax, abs_bits(v));
-    static_cast<uint8_t*>(out)[i] = cast1<false>(v * scale);
-  }
-};
-template <>
-struct Store<FP8_DTYPE_E5M2> {
-  static __device__ __forceinline__ void put(void* out, int64_t i, float v, float scale, uint32_t& amax) {
-    amax = max(amax, abs_bits(v));
-    static_cast<uint8_t*>(out)[i] = cast1<true>(v * scale);
-  }
-};
-
 template <fp8_dtype_t DT, fp8_dtype_t OUT>
 __global__ void __launch_bounds__(kThreads) activation_kernel(fp8_activation_t act, bool backward,
                                                               const typename Wide<DT>::Raw* __restrict__ x,
@@ -48,18 +27,18 @@ __global__ void __launch_bounds__(kThreads) activation_kernel(fp8_activation_t a
       const int64_t r = i / half, c = i % half;
       const float a = Wide<DT>::to_float(x[r * cols + c]), b = Wide<DT>::to_float(x[r * cols + half + c]);
       if (!backward) {
-        Store<OUT>::put(out, i, swiglu(a, b), scale, amax);
+        store_output<OUT>(out, i, swiglu(a, b), scale, amax);
       } else {
         const float g = Wide<DT>::to_float(dy[i]);
-        Store<OUT>::put(out, r * cols + c, swiglu_grad_a(a, b, g), scale, amax);
-        Store<OUT>::put(out, r * cols + half + c, swiglu_grad_b(a, g), scale, amax);
+        store_output<OUT>(out, r * cols + c, swiglu_grad_a(a, b, g), scale, amax);
+        store_output<OUT>(out, r * cols + half + c, swiglu_grad_b(a, g), scale, amax);
       }
     } else {
       const float v = Wide<DT>::to_float(x[i]);
       float y;
       if (!backward) y = act == FP8_ACTIVATION_RELU ? relu(v) : gelu(v);
       else y = act == FP8_ACTIVATION_RELU ? relu_grad(v, Wide<DT>::to_float(dy[i])) : gelu_grad(v, Wide<DT>::to_float(dy[i]));
-      Store<OUT>::put(out, i, y, scale, amax);
+      store_output<OUT>(out, i, y, scale, amax);
     }
   }
   if (state) {
@@ -78,19 +57,13 @@ void launch_for_output(const ActivationJob& j, const LaunchLimits& lim, cudaStre
     kernel<<<grid, kThreads, 0, stream>>>(j.act, j.backward, static_cast<const Raw*>(j.x), static_cast<const Raw*>(j.dy),
                                           j.rows, j.cols, j.out, j.out_state, j.out_scale_inv);
   };
-  switch (j.out_dtype) {
-    case FP8_DTYPE_F32: go(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F32>{}); break;
-    case FP8_DTYPE_F16: go(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F16>{}); break;
-    case FP8_DTYPE_BF16: go(std::integral_constant<fp8_dtype_t, FP8_DTYPE_BF16>{}); break;
-    case FP8_DTYPE_E4M3: go(std::integral_constant<fp8_dtype_t, FP8_DTYPE_E4M3>{}); break;
-    default: go(std::integral_constant<fp8_dtype_t, FP8_DTYPE_E5M2>{}); break;
-  }
+  dispatch_any(j.out_dtype, go);
 }
 
 }  // namespace
 
 void activation(const ActivationJob& j, const LaunchLimits& lim, cudaStream_t stream) {
-  dispatch(j.x_dtype, false, [&](auto dt, auto) { launch_for_output<decltype(dt)::value>(j, lim, stream); });
+  dispatch_wide(j.x_dtype, [&](auto dt) { launch_for_output<decltype(dt)::value>(j, lim, stream); });
   cuda_check(cudaGetLastError(), "activation kernel launch");
 }
 

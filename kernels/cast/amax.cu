@@ -33,7 +33,7 @@ void amax(const AmaxJob& j, const LaunchLimits& lim, cudaStream_t stream) {
   cuda_check(cudaMemsetAsync(j.out, 0, sizeof(float), stream), "amax: clearing the output");
   if (j.n == 0) return;
   const bool vec = aligned16(j.in);
-  dispatch(j.dtype, false, [&](auto dt, auto) {
+  dispatch_wide(j.dtype, [&](auto dt) {
     auto* kernel = amax_kernel<decltype(dt)::value>;
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, (j.n / 16 + kThreads - 1) / kThreads + 1,
                                lim.sm_count);

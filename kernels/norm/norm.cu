@@ -13,16 +13,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <fp8_dtype_t OUT>
-__device__ __forceinline__ void put(void* out, int64_t i, float v, float scale, uint32_t& amax) {
-  if constexpr (OUT == FP8_DTYPE_E4M3 || OUT == FP8_DTYPE_E5M2) {
-    amax = max(amax, abs_bits(v));
-    static_cast<uint8_t*>(out)[i] = cast1<OUT == FP8_DTYPE_E5M2>(v * scale);
-  } else {
-    static_cast<typename Wide<OUT>::Raw*>(out)[i] = Wide<OUT>::from_float(v);
-  }
-}
-
 template <fp8_dtype_t DT, fp8_dtype_t OUT>
 __global__ void __launch_bounds__(kThreads)
     norm_forward_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x, int64_t rows, int64_t d,
@@ -49,7 +39,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (int64_t c = threadIdx.x; c < d; c += kThreads) {
       const float v = (Wide<DT>::to_float(row[c]) - mean) * rstd * gamma[c] + (beta ? beta[c] : 0.0f);
-      put<OUT>(y, r * d + c, v, scale, amax);
+      store_output<OUT>(y, r * d + c, v, scale, amax);
     }
   }
   if (state) {
@@ -118,21 +108,11 @@ __global__ void __launch_bounds__(kThreads) norm_backward_reduce_kernel(const fl
   if (dbeta) dbeta[c] = b;
 }
 
-// Calls f(constant) for a runtime wide dtype.
-template <typename F>
-void with_wide(fp8_dtype_t dt, F&& f) {
-  switch (dt) {
-    case FP8_DTYPE_F32: f(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F32>{}); break;
-    case FP8_DTYPE_F16: f(std::integral_constant<fp8_dtype_t, FP8_DTYPE_F16>{}); break;
-    default: f(std::integral_constant<fp8_dtype_t, FP8_DTYPE_BF16>{}); break;
-  }
-}
-
 }  // namespace
 
 void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scratch_floats, cudaStream_t stream) {
   if (!j.backward) {
-    with_wide(j.x_dtype, [&](auto dt) {
+    dispatch_wide(j.x_dtype, [&](auto dt) {
       auto go = [&](auto out) {
         using Raw = typename Wide<decltype(dt)::value>::Raw;
         auto* kernel = norm_forward_kernel<decltype(dt)::value, decltype(out)::value>;
@@ -140,18 +120,16 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
         kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta, j.eps,
                                               j.y, j.y_state, j.y_scale_inv, j.mean, j.rstd);
       };
-      if (j.y_dtype == FP8_DTYPE_E4M3) go(std::integral_constant<fp8_dtype_t, FP8_DTYPE_E4M3>{});
-      else if (j.y_dtype == FP8_DTYPE_E5M2) go(std::integral_constant<fp8_dtype_t, FP8_DTYPE_E5M2>{});
-      else with_wide(j.y_dtype, go);
+      dispatch_any(j.y_dtype, go);
     });
     cuda_check(cudaGetLastError(), "norm forward kernel launch");
     return;
   }
-  with_wide(j.x_dtype, [&](auto dt) {
-    with_wide(j.dy_dtype, [&](auto dyt) {
+  dispatch_wide(j.x_dtype, [&](auto dt) {
+    dispatch_wide(j.dy_dtype, [&](auto dyt) {
       using RawX = typename Wide<decltype(dt)::value>::Raw;
       using RawDy = typename Wide<decltype(dyt)::value>::Raw;
-      with_wide(j.dx_dtype, [&](auto dxt) {
+      dispatch_wide(j.dx_dtype, [&](auto dxt) {
         auto* kernel = norm_backward_dx_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value>;
         const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
         kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows,

@@ -1,6 +1,6 @@
 // Delayed-scaling states and their batched update.
 #include <cmath>
-#include <unordered_set>
+#include <atomic>
 #include <vector>
 
 #include "api/guard.hpp"
@@ -97,16 +97,18 @@ FP8_API fp8_status_t fp8_scaling_update(fp8_context_t* ctx, fp8_scaling_t* const
     const int64_t interval = r.get(FP8_RECIPE_INTERVAL);
     const int margin = static_cast<int>(r.get(FP8_RECIPE_MARGIN));
     std::vector<fp8::ScalingUpdateItem> items(static_cast<size_t>(count));
-    std::unordered_set<const fp8_scaling*> seen;
+    static std::atomic<uint64_t> calls{0};
+    const uint64_t mark = ++calls;
     for (int32_t i = 0; i < count; ++i) {
-      const fp8_scaling* s = states[i];
+      fp8_scaling* s = states[i];
       if (!s) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] is NULL");
       fp8::require_same_context(ctx, s, ("states[" + std::to_string(i) + "]").c_str());
       if (s->history_len != history_len)
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] has amax_history_len ", s->history_len,
                   "; the recipe says ", history_len);
-      if (!seen.insert(s).second)
+      if (s->update_mark == mark)
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] appears twice; expected each state once per update");
+      s->update_mark = mark;
       items[static_cast<size_t>(i)] = {s->state, fp8::scaled_fp8_max(s->dtype == FP8_DTYPE_E5M2, margin)};
     }
     ctx->backend->scaling_update({items.data(), count, static_cast<int32_t>(history_len), interval,

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <new>
 
 #include "backend/backend.hpp"
 #include "backend/cublaslt_gemm.hpp"
@@ -16,7 +17,8 @@ namespace {
 
 using kernels::cuda_check;
 
-// Makes `device` current for the scope and restores the caller's device afterwards.
+// Makes `device` current for the scope and restores the caller's device afterwards. The
+// std::nothrow form ignores failures, for destructors and release().
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
@@ -25,6 +27,9 @@ class DeviceScope {
     (void)cudaGetLastError();
     cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
     if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  DeviceScope(int device, std::nothrow_t) noexcept {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) cudaSetDevice(device);
   }
   ~DeviceScope() {
     int now = -1;
@@ -59,12 +64,9 @@ class CudaBackend final : public Backend {
     cuda_check(cudaMalloc(reinterpret_cast<void**>(&scratch_), kScratchFloats * sizeof(float)), "cudaMalloc of the scratch buffer");
   }
   ~CudaBackend() override {
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(limits_.device);
+    DeviceScope scope(limits_.device, std::nothrow);
     gemm_.reset();
     cudaFree(scratch_);
-    cudaSetDevice(previous);
   }
 
   int32_t device() const override { return limits_.device; }
@@ -83,11 +85,8 @@ class CudaBackend final : public Backend {
   }
   void release(void* p) noexcept override {
     if (!p) return;
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(limits_.device);
+    DeviceScope scope(limits_.device, std::nothrow);
     cudaFree(p);
-    cudaSetDevice(previous);
   }
   void copy_from_host(void* dst, const void* src, size_t bytes) override {
     if (!bytes) return;

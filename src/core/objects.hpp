@@ -51,6 +51,7 @@ struct fp8_scaling {
   fp8::ScalingHeader* state = nullptr;  // device memory: header, then the history
   int32_t history_len = 0;
   fp8_dtype_t dtype = FP8_DTYPE_E4M3;
+  uint64_t update_mark = 0;  // the fp8_scaling_update call that last listed it (finds duplicates)
 
   fp8_scaling() = default;
   fp8_scaling(const fp8_scaling&) = delete;
