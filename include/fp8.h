@@ -230,7 +230,10 @@ typedef int32_t fp8_recipe_attr_t;
 #define FP8_RECIPE_OVERRIDE_DGRAD 8    /**< 1 = input-gradient GEMM in bf16; 0..1, default 0 */
 #define FP8_RECIPE_OVERRIDE_WGRAD 9    /**< 1 = weight-gradient GEMM in bf16; 0..1, default 0 */
 #define FP8_RECIPE_USE_AUTOCAST_DURING_EVAL 10 /**< 1 = FP8 also in eval mode; 0..1, default 0 */
-#define FP8_RECIPE_ATTR_COUNT 11       /**< number of attributes (grows at the end only) */
+#define FP8_RECIPE_SMALL_LAYER_FALLBACK 11 /**< 1 = a Linear too small to gain from FP8 runs in high
+                                                precision (the rule at fp8_layer_forward); 0 = FP8
+                                                whenever the shape allows; 0..1, default 1 */
+#define FP8_RECIPE_ATTR_COUNT 12       /**< number of attributes (grows at the end only) */
 
 /** Values of FP8_RECIPE_BACKEND. AUTO prefers MS-AMP, as Accelerate documents. */
 #define FP8_BACKEND_AUTO 0
@@ -545,6 +548,172 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
                                        const fp8_tensor_t *gamma, const fp8_tensor_t *mean,
                                        const fp8_tensor_t *rstd, const fp8_tensor_t *dy, fp8_tensor_t *dx,
                                        fp8_tensor_t *dgamma, fp8_tensor_t *dbeta);
+
+/* ------------------------------------------------------------------------------------------------
+ * Models and layers (what Accelerate's convert_model / has_transformer_engine_layers / fp8_autocast do)
+ *
+ * A model holds named layers: Linear (y = x W^T + b), LayerNorm, RMSNorm and activations. Each layer
+ * owns FP32 parameters with FP32 gradients, reachable as tensors ("fc1.weight", "fc1.bias",
+ * "ln.gamma", "ln.beta"). Weights start at zero (biases 0, gamma 1, beta 0): initialise them with
+ * fp8_tensor_copy_from_host. Frameworks that own their graph call fp8_layer_forward/backward per layer.
+ *
+ * FP8 runs where three things hold: the layer was converted (fp8_convert_model), the call is between
+ * fp8_autocast_begin and fp8_autocast_end, and the model is training (or the recipe's
+ * use_autocast_during_eval is on). Anywhere else a layer computes in its activations' precision.
+ *
+ * Linear in FP8 (per call, the "plan" shown by fp8_layer_get_report):
+ *  - forward: x -> E4M3 with the input state (and, when training, its transposed copy for the weight
+ *    gradient, in the same pass); the weight's FP8 copy and transpose are made with the weight state
+ *    on the first forward after the weights change and reused by every micro-batch; y = x8 W8^T + b
+ *    with fast accumulation.
+ *  - backward: dy -> the recipe's backward format (E5M2 under HYBRID) with the gradient state, its
+ *    transposed copy and the bias gradient in one pass; dx = dy8 W8 and dW += dy8^T x8 with full
+ *    accumulation. override_fprop/dgrad/wgrad move a GEMM to high precision each on its own.
+ *  - Automatic fallback (never an error): the whole layer runs in high precision when in_features or
+ *    out_features is not a multiple of 16, when x (an FP8 hand-off) or y is not 16-byte aligned, or,
+ *    with the recipe's small_layer_fallback on, when tokens x in x out < 2^31 multiply-adds (below
+ *    that an H100 runs the layer faster in bf16: bench/RESULTS.md); only the weight gradient does
+ *    when the token count is not a multiple of 16. Each fallback is counted with its reason in the
+ *    layer's report.
+ * Dtypes: y, dy and dx share one activation dtype, F32 or BF16; x is that dtype or an E4M3 tensor
+ * written by a converted norm or activation layer (the FP8 hand-off: its own scale_inv is used).
+ * The gradients of a Linear (dW, db) are FP32 and accumulate across backward calls until
+ * fp8_model_zero_grad.
+ *
+ * Norms and activations compute in float from their input's dtype; once converted they may write y in
+ * FP8 (pass an E4M3 y) with an output state of their own, which is the input the next Linear needs.
+ *
+ * Lifetimes: a layer's backward reads what its latest training-mode forward saw; the x passed to that
+ * forward must stay alive and unchanged until the backward (as in any autograd). One backward per
+ * forward. Scaling states of all converted layers are updated in one batched launch at
+ * fp8_autocast_end (the backward states with the amaxes of the backward passes run since).
+ * A model is externally synchronised; calls are asynchronous on the context's stream unless stated.
+ * --------------------------------------------------------------------------------------------- */
+
+typedef struct fp8_model fp8_model_t;
+
+typedef int32_t fp8_layer_kind_t;
+#define FP8_LAYER_LINEAR 0
+#define FP8_LAYER_LAYERNORM 1
+#define FP8_LAYER_RMSNORM 2
+#define FP8_LAYER_ACTIVATION 3
+
+/** Creates an empty model on `ctx`'s device (it keeps the context's device alive). */
+FP8_API fp8_status_t fp8_model_create(fp8_model_t **out, fp8_context_t *ctx);
+FP8_API void fp8_model_destroy(fp8_model_t *model);
+
+/** Adds a Linear of weight [out_features, in_features] (and bias [out_features] if with_bias).
+ *  Names are unique within a model, 1..63 bytes, no '.'. [out] layer_id (may be NULL): 0, 1, ...
+ *  in order of addition. Synchronous (allocates and initialises the parameters). */
+FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t *model, const char *name, int64_t in_features,
+                                          int64_t out_features, int32_t with_bias, int32_t *layer_id);
+/** Adds a LayerNorm over the last dimension `dim` (gamma and beta), eps > 0. */
+FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t *model, const char *name, int64_t dim, float eps,
+                                             int32_t *layer_id);
+/** Adds an RMSNorm over the last dimension `dim` (gamma), eps > 0. */
+FP8_API fp8_status_t fp8_model_add_rmsnorm(fp8_model_t *model, const char *name, int64_t dim, float eps,
+                                           int32_t *layer_id);
+/** Adds an activation layer (FP8_ACTIVATION_*; no parameters). */
+FP8_API fp8_status_t fp8_model_add_activation(fp8_model_t *model, const char *name, fp8_activation_t activation,
+                                              int32_t *layer_id);
+
+/** [out] count: number of layers. */
+FP8_API fp8_status_t fp8_model_layer_count(const fp8_model_t *model, int32_t *count);
+/** [out] layer_id of the layer named `name`; FP8_ERR_INVALID_ARGUMENT naming it if there is none. */
+FP8_API fp8_status_t fp8_model_find_layer(const fp8_model_t *model, const char *name, int32_t *layer_id);
+/** [out] name: borrowed, valid while the model lives. */
+FP8_API fp8_status_t fp8_model_layer_name(const fp8_model_t *model, int32_t layer_id, const char **name);
+
+/** The parameter "<layer>.<param>" ("fc1.weight", "fc1.bias", "ln.gamma", "ln.beta"). [out] value,
+ *  grad (either may be NULL): borrowed FP32 tensors, valid while the model lives. Writing a value
+ *  with fp8_tensor_copy_from_host is seen by the layer; after writing one any other way (your own
+ *  optimizer kernel), call fp8_model_weights_changed. */
+FP8_API fp8_status_t fp8_model_parameter(fp8_model_t *model, const char *name, fp8_tensor_t **value,
+                                         fp8_tensor_t **grad);
+/** Parameters in a fixed order (layers in order, then weight, bias / gamma, beta): [out] name
+ *  (borrowed), value, grad (each may be NULL). index in 0..fp8_model_parameter_count-1. */
+FP8_API fp8_status_t fp8_model_parameter_count(const fp8_model_t *model, int32_t *count);
+FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t *model, int32_t index, const char **name,
+                                            fp8_tensor_t **value, fp8_tensor_t **grad);
+/** Tells the model its weights changed outside libfp8: the FP8 (and bf16) weight copies are remade
+ *  at the next forward. */
+FP8_API fp8_status_t fp8_model_weights_changed(fp8_model_t *model);
+/** Sets every gradient to zero. Asynchronous. */
+FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t *model);
+/** training = 1 (the default) or 0 (eval: no FP8 unless use_autocast_during_eval; a forward keeps
+ *  nothing for a backward). */
+FP8_API fp8_status_t fp8_model_set_training(fp8_model_t *model, int32_t training);
+
+/** Which layer kinds fp8_convert_model converts, and in which direction. Versioned. */
+typedef struct fp8_convert_options {
+  uint32_t struct_size; /**< [in] sizeof(fp8_convert_options_t) */
+  int32_t to_fp8;       /**< 1 (default): to FP8 under the recipe; 0: back to high precision */
+  int32_t linear;       /**< 1 (default): convert Linear layers */
+  int32_t norm;         /**< 1 (default): convert LayerNorm and RMSNorm layers (FP8 output) */
+  int32_t activation;   /**< 1 (default): convert activation layers (FP8 output) */
+} fp8_convert_options_t;
+FP8_API void fp8_convert_options_init(fp8_convert_options_t *options);
+
+/**
+ * Converts the chosen layers to FP8 under `recipe` (copied; later changes to it have no effect),
+ * with fresh scaling states; the others are turned back to high precision. With to_fp8 = 0 every
+ * layer returns to high precision (recipe may be NULL). Parameters and gradients are kept either
+ * way. Not allowed inside autocast. Synchronous.
+ */
+FP8_API fp8_status_t fp8_convert_model(fp8_model_t *model, const fp8_recipe_t *recipe,
+                                       const fp8_convert_options_t *options);
+/** [out] has: 1 if any layer is converted to FP8. */
+FP8_API fp8_status_t fp8_model_has_fp8_layers(const fp8_model_t *model, int32_t *has);
+
+/** Starts an FP8 region (FP8_ERR_INVALID_STATE if one is open or the model was never converted). */
+FP8_API fp8_status_t fp8_autocast_begin(fp8_model_t *model);
+/** Ends it and updates every scaling state of the model in one batched launch (when FP8 was on).
+ *  FP8_ERR_INVALID_STATE without a begin. Asynchronous. */
+FP8_API fp8_status_t fp8_autocast_end(fp8_model_t *model);
+
+/**
+ * y = layer(x). [in] x, [out] y: tensors of the model's context; shapes [.., in] -> [.., out]
+ * (Linear), [.., d] -> [.., d] (norms, activations; SwiGLU [.., 2h] -> [.., h]). See above for
+ * dtypes and the FP8 rules. Errors name the layer and say what it expected. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_layer_forward(fp8_model_t *model, int32_t layer_id, const fp8_tensor_t *x, fp8_tensor_t *y);
+/**
+ * Backward of the layer's latest training-mode forward: [in] dy (y's shape and activation dtype),
+ * [out] dx (x's shape; NULL for a Linear whose input needs no gradient). Parameter gradients
+ * accumulate. FP8_ERR_INVALID_STATE without such a forward. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_layer_backward(fp8_model_t *model, int32_t layer_id, const fp8_tensor_t *dy,
+                                        fp8_tensor_t *dx);
+
+/** Scaling-state slots of a layer, for fp8_layer_get_scaling. */
+#define FP8_SCALING_INPUT 0       /**< Linear: x */
+#define FP8_SCALING_WEIGHT 1      /**< Linear: W */
+#define FP8_SCALING_GRAD_OUTPUT 2 /**< Linear: dy */
+#define FP8_SCALING_OUTPUT 3      /**< norm / activation: the FP8 y */
+/** [out] scaling: borrowed, NULL if the layer has no state in that slot (or is not converted);
+ *  valid until the next fp8_convert_model. */
+FP8_API fp8_status_t fp8_layer_get_scaling(fp8_model_t *model, int32_t layer_id, int32_t slot,
+                                           fp8_scaling_t **scaling);
+
+/** What a layer did, for users and tests. Versioned: fp8_layer_report_init first. */
+typedef struct fp8_layer_report {
+  uint32_t struct_size;   /**< [in] sizeof(fp8_layer_report_t) */
+  fp8_layer_kind_t kind;  /**< FP8_LAYER_* */
+  int32_t converted;      /**< 1 after fp8_convert_model made it an FP8 layer */
+  int32_t fprop;          /**< precision of the latest forward's GEMM or output: 1 FP8, 0 high, -1 none yet */
+  int32_t dgrad;          /**< the same for the input gradient (Linear: as planned by the forward) */
+  int32_t wgrad;          /**< the same for the weight gradient (Linear) */
+  int64_t fp8_calls;      /**< forwards under FP8 that ran at least one GEMM (or the output) in FP8 */
+  int64_t fallback_calls; /**< forwards under FP8 that fell back in whole or in part */
+  char reason[200];       /**< why the latest forward under FP8 fell back; "" if it did not */
+} fp8_layer_report_t;
+FP8_API void fp8_layer_report_init(fp8_layer_report_t *report);
+FP8_API fp8_status_t fp8_layer_get_report(const fp8_model_t *model, int32_t layer_id, fp8_layer_report_t *report);
+
+/** A table of every layer (name, kind, shape, converted, precisions, calls, fallback reason) as
+ *  text. Writes at most `cap` bytes including the terminating NUL; [out] needed (may be NULL): the
+ *  full length + 1. FP8_ERR_BUFFER_TOO_SMALL (buf untouched) when cap < needed. */
+FP8_API fp8_status_t fp8_model_report(const fp8_model_t *model, char *buf, size_t cap, size_t *needed);
 
 #ifdef __cplusplus
 } /* extern "C" */

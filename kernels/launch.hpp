@@ -28,6 +28,14 @@ void activation(const ActivationJob& job, const LaunchLimits& lim, cudaStream_t 
 // `scratch` holds at least 2 * job.cols floats (the backward's partial column sums).
 void norm(const NormJob& job, const LaunchLimits& lim, float* scratch, size_t scratch_floats, cudaStream_t stream);
 
+// dbias += column sums of job.dy (two stages through job.partials).
+void bias_grad(const BiasGradJob& job, const LaunchLimits& lim, cudaStream_t stream);
+// Stage 2 alone, for partials written by the fused dy cast (cast_transpose with job.dbias).
+void bias_grad_finish(const float* partials, int64_t rows, int64_t cols, float* dbias, const LaunchLimits& lim,
+                      cudaStream_t stream);
+void convert(const ConvertJob& job, const LaunchLimits& lim, cudaStream_t stream);
+void transpose(const TransposeJob& job, const LaunchLimits& lim, cudaStream_t stream);
+
 // Folds the amax cuBLASLt wrote for an FP8 GEMM output into `state` and sets D's scale_inv.
 void gemm_fp8_output_epilogue(const float* gemm_amax, ScalingHeader* state, float* d_scale_inv, cudaStream_t stream);
 

@@ -3,7 +3,8 @@
 // one whole 128-byte line) and to a shared tile. Phase 2 gives 8 lanes one row of `out_t` (an input
 // column), 16 input rows each, so `out_t` is written in whole 128-byte lines too. The loads of a
 // block's next tile are issued before it writes the current one. bench/RESULTS.md records the
-// register-only designs this one beat.
+// register-only designs this one beat. With DBIAS the pass also writes one partial column sum per
+// tile (the Linear's bias gradient from the dy cast; see kBiasGradRows), in a fixed order.
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
 
@@ -33,13 +34,41 @@ struct TileLoads {
   }
 };
 
-template <fp8_dtype_t DT, bool E5M2>
+static_assert(kTile == kBiasGradRows, "one partial column sum per tile row");
+
+// Phase 1's per-thread column sums (16 columns, 4 rows each) -> the tile's 128 column sums in
+// partials[tile row][C0 ..], reduced over lanes and warps in a fixed order.
+__device__ __forceinline__ void tile_column_sums(const float (&sums)[16], float* col_part, float* partials,
+                                                 int64_t tile_row, int64_t C0, int64_t cols) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float s[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    s[i] = sums[i] + __shfl_xor_sync(0xFFFFFFFFu, sums[i], 8);
+    s[i] += __shfl_xor_sync(0xFFFFFFFFu, s[i], 16);
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) col_part[warp * kTile + lane * 16 + i] = s[i];
+  }
+  __syncthreads();
+  if (tid < kTile) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += col_part[w * kTile + tid];
+    partials[tile_row * cols + C0 + tid] = total;
+  }
+}
+
+template <fp8_dtype_t DT, bool E5M2, bool DBIAS>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
                                uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool rows_aligned,
                                bool cols_aligned,
-                               ScalingHeader* state, float* out_scale_inv, float* out_t_scale_inv) {
+                               ScalingHeader* state, float* out_scale_inv, float* out_t_scale_inv,
+                               float* __restrict__ dbias_partials) {
   __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
+  __shared__ float col_part[DBIAS ? kThreads / 32 * kTile : 1];
   const float scale = state->scale;
   const int tid = threadIdx.x;
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
@@ -59,6 +88,7 @@ __global__ void __launch_bounds__(kThreads)
       const TileLoads<DT> cur = next;
       const int64_t t_next = t + gridDim.x;
       if (t_next < tiles && full(t_next)) next.issue(in, cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
+      float sums[16] = {};
 #pragma unroll
       for (int k = 0; k < TileLoads<DT>::kChunks; ++k) {
         const int ch = tid + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
@@ -67,7 +97,10 @@ __global__ void __launch_bounds__(kThreads)
         for (int h = 0; h < 2; ++h) {
           const Vec8<DT>& v = cur.x[k][h];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(v.get(i)));
+          for (int i = 0; i < 8; ++i) {
+            amax = max(amax, abs_bits(v.get(i)));
+            if constexpr (DBIAS) sums[8 * h + i] += v.get(i);
+          }
           w[2 * h] = cast4<E5M2>(v.get(0) * scale, v.get(1) * scale, v.get(2) * scale, v.get(3) * scale);
           w[2 * h + 1] = cast4<E5M2>(v.get(4) * scale, v.get(5) * scale, v.get(6) * scale, v.get(7) * scale);
         }
@@ -75,6 +108,7 @@ __global__ void __launch_bounds__(kThreads)
         *reinterpret_cast<uint4*>(out + (R0 + r) * cols + C0 + c) = codes;
         *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) = codes;
       }
+      if constexpr (DBIAS) tile_column_sums(sums, col_part, dbias_partials, t / tiles_c, C0, cols);
       __syncthreads();
       // Phase 2: transposed row c (input column C0 + c), input rows r0..r0+15: one 16-byte store
       // when rows keeps the transposed rows 16-byte aligned, else 16 byte stores (e.g. a vocabulary
@@ -109,6 +143,14 @@ __global__ void __launch_bounds__(kThreads)
         out[r * cols + c] = q;
         out_t[c * rows + r] = q;
       }
+      if constexpr (DBIAS) {
+        // One column per thread, rows in order (edge tiles are few; they read their input twice).
+        if (tid < kTile && C0 + tid < cols) {
+          float total = 0.0f;
+          for (int64_t r = R0; r < R0 + kTile && r < rows; ++r) total += Wide<DT>::to_float(in[r * cols + C0 + tid]);
+          dbias_partials[(t / tiles_c) * cols + C0 + tid] = total;
+        }
+      }
       const int64_t t_next = t + gridDim.x;
       if (t_next < tiles && full(t_next)) next.issue(in, cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
     }
@@ -128,15 +170,20 @@ void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t 
   const bool cols_aligned = j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out);
   const bool rows_aligned = j.rows % 16 == 0 && aligned16(j.out_t);
   const int64_t tiles = ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
-  dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
-    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value>;
+  auto launch = [&](auto dt, auto e5m2, auto dbias) {
+    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(dbias)::value>;
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
                                           j.out_t, j.rows, j.cols, rows_aligned, cols_aligned, j.state, j.out_scale_inv,
-                                          j.out_t_scale_inv);
+                                          j.out_t_scale_inv, j.dbias_partials);
+  };
+  dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
+    if (j.dbias) launch(dt, e5m2, std::true_type{});
+    else launch(dt, e5m2, std::false_type{});
   });
   cuda_check(cudaGetLastError(), "cast_transpose kernel launch");
+  if (j.dbias) bias_grad_finish(j.dbias_partials, j.rows, j.cols, j.dbias, lim, stream);
 }
 
 }  // namespace fp8::kernels

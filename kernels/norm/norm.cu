@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads) norm_backward_reduce_kernel(const float* __restrict__ partial, int64_t d,
-                                                                        int R, float* dgamma, float* dbeta) {
+                                                                        int R, float* dgamma, float* dbeta,
+                                                                        bool accumulate) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (c >= d) return;
   float g = 0.0f, b = 0.0f;
@@ -104,8 +105,8 @@ __global__ void __launch_bounds__(kThreads) norm_backward_reduce_kernel(const fl
     g += partial[static_cast<int64_t>(rc) * d + c];
     b += partial[static_cast<int64_t>(R) * d + static_cast<int64_t>(rc) * d + c];
   }
-  dgamma[c] = g;
-  if (dbeta) dbeta[c] = b;
+  dgamma[c] = accumulate ? dgamma[c] + g : g;
+  if (dbeta) dbeta[c] = accumulate ? dbeta[c] + b : b;
 }
 
 }  // namespace
@@ -142,7 +143,8 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
       const dim3 grid(static_cast<unsigned>((j.cols + kThreads - 1) / kThreads), static_cast<unsigned>(R));
       norm_backward_partial_kernel<decltype(dt)::value, decltype(dyt)::value><<<grid, kThreads, 0, stream>>>(
           j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.mean, j.rstd, R, scratch);
-      norm_backward_reduce_kernel<<<grid.x, kThreads, 0, stream>>>(scratch, j.cols, R, j.dgamma, j.dbeta);
+      norm_backward_reduce_kernel<<<grid.x, kThreads, 0, stream>>>(scratch, j.cols, R, j.dgamma, j.dbeta,
+                                                                   j.accumulate_params);
     });
   });
   cuda_check(cudaGetLastError(), "norm backward kernel launch");

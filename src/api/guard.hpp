@@ -93,6 +93,19 @@ inline bool require_output_scaling(const fp8_tensor* out, const char* out_name, 
   return false;
 }
 
+// Copies `text` and its NUL into the caller's buffer of `cap` bytes; *needed (if given) = its size,
+// also when the buffer is too small (the one out-parameter a refusal sets, so the caller can retry).
+inline void write_text(const std::string& text, char* buf, size_t cap, size_t* needed) {
+  const size_t size = text.size() + 1;
+  if (cap < size) {
+    if (needed) *needed = size;
+    fail(FP8_ERR_BUFFER_TOO_SMALL, "cap = ", cap, " bytes; the text needs ", size, " (see *needed)");
+  }
+  require_arg(buf, "buf");
+  if (needed) *needed = size;
+  std::memcpy(buf, text.c_str(), size);
+}
+
 // Versioned out-structs (fp8_device_info_t, ...): the caller's struct_size must cover at least the
 // struct's first release, `v1_size`; the result is then copied up to the caller's size, keeping
 // struct_size, so a program built against an older, shorter struct keeps working.

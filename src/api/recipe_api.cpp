@@ -65,15 +65,7 @@ FP8_API fp8_status_t fp8_recipe_parse(fp8_recipe_t* recipe, const char* text) {
 FP8_API fp8_status_t fp8_recipe_to_string(const fp8_recipe_t* recipe, char* buf, size_t cap, size_t* needed) {
   return guard("fp8_recipe_to_string", [&] {
     require_arg(recipe, "recipe");
-    const std::string text = recipe->recipe.to_string();
-    const size_t size = text.size() + 1;
-    if (cap < size) {
-      if (needed) *needed = size;  // the one out-parameter a refusal sets, so the caller can retry
-      fp8::fail(FP8_ERR_BUFFER_TOO_SMALL, "cap = ", cap, " bytes; the text needs ", size, " (see *needed)");
-    }
-    require_arg(buf, "buf");
-    if (needed) *needed = size;
-    std::memcpy(buf, text.c_str(), size);
+    fp8::write_text(recipe->recipe.to_string(), buf, cap, needed);
   });
 }
 

@@ -92,11 +92,7 @@ FP8_API fp8_status_t fp8_scaling_update(fp8_context_t* ctx, fp8_scaling_t* const
     require_arg(recipe, "recipe");
     if (count < 0) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "count = ", count, "; expected >= 0");
     if (count > 0) require_arg(states, "states");
-    const fp8::Recipe& r = recipe->recipe;
-    const int64_t history_len = r.get(FP8_RECIPE_AMAX_HISTORY_LEN);
-    const int64_t interval = r.get(FP8_RECIPE_INTERVAL);
-    const int margin = static_cast<int>(r.get(FP8_RECIPE_MARGIN));
-    std::vector<fp8::ScalingUpdateItem> items(static_cast<size_t>(count));
+    const int64_t history_len = recipe->recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN);
     static std::atomic<uint64_t> calls{0};
     const uint64_t mark = ++calls;
     for (int32_t i = 0; i < count; ++i) {
@@ -109,10 +105,8 @@ FP8_API fp8_status_t fp8_scaling_update(fp8_context_t* ctx, fp8_scaling_t* const
       if (s->update_mark == mark)
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] appears twice; expected each state once per update");
       s->update_mark = mark;
-      items[static_cast<size_t>(i)] = {s->state, fp8::scaled_fp8_max(s->dtype == FP8_DTYPE_E5M2, margin)};
     }
-    ctx->backend->scaling_update({items.data(), count, static_cast<int32_t>(history_len), interval,
-                                  r.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
+    fp8::update_scaling(*ctx->backend, states, count, recipe->recipe);
   });
 }
 

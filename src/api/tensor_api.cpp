@@ -78,6 +78,7 @@ FP8_API fp8_status_t fp8_tensor_copy_from_host(fp8_tensor_t* tensor, const void*
     require_bytes(tensor, bytes);
     if (bytes) require_arg(src, "src");
     tensor->backend->copy_from_host(tensor->data, src, bytes);
+    ++tensor->version;
   });
 }
 

@@ -38,6 +38,11 @@ class Backend {
   virtual void gemm(const GemmJob& job) = 0;
   virtual void activation(const ActivationJob& job) = 0;
   virtual void norm(const NormJob& job) = 0;
+  virtual void bias_grad(const BiasGradJob& job) = 0;
+  virtual void convert(const ConvertJob& job) = 0;
+  virtual void transpose(const TransposeJob& job) = 0;
+  // Sets `bytes` bytes at p to zero (asynchronously on the GPU).
+  virtual void zero(void* p, size_t bytes) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

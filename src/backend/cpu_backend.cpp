@@ -9,6 +9,7 @@
 
 #include "backend/backend.hpp"
 #include "core/activation.hpp"
+#include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/format.hpp"
 
@@ -32,10 +33,19 @@ void store_wide(void* p, fp8_dtype_t dt, int64_t i, float v) {
   }
 }
 
-// An operand element: FP8 decoded, BF16 widened.
+// An operand element: FP8 decoded, wide types widened.
 double load_operand(const void* p, fp8_dtype_t dt, int64_t i) {
-  if (dt == FP8_DTYPE_BF16) return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  return decode_fp8(static_cast<const uint8_t*>(p)[i], dt == FP8_DTYPE_E5M2);
+  if (dtype_is_fp8(dt)) return decode_fp8(static_cast<const uint8_t*>(p)[i], dt == FP8_DTYPE_E5M2);
+  return load_wide(p, dt, i);
+}
+
+// dbias[c] += sum over rows of in[r][c], summed in double.
+void add_column_sums(const void* in, fp8_dtype_t dt, int64_t rows, int64_t cols, float* dbias) {
+  for (int64_t c = 0; c < cols; ++c) {
+    double sum = 0.0;
+    for (int64_t r = 0; r < rows; ++r) sum += load_wide(in, dt, r * cols + c);
+    dbias[c] = static_cast<float>(dbias[c] + sum);
+  }
 }
 
 void max_into(float* slot, uint32_t abs) {
@@ -83,6 +93,23 @@ class CpuBackend final : public Backend {
     max_into(scaling_history(j.state), amax);
     *j.out_scale_inv = j.state->scale_inv;
     if (j.out_t_scale_inv) *j.out_t_scale_inv = j.state->scale_inv;
+    if (j.dbias) add_column_sums(j.in, j.in_dtype, j.rows, j.cols, j.dbias);
+  }
+
+  void bias_grad(const BiasGradJob& j) override { add_column_sums(j.dy, j.dtype, j.rows, j.cols, j.dbias); }
+
+  void convert(const ConvertJob& j) override {
+    for (int64_t i = 0; i < j.n; ++i) store_wide(j.out, j.out_dtype, i, load_wide(j.in, j.in_dtype, i));
+  }
+
+  void transpose(const TransposeJob& j) override {
+    for (int64_t r = 0; r < j.rows; ++r)
+      for (int64_t c = 0; c < j.cols; ++c) j.out[c * j.rows + r] = j.in[r * j.cols + c];
+    *j.out_scale_inv = *j.in_scale_inv;
+  }
+
+  void zero(void* p, size_t bytes) override {
+    if (bytes) std::memset(p, 0, bytes);
   }
 
   void dequantize(const DequantizeJob& j) override {
@@ -219,16 +246,22 @@ class CpuBackend final : public Backend {
       }
     }
     for (int64_t c = 0; c < d; ++c) {
-      j.dgamma[c] = static_cast<float>(dgamma[static_cast<size_t>(c)]);
-      if (j.dbeta) j.dbeta[c] = static_cast<float>(dbeta[static_cast<size_t>(c)]);
+      const size_t i = static_cast<size_t>(c);
+      j.dgamma[c] = static_cast<float>(j.accumulate_params ? j.dgamma[c] + dgamma[i] : dgamma[i]);
+      if (j.dbeta) j.dbeta[c] = static_cast<float>(j.accumulate_params ? j.dbeta[c] + dbeta[i] : dbeta[i]);
     }
   }
 
   void gemm(const GemmJob& j) override {
     // Operands widened once to double; the sum is exact enough to be the reference for cuBLASLt.
+    // Stored [k][m] / [k][n] when transposed; gathered here into [m][k] / [n][k].
     std::vector<double> a(static_cast<size_t>(j.m * j.k)), b(static_cast<size_t>(j.n * j.k));
-    for (int64_t i = 0; i < j.m * j.k; ++i) a[static_cast<size_t>(i)] = load_operand(j.a, j.a_dtype, i);
-    for (int64_t i = 0; i < j.n * j.k; ++i) b[static_cast<size_t>(i)] = load_operand(j.b, j.b_dtype, i);
+    for (int64_t r = 0; r < j.m; ++r)
+      for (int64_t k = 0; k < j.k; ++k)
+        a[static_cast<size_t>(r * j.k + k)] = load_operand(j.a, j.a_dtype, j.a_transposed ? k * j.m + r : r * j.k + k);
+    for (int64_t c = 0; c < j.n; ++c)
+      for (int64_t k = 0; k < j.k; ++k)
+        b[static_cast<size_t>(c * j.k + k)] = load_operand(j.b, j.b_dtype, j.b_transposed ? k * j.n + c : c * j.k + k);
     const double scale = static_cast<double>(j.alpha) * (j.a_scale_inv ? *j.a_scale_inv : 1.0f) *
                          (j.b_scale_inv ? *j.b_scale_inv : 1.0f);
     const bool fp8_out = j.d_state != nullptr;

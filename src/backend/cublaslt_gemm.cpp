@@ -72,10 +72,11 @@ void CublasLtGemm::destroy(Plan& p) noexcept {
 
 // Row-major D[m][n] = A[m][k] * B[n][k]^T is, in cuBLASLt's column-major terms,
 // D'(n x m) = B'(k x n)^T * A'(k x m): cuBLASLt's "A" is our B (transposed), its "B" is our A.
+// A transposed operand (stored [k][m] or [k][n], wide types only) flips its op and its layout.
 CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
   const uint32_t align_a = alignment(j.a), align_b = alignment(j.b), align_d = alignment(j.d);
   const Key key{j.m, j.n, j.k, j.a_dtype, j.b_dtype, j.d_dtype, j.bias ? j.bias_dtype : -1, j.accumulate,
-                j.fast_accumulation, align_a, align_b, align_d};
+                j.fast_accumulation, j.a_transposed, j.b_transposed, align_a, align_b, align_d};
   auto found = plans_.find(key);
   if (found != plans_.end()) return found->second;
 
@@ -84,16 +85,19 @@ CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
     const bool fp8_in = dtype_is_fp8(j.a_dtype);
     const bool fp8_out = dtype_is_fp8(j.d_dtype);
     check(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-    set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-    set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+    set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, j.b_transposed ? CUBLAS_OP_N : CUBLAS_OP_T);
+    set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, j.a_transposed ? CUBLAS_OP_T : CUBLAS_OP_N);
     if (fp8_in) set(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(j.fast_accumulation));
     if (j.bias) {
       set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
       set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(cuda_type(j.bias_dtype)));
     }
-    check(cublasLtMatrixLayoutCreate(&p.a, cuda_type(j.b_dtype), static_cast<uint64_t>(j.k), static_cast<uint64_t>(j.n), j.k),
+    const auto k = static_cast<uint64_t>(j.k), m = static_cast<uint64_t>(j.m), n = static_cast<uint64_t>(j.n);
+    check(j.b_transposed ? cublasLtMatrixLayoutCreate(&p.a, cuda_type(j.b_dtype), n, k, j.n)
+                         : cublasLtMatrixLayoutCreate(&p.a, cuda_type(j.b_dtype), k, n, j.k),
           "cublasLtMatrixLayoutCreate");
-    check(cublasLtMatrixLayoutCreate(&p.b, cuda_type(j.a_dtype), static_cast<uint64_t>(j.k), static_cast<uint64_t>(j.m), j.k),
+    check(j.a_transposed ? cublasLtMatrixLayoutCreate(&p.b, cuda_type(j.a_dtype), m, k, j.m)
+                         : cublasLtMatrixLayoutCreate(&p.b, cuda_type(j.a_dtype), k, m, j.k),
           "cublasLtMatrixLayoutCreate");
     // C is only read when accumulating (beta = 1); an FP8 D takes a BF16 C, as cuBLASLt requires.
     const fp8_dtype_t c_dtype = fp8_out ? FP8_DTYPE_BF16 : j.d_dtype;

@@ -25,7 +25,7 @@ class CublasLtGemm {
  private:
   // m, n, k, a, b, d, bias dtypes (-1: none), accumulate, fast accumulation, and the alignments of
   // a, b and d (the algorithm must not assume more than the pointers have)
-  using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, bool, uint32_t, uint32_t, uint32_t>;
+  using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, bool, bool, bool, uint32_t, uint32_t, uint32_t>;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;

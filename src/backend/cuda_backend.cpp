@@ -133,8 +133,29 @@ class CudaBackend final : public Backend {
 
   void quantize(const QuantizeJob& job) override {
     DeviceScope scope(limits_.device);
-    if (job.out_t_scale_inv) kernels::cast_transpose(job, limits_, stream_);
-    else kernels::quantize(job, limits_, stream_);
+    if (job.out_t_scale_inv) {
+      kernels::cast_transpose(job, limits_, stream_);  // column sums fused in
+    } else {
+      kernels::quantize(job, limits_, stream_);
+      if (job.dbias) kernels::bias_grad({job.in, job.in_dtype, job.rows, job.cols, job.dbias, job.dbias_partials}, limits_, stream_);
+    }
+  }
+  void bias_grad(const BiasGradJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::bias_grad(job, limits_, stream_);
+  }
+  void convert(const ConvertJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::convert(job, limits_, stream_);
+  }
+  void transpose(const TransposeJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::transpose(job, limits_, stream_);
+  }
+  void zero(void* p, size_t bytes) override {
+    if (!bytes) return;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync");
   }
   void dequantize(const DequantizeJob& job) override {
     DeviceScope scope(limits_.device);

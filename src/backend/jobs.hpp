@@ -9,8 +9,17 @@
 
 namespace fp8 {
 
+// Column sums (the bias gradient) are reduced in two deterministic stages: one partial sum per
+// kBiasGradRows rows and column, then the partials of each column in order. A caller provides
+// bias_grad_partials(rows, cols) floats of device memory for the first stage.
+constexpr int64_t kBiasGradRows = 128;
+inline int64_t bias_grad_partials(int64_t rows, int64_t cols) {
+  return (rows + kBiasGradRows - 1) / kBiasGradRows * cols;
+}
+
 // out[r][c] = encode(in[r][c] * state.scale); out_t[c][r] = the same code (when out_t != nullptr);
 // state history slot 0 = max(slot 0, amax(in)); out_scale_inv / out_t_scale_inv = state.scale_inv.
+// With dbias: dbias[c] += sum_r in[r][c] as well (the Linear's bias gradient from the dy pass).
 struct QuantizeJob {
   const void* in;
   fp8_dtype_t in_dtype;  // F32, F16 or BF16
@@ -21,6 +30,36 @@ struct QuantizeJob {
   ScalingHeader* state;
   float* out_scale_inv;
   float* out_t_scale_inv;  // set exactly when a transposed copy is requested
+  float* dbias = nullptr;           // cols floats, accumulated into; nullptr: no column sums
+  float* dbias_partials = nullptr;  // bias_grad_partials(rows, cols) floats when dbias is set
+};
+
+// dbias[c] += sum_r dy[r][c] (two stages, see kBiasGradRows).
+struct BiasGradJob {
+  const void* dy;
+  fp8_dtype_t dtype;  // F32, F16 or BF16
+  int64_t rows, cols;
+  float* dbias;
+  float* partials;
+};
+
+// out[i] = convert(in[i]) between wide dtypes (round to nearest even).
+struct ConvertJob {
+  const void* in;
+  fp8_dtype_t in_dtype;
+  void* out;
+  fp8_dtype_t out_dtype;
+  int64_t n;
+};
+
+// out[c][r] = in[r][c] for FP8 codes; *out_scale_inv = *in_scale_inv (the transposed copy of an
+// FP8 tensor that arrived already quantised).
+struct TransposeJob {
+  const uint8_t* in;
+  int64_t rows, cols;
+  uint8_t* out;
+  const float* in_scale_inv;
+  float* out_scale_inv;
 };
 
 // out[i] = convert(decode(in[i]) * *scale_inv)
@@ -94,14 +133,18 @@ struct NormJob {
   fp8_dtype_t dx_dtype;
   float* dgamma;
   float* dbeta;  // may be nullptr
+  bool accumulate_params = false;  // backward: dgamma/dbeta += (gradient accumulation) instead of =
 };
 
 // d[m][n] = alpha * sa * sb * sum_k a[m][k] * b[n][k] (+ bias[n]) (+ d if accumulate); an FP8 d
 // is encode(value * d_state.scale) with amax(value) max-accumulated into d_state's slot 0.
+// a_transposed / b_transposed: the operand is stored [k][m] / [k][n] instead (wide operands only;
+// FP8 tensor cores take the K-major "TN" layout alone).
 struct GemmJob {
   const void* a;
   const void* b;
-  fp8_dtype_t a_dtype, b_dtype;  // both FP8, or both BF16
+  fp8_dtype_t a_dtype, b_dtype;  // both FP8, or both the same wide dtype
+  bool a_transposed = false, b_transposed = false;
   const float* a_scale_inv;      // FP8 operands: device scalars; nullptr for BF16
   const float* b_scale_inv;
   int64_t m, n, k;

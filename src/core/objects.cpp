@@ -65,6 +65,15 @@ std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend,
   return t;
 }
 
+void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count, const Recipe& recipe) {
+  const int margin = static_cast<int>(recipe.get(FP8_RECIPE_MARGIN));
+  std::vector<ScalingUpdateItem> items(static_cast<size_t>(count));
+  for (int32_t i = 0; i < count; ++i)
+    items[static_cast<size_t>(i)] = {states[i]->state, scaled_fp8_max(states[i]->dtype == FP8_DTYPE_E5M2, margin)};
+  backend.scaling_update({items.data(), count, static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN)),
+                          recipe.get(FP8_RECIPE_INTERVAL), recipe.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
+}
+
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
                                           fp8_role_t role) {
   auto s = std::make_unique<fp8_scaling>();

@@ -30,6 +30,8 @@ struct fp8_tensor {
   // an owned tensor and has a small allocation of its own for a wrapped one.
   float* scale_inv = nullptr;
   void* scale_inv_allocation = nullptr;
+  // Counts writes through fp8_tensor_copy_from_host, so a layer notices new parameter values.
+  uint64_t version = 0;
 
   fp8_tensor() = default;
   fp8_tensor(const fp8_tensor&) = delete;
@@ -69,5 +71,8 @@ std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend,
 // A state with scale 1, scale_inv 1 and a zeroed history.
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
                                           fp8_role_t role);
+
+// One batched delayed-scaling update of `count` states (already checked against `recipe`).
+void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count, const Recipe& recipe);
 
 }  // namespace fp8

@@ -1,0 +1,35 @@
+# Joins the libfp8 linear/MLP step timings and peer_linear.json (torch) into the headline targets and
+# the per-shape sweep table of bench/RESULTS.md. Missing rows print as "–".
+# Usage: python3 report_linear.py libfp8.json peer.json
+import json, sys
+
+ms = {r["name"]: r["ms"] for f in sys.argv[1:3] for r in json.load(open(f))}
+
+def fmt(v): return "–" if v is None else f"{v:.3f}"
+def ratio(num, den): return None if num is None or den is None else num / den
+def fmt_x(r): return "–" if r is None else f"{r:.2f}x"
+
+big, small, mlp = "16384x8192->8192", "1024x1024->1024", "16384x4096x16384"
+print("| comparison | libfp8 ms | peer ms | peer / libfp8 | target | |")
+print("|---|---|---|---|---|---|")
+for what, ours, peer, target in [
+        (f"{big}: libfp8 fp8 vs torch bf16", f"libfp8 fp8 linear {big}", f"torch bf16 linear {big}", 1.6),
+        (f"{big}: libfp8 fp8 vs torch fp8 eager", f"libfp8 fp8 linear {big}", f"torch fp8 eager linear {big}", 1.75),
+        (f"{small}: libfp8 auto vs torch bf16", f"libfp8 auto linear {small}", f"torch bf16 linear {small}", 1.0),
+        (f"mlp {mlp}: libfp8 fp8 vs torch bf16", f"libfp8 fp8 mlp {mlp}", f"torch bf16 mlp {mlp}", 1.4)]:
+    o, p = ms.get(ours), ms.get(peer)
+    r = ratio(p, o)
+    status = "–" if r is None else ("met" if r >= target else "NOT met")
+    print(f"| {what} | {fmt(o)} | {fmt(p)} | {fmt_x(r)} | >= {target}x | {status} |")
+
+print()
+print("| M | K=N | libfp8 fp8 ms | libfp8 bf16 ms | fp8 vs our bf16 | libfp8 auto ms | torch bf16 ms | auto vs torch bf16 | auto ≈ |")
+print("|---|---|---|---|---|---|---|---|---|")
+for m in [512, 1024, 2048, 4096, 8192, 16384]:
+    for k in [1024, 2048, 4096, 8192]:
+        tag = f"{m}x{k}->{k}"
+        f8, b16, auto, tb = (ms.get(f"{who} linear {tag}") for who in ("libfp8 fp8", "libfp8 bf16", "libfp8 auto", "torch bf16"))
+        # Timings, not a flag from the library, tell which path the fallback rule picked.
+        path = "–" if None in (f8, b16, auto) else ("fp8" if abs(auto - f8) < abs(auto - b16) else "bf16")
+        print(f"| {m} | {k} | {fmt(f8)} | {fmt(b16)} | {fmt_x(ratio(b16, f8))} | {fmt(auto)} | {fmt(tb)} | "
+              f"{fmt_x(ratio(tb, auto))} | {path} |")

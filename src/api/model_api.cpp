@@ -1,0 +1,314 @@
+// Models, layers, conversion and autocast: handle checks here, the work in src/nn.
+#include <algorithm>
+#include <cmath>
+
+#include "api/guard.hpp"
+#include "nn/model.hpp"
+
+using fp8::guard;
+using fp8::require_arg;
+
+namespace {
+
+// Adds a layer made by `make` after the name check; reports its id.
+template <typename Make>
+void add_layer(fp8_model* m, const char* name, int32_t* layer_id, Make&& make) {
+  require_arg(m, "model");
+  fp8::nn::require_new_layer_name(*m, name);
+  if (m->recipe)
+    fp8::fail(FP8_ERR_INVALID_STATE, "the model is converted to FP8; add layers before fp8_convert_model");
+  m->layers.push_back(make());
+  if (layer_id) *layer_id = static_cast<int32_t>(m->layers.size() - 1);
+}
+
+void require_dim(int64_t v, const char* name) {
+  if (v <= 0 || v > (int64_t{1} << 31)) fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " = ", v, "; expected 1..2^31");
+}
+
+void require_eps(float eps) {
+  if (!(std::isfinite(eps) && eps > 0.0f)) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "eps = ", eps, "; expected a finite value > 0");
+}
+
+void require_tensor(const fp8_model* m, const fp8_tensor* t, const char* name) {
+  require_arg(t, name);
+  if (t->backend != m->backend)
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " belongs to another context (device ", t->backend->device(),
+              "); expected one of the model's (device ", m->backend->device(), ")");
+}
+
+void require_no_autocast(const fp8_model* m, const char* what) {
+  if (m->autocast) fp8::fail(FP8_ERR_INVALID_STATE, what, " inside fp8_autocast_begin/end; call fp8_autocast_end first");
+}
+
+}  // namespace
+
+extern "C" {
+
+FP8_API fp8_status_t fp8_model_create(fp8_model_t** out, fp8_context_t* ctx) {
+  return guard("fp8_model_create", [&] {
+    require_arg(out, "out");
+    require_arg(ctx, "ctx");
+    auto m = std::make_unique<fp8_model>();
+    m->backend = ctx->backend;
+    *out = m.release();
+  });
+}
+
+FP8_API void fp8_model_destroy(fp8_model_t* model) { delete model; }
+
+FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t* model, const char* name, int64_t in_features,
+                                          int64_t out_features, int32_t with_bias, int32_t* layer_id) {
+  return guard("fp8_model_add_linear", [&] {
+    require_dim(in_features, "in_features");
+    require_dim(out_features, "out_features");
+    if (with_bias != 0 && with_bias != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "with_bias = ", with_bias, "; expected 0 or 1");
+    add_layer(model, name, layer_id,
+              [&] { return fp8::nn::make_linear(model->backend, name, in_features, out_features, with_bias != 0); });
+  });
+}
+
+FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t* model, const char* name, int64_t dim, float eps,
+                                             int32_t* layer_id) {
+  return guard("fp8_model_add_layernorm", [&] {
+    require_dim(dim, "dim");
+    require_eps(eps);
+    add_layer(model, name, layer_id, [&] { return fp8::nn::make_norm(model->backend, name, false, dim, eps); });
+  });
+}
+
+FP8_API fp8_status_t fp8_model_add_rmsnorm(fp8_model_t* model, const char* name, int64_t dim, float eps,
+                                           int32_t* layer_id) {
+  return guard("fp8_model_add_rmsnorm", [&] {
+    require_dim(dim, "dim");
+    require_eps(eps);
+    add_layer(model, name, layer_id, [&] { return fp8::nn::make_norm(model->backend, name, true, dim, eps); });
+  });
+}
+
+FP8_API fp8_status_t fp8_model_add_activation(fp8_model_t* model, const char* name, fp8_activation_t activation,
+                                              int32_t* layer_id) {
+  return guard("fp8_model_add_activation", [&] {
+    if (activation < FP8_ACTIVATION_RELU || activation > FP8_ACTIVATION_SWIGLU)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "activation = ", activation,
+                "; expected FP8_ACTIVATION_RELU (0), GELU (1) or SWIGLU (2)");
+    add_layer(model, name, layer_id, [&] { return fp8::nn::make_activation(model->backend, name, activation); });
+  });
+}
+
+FP8_API fp8_status_t fp8_model_layer_count(const fp8_model_t* model, int32_t* count) {
+  return guard("fp8_model_layer_count", [&] {
+    require_arg(model, "model");
+    require_arg(count, "count");
+    *count = static_cast<int32_t>(model->layers.size());
+  });
+}
+
+FP8_API fp8_status_t fp8_model_find_layer(const fp8_model_t* model, const char* name, int32_t* layer_id) {
+  return guard("fp8_model_find_layer", [&] {
+    require_arg(model, "model");
+    require_arg(name, "name");
+    require_arg(layer_id, "layer_id");
+    for (size_t i = 0; i < model->layers.size(); ++i)
+      if (model->layers[i]->name() == name) {
+        *layer_id = static_cast<int32_t>(i);
+        return;
+      }
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "the model has no layer named '", name, "'");
+  });
+}
+
+FP8_API fp8_status_t fp8_model_layer_name(const fp8_model_t* model, int32_t layer_id, const char** name) {
+  return guard("fp8_model_layer_name", [&] {
+    require_arg(model, "model");
+    require_arg(name, "name");
+    *name = fp8::nn::layer_at(*model, layer_id).name().c_str();
+  });
+}
+
+FP8_API fp8_status_t fp8_model_parameter(fp8_model_t* model, const char* name, fp8_tensor_t** value,
+                                         fp8_tensor_t** grad) {
+  return guard("fp8_model_parameter", [&] {
+    require_arg(model, "model");
+    require_arg(name, "name");
+    fp8::nn::Parameter* p = fp8::nn::find_parameter(*model, name);
+    if (!p)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "the model has no parameter '", name,
+                "'; expected '<layer>.<weight|bias|gamma|beta>'");
+    if (value) *value = p->value.get();
+    if (grad) *grad = p->grad.get();
+  });
+}
+
+FP8_API fp8_status_t fp8_model_parameter_count(const fp8_model_t* model, int32_t* count) {
+  return guard("fp8_model_parameter_count", [&] {
+    require_arg(model, "model");
+    require_arg(count, "count");
+    size_t n = 0;
+    for (const auto& l : model->layers) n += l->parameters().size();
+    *count = static_cast<int32_t>(n);
+  });
+}
+
+FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t* model, int32_t index, const char** name,
+                                            fp8_tensor_t** value, fp8_tensor_t** grad) {
+  return guard("fp8_model_parameter_at", [&] {
+    require_arg(model, "model");
+    int64_t seen = 0;
+    for (auto& l : model->layers) {
+      for (fp8::nn::Parameter& p : l->parameters()) {
+        if (seen++ != index) continue;
+        if (name) *name = p.name.c_str();
+        if (value) *value = p.value.get();
+        if (grad) *grad = p.grad.get();
+        return;
+      }
+    }
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "index = ", index, "; expected 0..", seen - 1, " (the model has ", seen,
+              " parameters)");
+  });
+}
+
+FP8_API fp8_status_t fp8_model_weights_changed(fp8_model_t* model) {
+  return guard("fp8_model_weights_changed", [&] {
+    require_arg(model, "model");
+    ++model->weights_version;
+  });
+}
+
+FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t* model) {
+  return guard("fp8_model_zero_grad", [&] {
+    require_arg(model, "model");
+    for (auto& l : model->layers)
+      for (fp8::nn::Parameter& p : l->parameters()) model->backend->zero(p.grad->data, p.grad->nbytes());
+  });
+}
+
+FP8_API fp8_status_t fp8_model_set_training(fp8_model_t* model, int32_t training) {
+  return guard("fp8_model_set_training", [&] {
+    require_arg(model, "model");
+    if (training != 0 && training != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "training = ", training, "; expected 0 or 1");
+    model->training = training != 0;
+  });
+}
+
+FP8_API void fp8_convert_options_init(fp8_convert_options_t* options) {
+  if (!options) return;
+  *options = fp8_convert_options_t{sizeof *options, 1, 1, 1, 1};
+}
+
+FP8_API fp8_status_t fp8_convert_model(fp8_model_t* model, const fp8_recipe_t* recipe,
+                                       const fp8_convert_options_t* options) {
+  return guard("fp8_convert_model", [&] {
+    require_arg(model, "model");
+    fp8_convert_options_t opts;
+    fp8_convert_options_init(&opts);
+    if (options) {
+      fp8::require_struct_size(options, sizeof(fp8_convert_options_t), "options", "fp8_convert_options_init");
+      opts = *options;
+    }
+    for (auto [v, name] : {std::pair<int32_t, const char*>{opts.to_fp8, "to_fp8"}, {opts.linear, "linear"},
+                           {opts.norm, "norm"}, {opts.activation, "activation"}})
+      if (v != 0 && v != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->", name, " = ", v, "; expected 0 or 1");
+    if (opts.to_fp8) require_arg(recipe, "recipe");
+    require_no_autocast(model, "converting the model");
+    fp8::nn::convert_model(*model, opts.to_fp8 ? &recipe->recipe : nullptr,
+                           {opts.to_fp8 != 0, opts.linear != 0, opts.norm != 0, opts.activation != 0});
+    if (opts.to_fp8) model->recipe = recipe->recipe;
+    else model->recipe.reset();
+  });
+}
+
+FP8_API fp8_status_t fp8_model_has_fp8_layers(const fp8_model_t* model, int32_t* has) {
+  return guard("fp8_model_has_fp8_layers", [&] {
+    require_arg(model, "model");
+    require_arg(has, "has");
+    *has = std::any_of(model->layers.begin(), model->layers.end(), [](const auto& l) { return l->converted(); });
+  });
+}
+
+FP8_API fp8_status_t fp8_autocast_begin(fp8_model_t* model) {
+  return guard("fp8_autocast_begin", [&] {
+    require_arg(model, "model");
+    if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "autocast is already on; expected fp8_autocast_end first");
+    if (!model->recipe)
+      fp8::fail(FP8_ERR_INVALID_STATE, "the model has no FP8 layers; call fp8_convert_model before fp8_autocast_begin");
+    model->autocast = true;
+  });
+}
+
+FP8_API fp8_status_t fp8_autocast_end(fp8_model_t* model) {
+  return guard("fp8_autocast_end", [&] {
+    require_arg(model, "model");
+    if (!model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "fp8_autocast_end without fp8_autocast_begin");
+    const bool fp8_was_on = fp8::nn::make_step(*model).fp8;
+    model->autocast = false;
+    if (fp8_was_on) fp8::nn::update_model_scaling(*model);
+  });
+}
+
+FP8_API fp8_status_t fp8_layer_forward(fp8_model_t* model, int32_t layer_id, const fp8_tensor_t* x, fp8_tensor_t* y) {
+  return guard("fp8_layer_forward", [&] {
+    require_arg(model, "model");
+    fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
+    require_tensor(model, x, "x");
+    require_tensor(model, y, "y");
+    layer.forward(fp8::nn::make_step(*model), x, y);
+  });
+}
+
+FP8_API fp8_status_t fp8_layer_backward(fp8_model_t* model, int32_t layer_id, const fp8_tensor_t* dy,
+                                        fp8_tensor_t* dx) {
+  return guard("fp8_layer_backward", [&] {
+    require_arg(model, "model");
+    fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
+    require_tensor(model, dy, "dy");
+    if (dx) require_tensor(model, dx, "dx");
+    layer.backward(fp8::nn::make_step(*model), dy, dx);
+  });
+}
+
+FP8_API fp8_status_t fp8_layer_get_scaling(fp8_model_t* model, int32_t layer_id, int32_t slot, fp8_scaling_t** scaling) {
+  return guard("fp8_layer_get_scaling", [&] {
+    require_arg(model, "model");
+    require_arg(scaling, "scaling");
+    fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
+    if (slot < FP8_SCALING_INPUT || slot > FP8_SCALING_OUTPUT)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "slot = ", slot, "; expected FP8_SCALING_INPUT (0) .. FP8_SCALING_OUTPUT (3)");
+    *scaling = layer.scaling(slot);
+  });
+}
+
+FP8_API void fp8_layer_report_init(fp8_layer_report_t* report) {
+  if (!report) return;
+  *report = fp8_layer_report_t{};
+  report->struct_size = sizeof *report;
+}
+
+FP8_API fp8_status_t fp8_layer_get_report(const fp8_model_t* model, int32_t layer_id, fp8_layer_report_t* report) {
+  return guard("fp8_layer_get_report", [&] {
+    require_arg(model, "model");
+    require_arg(report, "report");
+    fp8::require_struct_size(report, sizeof(fp8_layer_report_t), "report", "fp8_layer_report_init");
+    const fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
+    const fp8::nn::LayerStats& s = layer.stats();
+    fp8_layer_report_t r{};
+    r.kind = layer.kind();
+    r.converted = layer.converted();
+    r.fprop = s.fprop;
+    r.dgrad = s.dgrad;
+    r.wgrad = s.wgrad;
+    r.fp8_calls = s.fp8_calls;
+    r.fallback_calls = s.fallback_calls;
+    std::snprintf(r.reason, sizeof r.reason, "%s", s.reason.c_str());
+    fp8::write_versioned(report, r);
+  });
+}
+
+FP8_API fp8_status_t fp8_model_report(const fp8_model_t* model, char* buf, size_t cap, size_t* needed) {
+  return guard("fp8_model_report", [&] {
+    require_arg(model, "model");
+    fp8::write_text(fp8::nn::model_report(*model), buf, cap, needed);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,117 @@
+// The layers of a model: Linear, LayerNorm/RMSNorm and activations. Each owns its parameters (FP32
+// masters with FP32 gradients), its delayed-scaling states once converted to FP8, and the buffers
+// its forward keeps for the backward. Layers queue work through the Backend only; argument checks
+// that depend on the layer (shapes, dtypes, state) live here, the generic ones in src/api.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "core/objects.hpp"
+#include "core/recipe.hpp"
+
+namespace fp8::nn {
+
+// Device memory that grows on demand and never shrinks (contents are lost when it grows), so a
+// steady training loop allocates nothing.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::shared_ptr<Backend> backend) : backend_(std::move(backend)) {}
+  ~DeviceBuffer() { backend_->release(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  template <typename T = void>
+  T* ensure(size_t bytes) {
+    if (bytes > bytes_) {
+      void* fresh = backend_->allocate(bytes);
+      backend_->release(data_);
+      data_ = fresh;
+      bytes_ = bytes;
+    }
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  std::shared_ptr<Backend> backend_;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// What a layer call needs from its model.
+struct Step {
+  Backend& backend;
+  const Recipe* recipe;      // the conversion recipe; nullptr when the model is not converted
+  bool fp8;                  // FP8 is on for this call (autocast, and training or FP8 eval allowed)
+  bool training;
+  uint64_t weights_version;  // grows with fp8_model_weights_changed and optimizer steps
+};
+
+struct Parameter {
+  std::string name;  // "<layer>.<weight|bias|gamma|beta>"
+  std::unique_ptr<fp8_tensor> value, grad;
+};
+
+// Precision of one GEMM in the latest forward: -1 not run yet, 0 high precision, 1 FP8.
+struct LayerStats {
+  int32_t fprop = -1, dgrad = -1, wgrad = -1;
+  int64_t fp8_calls = 0;       // forwards whose main GEMM (or output) was FP8
+  int64_t fallback_calls = 0;  // forwards of a converted layer under FP8 that ran in high precision
+  std::string reason;          // why the latest such forward did not run (all) in FP8
+};
+
+class Layer {
+ public:
+  Layer(std::shared_ptr<Backend> backend, std::string name, int32_t kind)
+      : backend_(std::move(backend)), name_(std::move(name)), kind_(kind) {}
+  virtual ~Layer() = default;
+
+  const std::string& name() const { return name_; }
+  int32_t kind() const { return kind_; }
+  std::vector<Parameter>& parameters() { return params_; }
+  const LayerStats& stats() const { return stats_; }
+  bool converted() const { return converted_; }
+
+  virtual void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) = 0;
+  // dx may be nullptr when no input gradient is wanted (the first layer).
+  virtual void backward(const Step& step, const fp8_tensor* dy, fp8_tensor* dx) = 0;
+
+  // Makes the layer an FP8 one under `recipe` (new scaling states), or a high-precision one again
+  // (recipe == nullptr). Parameters are untouched either way.
+  virtual void convert(const Recipe* recipe) = 0;
+  // The scaling states the model updates in its batched call (none unless converted).
+  virtual void scaling_states(std::vector<fp8_scaling*>& out) = 0;
+  // The state behind an FP8_SCALING_* slot, or nullptr if the layer has none there.
+  virtual fp8_scaling* scaling(int32_t slot) = 0;
+
+ protected:
+  // Adds a parameter with a zeroed gradient, its value filled with `init`.
+  fp8_tensor* add_parameter(const char* name, int32_t ndim, const int64_t* shape, float init);
+  // The layer's parameter values change when the model's version or a parameter's own grows.
+  uint64_t weights_version(const Step& step) const;
+  std::unique_ptr<fp8_scaling> new_state(const Recipe& recipe, fp8_role_t role) const {
+    return make_scaling(backend_, recipe, role);
+  }
+
+  std::shared_ptr<Backend> backend_;
+  std::string name_;
+  int32_t kind_;
+  std::vector<Parameter> params_;
+  LayerStats stats_;
+  bool converted_ = false;
+};
+
+std::unique_ptr<Layer> make_linear(std::shared_ptr<Backend> backend, std::string name, int64_t in_features,
+                                   int64_t out_features, bool with_bias);
+std::unique_ptr<Layer> make_norm(std::shared_ptr<Backend> backend, std::string name, bool rms, int64_t dim,
+                                 float eps);
+std::unique_ptr<Layer> make_activation(std::shared_ptr<Backend> backend, std::string name, fp8_activation_t act);
+
+// Checks shared by the layers; messages name the layer and the argument.
+void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const char* name, bool allow_fp8);
+void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim, const int64_t* shape);
+
+}  // namespace fp8::nn

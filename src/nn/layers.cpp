@@ -1,0 +1,252 @@
+// What the layers share, and the two layers without GEMMs: LayerNorm/RMSNorm and activations. Once
+// converted, both may write their output in FP8 (E4M3) with a scaling state of their own: the
+// hand-off to the Linear that follows, without a bf16 round trip.
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "nn/layer.hpp"
+
+namespace fp8::nn {
+
+fp8_tensor* Layer::add_parameter(const char* name, int32_t ndim, const int64_t* shape, float init) {
+  Parameter p{name_ + "." + name, make_tensor(backend_, FP8_DTYPE_F32, ndim, shape, false, nullptr),
+              make_tensor(backend_, FP8_DTYPE_F32, ndim, shape, false, nullptr)};
+  const std::vector<float> values(static_cast<size_t>(p.value->numel), init);
+  backend_->copy_from_host(p.value->data, values.data(), p.value->nbytes());
+  backend_->zero(p.grad->data, p.grad->nbytes());
+  params_.push_back(std::move(p));
+  return params_.back().value.get();
+}
+
+uint64_t Layer::weights_version(const Step& step) const {
+  uint64_t v = step.weights_version;
+  for (const Parameter& p : params_) v += p.value->version;
+  return v;
+}
+
+void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const char* name, bool allow_fp8) {
+  if (dtype_is_wide(t->dtype) || (allow_fp8 && dtype_is_fp8(t->dtype))) return;
+  fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(t->dtype), "; layer '", layer, "' expects f32, f16 or bf16",
+       allow_fp8 ? " (or FP8 once converted)" : "");
+}
+
+void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim, const int64_t* shape) {
+  bool same = t->ndim == ndim;
+  for (int32_t i = 0; same && i < ndim; ++i) same = t->shape[i] == shape[i];
+  if (!same)
+    fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(t->ndim, t->shape), "; layer '", layer, "' expects ",
+         shape_string(ndim, shape));
+}
+
+namespace {
+
+// Shared by the norm and activation layers: the forward's input kept for the backward, and the
+// optional FP8 output with its state.
+class ElementwiseBase : public Layer {
+ public:
+  using Layer::Layer;
+
+  void convert(const Recipe* recipe) override {
+    s_out_ = recipe ? new_state(*recipe, FP8_ROLE_FORWARD) : nullptr;
+    converted_ = recipe != nullptr;
+    saved_ = Saved{};
+  }
+  void scaling_states(std::vector<fp8_scaling*>& out) override {
+    if (s_out_) out.push_back(s_out_.get());
+  }
+  fp8_scaling* scaling(int32_t slot) override { return slot == FP8_SCALING_OUTPUT ? s_out_.get() : nullptr; }
+
+ protected:
+  struct Saved {
+    bool valid = false;
+    bool training = false;
+    const void* x = nullptr;
+    fp8_dtype_t x_dtype = FP8_DTYPE_F32;
+    int32_t ndim = 0;
+    int64_t x_shape[FP8_MAX_DIMS] = {};
+  };
+
+  // Checks x and y (y of `y_cols` columns, x's leading dimensions) and returns the output state for
+  // an FP8 y (which needs the layer converted).
+  ScalingHeader* check_forward(const Step& step, const fp8_tensor* x, const fp8_tensor* y, int64_t y_cols) {
+    require_layer_dtype(name_, x, "x", false);
+    require_layer_dtype(name_, y, "y", true);
+    if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; layer '", name_, "' expects at least one dimension");
+    int64_t y_shape[FP8_MAX_DIMS];
+    for (int32_t i = 0; i < x->ndim; ++i) y_shape[i] = x->shape[i];
+    y_shape[x->ndim - 1] = y_cols;
+    require_shape(name_, y, "y", x->ndim, y_shape);
+    const char* px = static_cast<const char*>(x->data);
+    const char* py = static_cast<const char*>(y->data);
+    if (x->nbytes() && y->nbytes() && px < py + y->nbytes() && py < px + x->nbytes())
+      fail(FP8_ERR_INVALID_ARGUMENT, "x and y overlap in memory; layer '", name_, "' needs separate buffers");
+    const bool fp8_out = dtype_is_fp8(y->dtype);
+    stats_.fprop = fp8_out;
+    if (!fp8_out) return nullptr;
+    if (!converted_)
+      fail(FP8_ERR_INVALID_STATE, "y has dtype ", dtype_name(y->dtype), " but layer '", name_,
+           "' is not converted to FP8; call fp8_convert_model first or pass a wide y");
+    if (y->dtype != s_out_->dtype)
+      fail(FP8_ERR_DTYPE, "y has dtype ", dtype_name(y->dtype), "; layer '", name_, "' writes FP8 as ",
+           dtype_name(s_out_->dtype), " (the recipe's forward format)");
+    if (step.fp8) ++stats_.fp8_calls;
+    return s_out_->state;
+  }
+
+  void save(const Step& step, const fp8_tensor* x) {
+    saved_ = Saved{true, step.training, x->data, x->dtype, x->ndim, {}};
+    for (int32_t i = 0; i < x->ndim; ++i) saved_.x_shape[i] = x->shape[i];
+  }
+
+  // Checks dy (of `dy_cols` columns) and dx against the saved forward.
+  void check_backward(const fp8_tensor* dy, const fp8_tensor* dx, int64_t dy_cols) {
+    if (!saved_.valid || !saved_.training)
+      fail(FP8_ERR_INVALID_STATE, "layer '", name_, "' has no training-mode forward to differentiate");
+    if (!dx) fail(FP8_ERR_INVALID_ARGUMENT, "argument 'dx' is NULL; layer '", name_, "' needs it");
+    require_layer_dtype(name_, dy, "dy", false);
+    require_layer_dtype(name_, dx, "dx", false);
+    int64_t dy_shape[FP8_MAX_DIMS];
+    for (int32_t i = 0; i < saved_.ndim; ++i) dy_shape[i] = saved_.x_shape[i];
+    dy_shape[saved_.ndim - 1] = dy_cols;
+    require_shape(name_, dy, "dy", saved_.ndim, dy_shape);
+    require_shape(name_, dx, "dx", saved_.ndim, saved_.x_shape);
+    stats_.dgrad = 0;
+  }
+
+  int64_t saved_rows() const {
+    int64_t r = 1;
+    for (int32_t i = 0; i + 1 < saved_.ndim; ++i) r *= saved_.x_shape[i];
+    return r;
+  }
+
+  std::unique_ptr<fp8_scaling> s_out_;
+  Saved saved_;
+};
+
+class Norm final : public ElementwiseBase {
+ public:
+  Norm(std::shared_ptr<Backend> backend, std::string name, bool rms, int64_t dim, float eps)
+      : ElementwiseBase(backend, std::move(name), rms ? FP8_LAYER_RMSNORM : FP8_LAYER_LAYERNORM), rms_(rms),
+        dim_(dim), eps_(eps), mean_(backend), rstd_(backend) {
+    add_parameter("gamma", 1, &dim, 1.0f);
+    if (!rms) add_parameter("beta", 1, &dim, 0.0f);
+  }
+
+  void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+    if (x->ndim >= 1 && x->cols() != dim_)
+      fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_, "' expects [.., ",
+           dim_, "]");
+    ScalingHeader* state = check_forward(step, x, y, dim_);
+    const int64_t rows = x->rows();
+    NormJob j{};
+    j.rms = rms_;
+    j.x = x->data;
+    j.x_dtype = x->dtype;
+    j.rows = rows;
+    j.cols = dim_;
+    j.gamma = static_cast<const float*>(params_[0].value->data);
+    j.beta = rms_ ? nullptr : static_cast<const float*>(params_[1].value->data);
+    j.eps = eps_;
+    j.y = y->data;
+    j.y_dtype = y->dtype;
+    j.y_state = state;
+    j.y_scale_inv = state ? y->scale_inv : nullptr;
+    if (step.training) {
+      j.mean = rms_ ? nullptr : mean_.ensure<float>(static_cast<size_t>(rows) * sizeof(float));
+      j.rstd = rstd_.ensure<float>(static_cast<size_t>(rows) * sizeof(float));
+    }
+    if (rows > 0) step.backend.norm(j);
+    save(step, x);
+  }
+
+  void backward(const Step& step, const fp8_tensor* dy, fp8_tensor* dx) override {
+    check_backward(dy, dx, dim_);
+    NormJob j{};
+    j.rms = rms_;
+    j.backward = true;
+    j.x = saved_.x;
+    j.x_dtype = saved_.x_dtype;
+    j.rows = saved_rows();
+    j.cols = dim_;
+    j.gamma = static_cast<const float*>(params_[0].value->data);
+    j.mean = rms_ ? nullptr : mean_.ensure<float>(0);
+    j.rstd = rstd_.ensure<float>(0);
+    j.dy = dy->data;
+    j.dy_dtype = dy->dtype;
+    j.dx = dx->data;
+    j.dx_dtype = dx->dtype;
+    j.dgamma = static_cast<float*>(params_[0].grad->data);
+    j.dbeta = rms_ ? nullptr : static_cast<float*>(params_[1].grad->data);
+    j.accumulate_params = true;
+    if (j.rows > 0) step.backend.norm(j);
+    saved_.valid = false;
+  }
+
+ private:
+  bool rms_;
+  int64_t dim_;
+  float eps_;
+  DeviceBuffer mean_, rstd_;
+};
+
+class Activation final : public ElementwiseBase {
+ public:
+  Activation(std::shared_ptr<Backend> backend, std::string name, fp8_activation_t act)
+      : ElementwiseBase(std::move(backend), std::move(name), FP8_LAYER_ACTIVATION), act_(act) {}
+
+  void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+    const bool glu = act_ == FP8_ACTIVATION_SWIGLU;
+    if (x->ndim >= 1 && glu && x->cols() % 2 != 0)
+      fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_,
+           "' (SwiGLU) expects an even last dimension [gate | up]");
+    ScalingHeader* state = check_forward(step, x, y, x->ndim >= 1 ? (glu ? x->cols() / 2 : x->cols()) : 0);
+    ActivationJob j{};
+    j.act = act_;
+    j.x = x->data;
+    j.x_dtype = x->dtype;
+    j.rows = x->rows();
+    j.cols = x->cols();
+    j.out = y->data;
+    j.out_dtype = y->dtype;
+    j.out_state = state;
+    j.out_scale_inv = state ? y->scale_inv : nullptr;
+    if (x->numel > 0) step.backend.activation(j);
+    save(step, x);
+  }
+
+  void backward(const Step& step, const fp8_tensor* dy, fp8_tensor* dx) override {
+    const int64_t cols = saved_.x_shape[saved_.ndim > 0 ? saved_.ndim - 1 : 0];
+    check_backward(dy, dx, act_ == FP8_ACTIVATION_SWIGLU ? cols / 2 : cols);
+    if (dy->dtype != saved_.x_dtype)
+      fail(FP8_ERR_DTYPE, "dy has dtype ", dtype_name(dy->dtype), "; layer '", name_, "' expects ",
+           dtype_name(saved_.x_dtype), " (the forward's x)");
+    ActivationJob j{};
+    j.act = act_;
+    j.backward = true;
+    j.x = saved_.x;
+    j.dy = dy->data;
+    j.x_dtype = saved_.x_dtype;
+    j.rows = saved_rows();
+    j.cols = cols;
+    j.out = dx->data;
+    j.out_dtype = dx->dtype;
+    if (j.rows * j.cols > 0) step.backend.activation(j);
+    saved_.valid = false;
+  }
+
+ private:
+  fp8_activation_t act_;
+};
+
+}  // namespace
+
+std::unique_ptr<Layer> make_norm(std::shared_ptr<Backend> backend, std::string name, bool rms, int64_t dim, float eps) {
+  return std::make_unique<Norm>(std::move(backend), std::move(name), rms, dim, eps);
+}
+
+std::unique_ptr<Layer> make_activation(std::shared_ptr<Backend> backend, std::string name, fp8_activation_t act) {
+  return std::make_unique<Activation>(std::move(backend), std::move(name), act);
+}
+
+}  // namespace fp8::nn

@@ -1,0 +1,379 @@
+// The Linear layer, y = x W^T + b, with FP8 GEMMs (TransformerEngine's recipe) and a per-call
+// high-precision fallback. One activation dtype A (F32 or BF16) per call: y, dy and dx are A, and x
+// is A or an E4M3 hand-off from the layer before. Masters, gradients and the bias stay FP32.
+//
+//   forward   x -> E4M3 (+ transposed copy for wgrad, one pass)   y = x8 W8^T (+ b), fast accum.
+//   backward  dy -> E5M2 under HYBRID (+ transposed copy + bias gradient, one pass)
+//             dgrad dx = dy8 W8t^T,  wgrad dW += dy8t x8t^T
+// The FP8 copy of W (and its transpose) is made once per weights version, i.e. once per optimizer
+// step, and reused by every micro-batch.
+#include <cinttypes>
+#include <cstdio>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "nn/layer.hpp"
+
+namespace fp8::nn {
+
+namespace {
+
+// Below this many multiply-adds per GEMM (tokens x in x out), a Linear's FP8 path costs more than
+// bf16 on an H100: the casts and the extra launches outweigh the faster GEMMs. Measured with
+// bench/bench_linear (bench/RESULTS.md, "Linear fallback rule").
+constexpr double kFp8MinMacs = 2.0 * 1024 * 1024 * 1024;
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Which GEMMs of one forward/backward pair run in FP8.
+struct Plan {
+  bool fprop = false, dgrad = false, wgrad = false;
+  std::string reason;  // set when a converted layer under FP8 falls back, in whole or in part
+};
+
+class Linear final : public Layer {
+ public:
+  Linear(std::shared_ptr<Backend> backend, std::string name, int64_t in, int64_t out, bool with_bias)
+      : Layer(backend, std::move(name), FP8_LAYER_LINEAR), in_(in), out_(out), bias_(with_bias), qw_(backend),
+        qwt_(backend), w_si_(backend), w_bf16_(backend), b_bf16_(backend), qx_(backend), qxt_(backend),
+        x_si_(backend), x_hp_(backend), qdy_(backend), qdyt_(backend), dy_si_(backend), partials_(backend) {
+    const int64_t w_shape[2] = {out, in};
+    // The caller initialises the weights; zeros until then keep a forward defined.
+    add_parameter("weight", 2, w_shape, 0.0f);
+    if (with_bias) add_parameter("bias", 1, &out, 0.0f);
+  }
+
+  void convert(const Recipe* recipe) override {
+    s_x_.reset();
+    s_w_.reset();
+    s_dy_.reset();
+    if (recipe) {
+      s_x_ = new_state(*recipe, FP8_ROLE_FORWARD);
+      s_w_ = new_state(*recipe, FP8_ROLE_FORWARD);
+      s_dy_ = new_state(*recipe, FP8_ROLE_BACKWARD);
+      recipe_ = *recipe;
+    }
+    converted_ = recipe != nullptr;
+    fp8_weight_version_ = kNever;
+    saved_ = Saved{};
+  }
+
+  void scaling_states(std::vector<fp8_scaling*>& out) override {
+    if (!converted_) return;
+    out.push_back(s_x_.get());
+    out.push_back(s_w_.get());
+    out.push_back(s_dy_.get());
+  }
+
+  fp8_scaling* scaling(int32_t slot) override {
+    switch (slot) {
+      case FP8_SCALING_INPUT: return s_x_.get();
+      case FP8_SCALING_WEIGHT: return s_w_.get();
+      case FP8_SCALING_GRAD_OUTPUT: return s_dy_.get();
+      default: return nullptr;
+    }
+  }
+
+  void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+    require_layer_dtype(name_, y, "y", false);
+    const fp8_dtype_t act = y->dtype;
+    if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
+      fail(FP8_ERR_DTYPE, "y has dtype ", dtype_name(act), "; layer '", name_, "' writes f32 or bf16");
+    if (x->dtype == FP8_DTYPE_E5M2 || (!dtype_is_fp8(x->dtype) && x->dtype != act))
+      fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), " and y ", dtype_name(act), "; layer '", name_,
+           "' expects x of y's dtype or an e4m3 hand-off");
+    if (x->ndim < 1 || x->cols() != in_)
+      fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_, "' expects [.., ", in_,
+           "]");
+    int64_t y_shape[FP8_MAX_DIMS];
+    for (int32_t i = 0; i < x->ndim; ++i) y_shape[i] = x->shape[i];
+    y_shape[x->ndim - 1] = out_;
+    require_shape(name_, y, "y", x->ndim, y_shape);
+    const int64_t m = x->rows();
+
+    const Plan plan = decide(step, m, x, y);
+    record(step, plan);
+    const bool x_fp8 = dtype_is_fp8(x->dtype);
+    const bool want_qxt = step.training && plan.wgrad;
+    // x in A for a high-precision fprop or wgrad (the caller's tensor, or the hand-off dequantised).
+    const bool need_x_hp = !plan.fprop || (step.training && !plan.wgrad);
+    refresh_copies(step, plan, act);
+
+    Backend& be = step.backend;
+    const void* x_hp = x->data;
+    const uint8_t* qx = static_cast<const uint8_t*>(x->data);
+    const float* qx_si = x->scale_inv;
+    uint8_t* qxt = want_qxt ? qxt_.ensure<uint8_t>(static_cast<size_t>(m * in_)) : nullptr;
+    if (x_fp8) {
+      if (want_qxt) be.transpose({qx, m, in_, qxt, x->scale_inv, x_si_.ensure<float>(2 * sizeof(float)) + 1});
+      if (need_x_hp) {
+        x_hp = x_hp_.ensure(static_cast<size_t>(m * in_) * dtype_size(act));
+        be.dequantize({qx, false, x->scale_inv, const_cast<void*>(x_hp), act, m * in_});
+      }
+    } else if (plan.fprop || want_qxt) {
+      float* si = x_si_.ensure<float>(2 * sizeof(float));
+      QuantizeJob q{};
+      q.in = x->data;
+      q.in_dtype = act;
+      q.rows = m;
+      q.cols = in_;
+      q.out = qx_.ensure<uint8_t>(static_cast<size_t>(m * in_));
+      q.out_t = qxt;
+      q.e5m2 = false;
+      q.state = s_x_->state;
+      q.out_scale_inv = si;
+      q.out_t_scale_inv = qxt ? si + 1 : nullptr;
+      be.quantize(q);
+      qx = q.out;
+      qx_si = si;
+    }
+
+    GemmJob g{};
+    g.m = m;
+    g.n = out_;
+    g.k = in_;
+    g.d = y->data;
+    g.d_dtype = act;
+    g.alpha = 1.0f;
+    if (plan.fprop) {
+      set_fp8_operands(g, qx, FP8_DTYPE_E4M3, qx_si, qw_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
+      g.fast_accumulation = true;
+      if (bias_) {
+        g.bias = b_bf16_.ensure(0);
+        g.bias_dtype = FP8_DTYPE_BF16;
+      }
+    } else {
+      g.a = x_hp;
+      g.b = weight_in(act);
+      g.a_dtype = g.b_dtype = act;
+      if (bias_) {
+        g.bias = act == FP8_DTYPE_F32 ? params_[1].value->data : b_bf16_.ensure(0);
+        g.bias_dtype = act;
+      }
+    }
+    if (m > 0) be.gemm(g);
+
+    saved_ = Saved{true, step.training, plan, m, act, x_hp, x->ndim, {}};
+    for (int32_t i = 0; i < x->ndim; ++i) saved_.y_shape[i] = y_shape[i];
+  }
+
+  void backward(const Step& step, const fp8_tensor* dy, fp8_tensor* dx) override {
+    if (!saved_.valid || !saved_.training)
+      fail(FP8_ERR_INVALID_STATE, "layer '", name_, "' has no training-mode forward to differentiate",
+           saved_.valid ? " (the last forward ran in eval mode)" : " (call fp8_layer_forward in training mode first)");
+    const fp8_dtype_t act = saved_.act;
+    const int64_t m = saved_.rows;
+    if (dy->dtype != act)
+      fail(FP8_ERR_DTYPE, "dy has dtype ", dtype_name(dy->dtype), "; layer '", name_, "' expects ", dtype_name(act),
+           " (the forward's y)");
+    require_shape(name_, dy, "dy", saved_.ndim, saved_.y_shape);
+    if (dx) {
+      if (dx->dtype != act)
+        fail(FP8_ERR_DTYPE, "dx has dtype ", dtype_name(dx->dtype), "; layer '", name_, "' expects ", dtype_name(act));
+      int64_t x_shape[FP8_MAX_DIMS];
+      for (int32_t i = 0; i < saved_.ndim; ++i) x_shape[i] = saved_.y_shape[i];
+      x_shape[saved_.ndim - 1] = in_;
+      require_shape(name_, dx, "dx", saved_.ndim, x_shape);
+      if (saved_.plan.dgrad && !aligned16(dx->data))
+        fail(FP8_ERR_INVALID_ARGUMENT, "dx's data is not 16-byte aligned, which layer '", name_, "''s FP8 dgrad needs");
+    }
+    const Plan& plan = saved_.plan;
+    Backend& be = step.backend;
+    float* dbias = bias_ ? static_cast<float*>(params_[1].grad->data) : nullptr;
+    float* partials = dbias ? partials_.ensure<float>(static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float))
+                            : nullptr;
+
+    const bool dgrad8 = dx && plan.dgrad;
+    uint8_t* qdy = nullptr;
+    uint8_t* qdyt = nullptr;
+    float* dy_si = dy_si_.ensure<float>(2 * sizeof(float));
+    if (dgrad8 || plan.wgrad) {
+      QuantizeJob q{};
+      q.in = dy->data;
+      q.in_dtype = act;
+      q.rows = m;
+      q.cols = out_;
+      q.out = qdy = qdy_.ensure<uint8_t>(static_cast<size_t>(m * out_));
+      q.out_t = qdyt = plan.wgrad ? qdyt_.ensure<uint8_t>(static_cast<size_t>(m * out_)) : nullptr;
+      q.e5m2 = s_dy_->dtype == FP8_DTYPE_E5M2;
+      q.state = s_dy_->state;
+      q.out_scale_inv = dy_si;
+      q.out_t_scale_inv = qdyt ? dy_si + 1 : nullptr;
+      q.dbias = dbias;
+      q.dbias_partials = partials;
+      if (m > 0) be.quantize(q);
+    } else if (dbias && m > 0) {
+      be.bias_grad({dy->data, act, m, out_, dbias, partials});
+    }
+
+    if (dx && m > 0) {  // dx [m, in] = dy [m, out] . W [out, in]
+      GemmJob g{};
+      g.m = m;
+      g.n = in_;
+      g.k = out_;
+      g.d = dx->data;
+      g.d_dtype = act;
+      g.alpha = 1.0f;
+      if (dgrad8) {
+        set_fp8_operands(g, qdy, s_dy_->dtype, dy_si, qwt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
+      } else {
+        g.a = dy->data;
+        g.b = weight_in(act);
+        g.a_dtype = g.b_dtype = act;
+        g.b_transposed = true;  // W is [out][in] = [k][n]
+      }
+      be.gemm(g);
+    }
+
+    if (m > 0) {  // dW [out, in] += dy^T [out, m] . x [m, in]
+      GemmJob g{};
+      g.m = out_;
+      g.n = in_;
+      g.k = m;
+      g.d = params_[0].grad->data;
+      g.d_dtype = FP8_DTYPE_F32;
+      g.alpha = 1.0f;
+      g.accumulate = true;
+      if (plan.wgrad) {
+        set_fp8_operands(g, qdyt, s_dy_->dtype, dy_si + 1, qxt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3,
+                         x_si_.ensure<float>(0) + 1);
+      } else {
+        g.a = dy->data;
+        g.b = saved_.x_hp;
+        g.a_dtype = g.b_dtype = act;
+        g.a_transposed = true;  // dy is [m][out] = [k][m']
+        g.b_transposed = true;  // x is [m][in] = [k][n]
+      }
+      be.gemm(g);
+    }
+    saved_.valid = false;  // one backward per forward
+  }
+
+ private:
+  static constexpr uint64_t kNever = ~uint64_t{0};
+
+  struct Saved {
+    bool valid = false;
+    bool training = false;
+    Plan plan;
+    int64_t rows = 0;
+    fp8_dtype_t act = FP8_DTYPE_BF16;
+    const void* x_hp = nullptr;  // x in A for a high-precision wgrad
+    int32_t ndim = 0;
+    int64_t y_shape[FP8_MAX_DIMS] = {};
+  };
+
+  static void set_fp8_operands(GemmJob& g, const void* a, fp8_dtype_t at, const float* a_si, const void* b,
+                               fp8_dtype_t bt, const float* b_si) {
+    g.a = a;
+    g.a_dtype = at;
+    g.a_scale_inv = a_si;
+    g.b = b;
+    g.b_dtype = bt;
+    g.b_scale_inv = b_si;
+  }
+
+  // The rule of fp8.h (fp8_layer_forward): FP8 when the model is converted and FP8 is on, except
+  // where the shape, alignment or size forbids it or the recipe overrides a GEMM.
+  Plan decide(const Step& step, int64_t m, const fp8_tensor* x, const fp8_tensor* y) const {
+    Plan p;
+    if (!converted_ || !step.fp8) return p;
+    char why[200] = "";
+    const double macs = static_cast<double>(m) * static_cast<double>(in_) * static_cast<double>(out_);
+    if (in_ % 16 != 0 || out_ % 16 != 0) {
+      std::snprintf(why, sizeof why, "%s = %" PRId64 " is not a multiple of 16, which FP8 GEMMs need",
+                    in_ % 16 != 0 ? "in_features" : "out_features", in_ % 16 != 0 ? in_ : out_);
+    } else if (!aligned16(y->data) || (dtype_is_fp8(x->dtype) && !aligned16(x->data))) {
+      std::snprintf(why, sizeof why, "%s's data is not 16-byte aligned, which FP8 GEMMs need",
+                    aligned16(y->data) ? "x" : "y");
+    } else if (recipe_.get(FP8_RECIPE_SMALL_LAYER_FALLBACK) && macs < kFp8MinMacs) {
+      std::snprintf(why, sizeof why,
+                    "small: %" PRId64 " x %" PRId64 " x %" PRId64 " multiply-adds is below the %.0f where FP8 pays off",
+                    m, in_, out_, kFp8MinMacs);
+    }
+    if (why[0]) {
+      p.reason = why;
+      return p;
+    }
+    p.fprop = !recipe_.get(FP8_RECIPE_OVERRIDE_FPROP);
+    p.dgrad = !recipe_.get(FP8_RECIPE_OVERRIDE_DGRAD);
+    p.wgrad = !recipe_.get(FP8_RECIPE_OVERRIDE_WGRAD);
+    if (p.wgrad && m % 16 != 0) {
+      p.wgrad = false;
+      std::snprintf(why, sizeof why, "wgrad in high precision: %" PRId64 " tokens is not a multiple of 16", m);
+      p.reason = why;
+    }
+    return p;
+  }
+
+  void record(const Step& step, const Plan& p) {
+    stats_.fprop = p.fprop;
+    stats_.dgrad = step.training ? p.dgrad : -1;
+    stats_.wgrad = step.training ? p.wgrad : -1;
+    if (converted_ && step.fp8) {
+      if (p.fprop || p.dgrad || p.wgrad) ++stats_.fp8_calls;
+      if (!p.reason.empty()) ++stats_.fallback_calls;
+      stats_.reason = p.reason;
+    }
+  }
+
+  // The FP8 weight (and its transpose) once per weights version; the bf16 weight and bias when
+  // a GEMM takes them.
+  void refresh_copies(const Step& step, const Plan& p, fp8_dtype_t act) {
+    const uint64_t version = weights_version(step);
+    Backend& be = step.backend;
+    const bool w8 = p.fprop || (step.training && p.dgrad);
+    if (w8 && fp8_weight_version_ != version) {
+      float* si = w_si_.ensure<float>(sizeof(float));
+      QuantizeJob q{};
+      q.in = params_[0].value->data;
+      q.in_dtype = FP8_DTYPE_F32;
+      q.rows = out_;
+      q.cols = in_;
+      q.out = qw_.ensure<uint8_t>(static_cast<size_t>(out_ * in_));
+      q.out_t = qwt_.ensure<uint8_t>(static_cast<size_t>(out_ * in_));
+      q.e5m2 = false;
+      q.state = s_w_->state;
+      q.out_scale_inv = si;
+      q.out_t_scale_inv = si;
+      be.quantize(q);
+      fp8_weight_version_ = version;
+    }
+    const bool hp_weight = act == FP8_DTYPE_BF16 && (!p.fprop || (step.training && !p.dgrad));
+    const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);
+    if ((hp_weight && bf16_weight_version_ != version) || (bf16_bias && bf16_bias_version_ != version)) {
+      if (hp_weight) {
+        be.convert({params_[0].value->data, FP8_DTYPE_F32, w_bf16_.ensure(static_cast<size_t>(out_ * in_) * 2),
+                    FP8_DTYPE_BF16, out_ * in_});
+        bf16_weight_version_ = version;
+      }
+      if (bf16_bias) {
+        be.convert({params_[1].value->data, FP8_DTYPE_F32, b_bf16_.ensure(static_cast<size_t>(out_) * 2), FP8_DTYPE_BF16,
+                    out_});
+        bf16_bias_version_ = version;
+      }
+    }
+  }
+
+  const void* weight_in(fp8_dtype_t act) { return act == FP8_DTYPE_F32 ? params_[0].value->data : w_bf16_.ensure(0); }
+
+  int64_t in_, out_;
+  bool bias_;
+  Recipe recipe_;
+  std::unique_ptr<fp8_scaling> s_x_, s_w_, s_dy_;
+  DeviceBuffer qw_, qwt_, w_si_;  // FP8 weight, its transpose, their scale_inv
+  DeviceBuffer w_bf16_, b_bf16_;
+  uint64_t fp8_weight_version_ = kNever, bf16_weight_version_ = kNever, bf16_bias_version_ = kNever;
+  DeviceBuffer qx_, qxt_, x_si_, x_hp_;   // forward -> backward
+  DeviceBuffer qdy_, qdyt_, dy_si_, partials_;
+  Saved saved_;
+};
+
+}  // namespace
+
+std::unique_ptr<Layer> make_linear(std::shared_ptr<Backend> backend, std::string name, int64_t in_features,
+                                   int64_t out_features, bool with_bias) {
+  return std::make_unique<Linear>(std::move(backend), std::move(name), in_features, out_features, with_bias);
+}
+
+}  // namespace fp8::nn
