@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
-# RUN_TESTS=0, RUN_BENCH=0 or RUN_PEER=0 leave a stage out.
+# RUN_TESTS=0, RUN_BENCH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks benchmarks.
 # Dependencies missing on the GPU image (GoogleTest, zlib headers) come from .device/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,12 +32,16 @@ echo "build: $(( $(date +%s) - t0 )) s"
 [ "${RUN_TESTS:-1}" = 1 ] && ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 
 [ "${RUN_BENCH:-1}" = 1 ] || exit 0
-build/device/bench/bench_quantize "$OUT/bench_quantize.json" 2>&1 | tee -a "$OUT/run.log"
-build/device/bench/bench_gemm "$OUT/bench_gemm.json" 2>&1 | tee -a "$OUT/run.log"
+# BENCHES picks among quantize, gemm and linear (default: all); each has bench_<name>,
+# peer_<name>.py and report_<name>.py.
+BENCHES=${BENCHES:-quantize gemm linear}
+for b in $BENCHES; do build/device/bench/bench_$b "$OUT/bench_$b.json" 2>&1 | tee -a "$OUT/run.log"; done
 [ "${RUN_PEER:-1}" = 1 ] || exit 0
-PYTHONUNBUFFERED=1 python3 bench/peer_gemm.py "$OUT/peer_gemm.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
-PYTHONUNBUFFERED=1 python3 bench/peer_quantize.py "$OUT/peer_quantize.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
+for b in $BENCHES; do
+  PYTHONUNBUFFERED=1 python3 bench/peer_$b.py "$OUT/peer_$b.json" 2>&1 | grep -v Warning | tee -a "$OUT/run.log"
+done
 echo
 [ -f "$OUT/gpu_tests.log" ] && grep -E "tests passed|tests failed|Skipped|Failed|Passed" "$OUT/gpu_tests.log" | tail -6
-{ python3 bench/report.py "$OUT/bench_quantize.json" "$OUT/peer_quantize.json"; echo;
-  python3 bench/report_gemm.py "$OUT/bench_gemm.json" "$OUT/peer_gemm.json"; } | tee "$OUT/table.md"
+for b in $BENCHES; do
+  python3 bench/report_$b.py "$OUT/bench_$b.json" "$OUT/peer_$b.json"; echo
+done | tee "$OUT/table.md"

@@ -448,7 +448,8 @@ FP8_API fp8_status_t fp8_amax(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_te
  *    E5M2 (cuBLASLt has no E4M3 x E4M3 -> E5M2); bias BF16.
  *    FP8 GEMMs need k and n to be multiples of 16 and 16-byte aligned data; other shapes are
  *    refused with FP8_ERR_SHAPE naming the dimension (pad, or use the BF16 GEMM).
- *  - BF16 (the high-precision path): A and B BF16; D BF16 or F32; bias of D's dtype.
+ *  - High precision: A and B of one dtype, F32, F16 or BF16; D of that dtype or F32; bias of D's
+ *    dtype. F32 x F32 is full FP32 (no TF32).
  * An FP8 D is written as encode(value * d_scaling.scale); amax(value) (before that scale) is
  * max-accumulated into d_scaling's history slot 0 and D's scale_inv is set to d_scaling's
  * scale_inv. accumulate is refused for an FP8 D. Results agree with the CPU reference within

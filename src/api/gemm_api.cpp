@@ -55,16 +55,19 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
       fp8::require_fp8(b, "b");
       if (a->dtype == FP8_DTYPE_E5M2 && b->dtype == FP8_DTYPE_E5M2)
         fp8::fail(FP8_ERR_DTYPE, "a and b are both e5m2; FP8 GEMMs take e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3");
-    } else if (a->dtype != FP8_DTYPE_BF16 || b->dtype != FP8_DTYPE_BF16) {
+    } else if (a->dtype != b->dtype) {
       fp8::fail(FP8_ERR_DTYPE, "a has dtype ", fp8::dtype_name(a->dtype), " and b ", fp8::dtype_name(b->dtype),
-                "; expected both FP8 (e4m3/e5m2) or both bf16");
+                "; expected both FP8 (e4m3/e5m2) or both the same of f32, f16, bf16");
     }
     const bool fp8_out = fp8::dtype_is_fp8(d->dtype);
     if (d->dtype == FP8_DTYPE_E5M2 && a->dtype == FP8_DTYPE_E4M3 && b->dtype == FP8_DTYPE_E4M3)
       fp8::fail(FP8_ERR_DTYPE, "d has dtype e5m2 with e4m3 x e4m3 operands; cuBLASLt writes e5m2 only when an operand is e5m2");
-    if (fp8_out ? !fp8_in : (d->dtype != FP8_DTYPE_BF16 && d->dtype != FP8_DTYPE_F32))
+    const bool d_ok = fp8_in ? (fp8_out || d->dtype == FP8_DTYPE_BF16 || d->dtype == FP8_DTYPE_F32)
+                             : (d->dtype == a->dtype || d->dtype == FP8_DTYPE_F32);
+    if (!d_ok)
       fp8::fail(FP8_ERR_DTYPE, "d has dtype ", fp8::dtype_name(d->dtype), "; expected ",
-                fp8_in ? "bf16, f32, e4m3 or e5m2" : "bf16 or f32", " for ", fp8_in ? "FP8" : "bf16", " operands");
+                fp8_in ? "bf16, f32, e4m3 or e5m2 for FP8 operands"
+                       : (std::string(fp8::dtype_name(a->dtype)) + " or f32 for " + fp8::dtype_name(a->dtype) + " operands").c_str());
 
     const int64_t k = a->cols(), m = a->rows();
     if (a->ndim < 1) fp8::fail(FP8_ERR_SHAPE, "a has shape [] (a scalar); expected [.., k]");

@@ -1,6 +1,7 @@
 #include "backend/cublaslt_gemm.hpp"
 
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "core/dtype.hpp"
@@ -156,9 +157,15 @@ void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
   if (j.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, j.bias);
   const float alpha = j.alpha, beta = j.accumulate ? 1.0f : 0.0f;
   // An FP8 D is never accumulated into, and cuBLASLt wants no C then (C = D would need C's type).
-  check(cublasLtMatmul(handle_, p.desc, &alpha, j.b, p.a, j.a, p.b, &beta, fp8_out ? nullptr : j.d, p.c, j.d, p.d,
-                       &p.algo, workspace_, kWorkspaceBytes, stream),
-        "cublasLtMatmul");
+  const cublasStatus_t st = cublasLtMatmul(handle_, p.desc, &alpha, j.b, p.a, j.a, p.b, &beta, fp8_out ? nullptr : j.d, p.c,
+                                           j.d, p.d, &p.algo, workspace_, kWorkspaceBytes, stream);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    const std::string what = std::string("cublasLtMatmul (") + dtype_name(j.a_dtype) + (j.a_transposed ? "^T" : "") +
+                             " x " + dtype_name(j.b_dtype) + (j.b_transposed ? "^T" : "") + " -> " +
+                             dtype_name(j.d_dtype) + (j.accumulate ? " accumulated" : "") + ", m=" + std::to_string(j.m) +
+                             " n=" + std::to_string(j.n) + " k=" + std::to_string(j.k) + ")";
+    check(st, what.c_str());
+  }
   if (fp8_out) kernels::gemm_fp8_output_epilogue(amax_, j.d_state, j.d_scale_inv, stream);
 }
 

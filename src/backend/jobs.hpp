@@ -145,7 +145,8 @@ struct GemmJob {
   const void* b;
   fp8_dtype_t a_dtype, b_dtype;  // both FP8, or both the same wide dtype
   bool a_transposed = false, b_transposed = false;
-  const float* a_scale_inv;      // FP8 operands: device scalars; nullptr for BF16
+  const float* a_scale_inv;      // FP8 operands: device scalars, 16-byte aligned (cuBLASLt refuses
+                                 // others at run time); nullptr for wide operands
   const float* b_scale_inv;
   int64_t m, n, k;
   const void* bias;  // nullptr or n elements of bias_dtype

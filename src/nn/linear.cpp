@@ -105,13 +105,13 @@ class Linear final : public Layer {
     const float* qx_si = x->scale_inv;
     uint8_t* qxt = want_qxt ? qxt_.ensure<uint8_t>(static_cast<size_t>(m * in_)) : nullptr;
     if (x_fp8) {
-      if (want_qxt) be.transpose({qx, m, in_, qxt, x->scale_inv, x_si_.ensure<float>(2 * sizeof(float)) + 1});
+      if (want_qxt) be.transpose({qx, m, in_, qxt, x->scale_inv, x_si_.ensure<float>(kScaleSlots * sizeof(float)) + kScaleSlot2});
       if (need_x_hp) {
         x_hp = x_hp_.ensure(static_cast<size_t>(m * in_) * dtype_size(act));
         be.dequantize({qx, false, x->scale_inv, const_cast<void*>(x_hp), act, m * in_});
       }
     } else if (plan.fprop || want_qxt) {
-      float* si = x_si_.ensure<float>(2 * sizeof(float));
+      float* si = x_si_.ensure<float>(kScaleSlots * sizeof(float));
       QuantizeJob q{};
       q.in = x->data;
       q.in_dtype = act;
@@ -122,7 +122,7 @@ class Linear final : public Layer {
       q.e5m2 = false;
       q.state = s_x_->state;
       q.out_scale_inv = si;
-      q.out_t_scale_inv = qxt ? si + 1 : nullptr;
+      q.out_t_scale_inv = qxt ? si + kScaleSlot2 : nullptr;
       be.quantize(q);
       qx = q.out;
       qx_si = si;
@@ -186,7 +186,7 @@ class Linear final : public Layer {
     const bool dgrad8 = dx && plan.dgrad;
     uint8_t* qdy = nullptr;
     uint8_t* qdyt = nullptr;
-    float* dy_si = dy_si_.ensure<float>(2 * sizeof(float));
+    float* dy_si = dy_si_.ensure<float>(kScaleSlots * sizeof(float));
     if (dgrad8 || plan.wgrad) {
       QuantizeJob q{};
       q.in = dy->data;
@@ -198,7 +198,7 @@ class Linear final : public Layer {
       q.e5m2 = s_dy_->dtype == FP8_DTYPE_E5M2;
       q.state = s_dy_->state;
       q.out_scale_inv = dy_si;
-      q.out_t_scale_inv = qdyt ? dy_si + 1 : nullptr;
+      q.out_t_scale_inv = qdyt ? dy_si + kScaleSlot2 : nullptr;
       q.dbias = dbias;
       q.dbias_partials = partials;
       if (m > 0) be.quantize(q);
@@ -235,8 +235,8 @@ class Linear final : public Layer {
       g.alpha = 1.0f;
       g.accumulate = true;
       if (plan.wgrad) {
-        set_fp8_operands(g, qdyt, s_dy_->dtype, dy_si + 1, qxt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3,
-                         x_si_.ensure<float>(0) + 1);
+        set_fp8_operands(g, qdyt, s_dy_->dtype, dy_si + kScaleSlot2, qxt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3,
+                         x_si_.ensure<float>(0) + kScaleSlot2);
       } else {
         g.a = dy->data;
         g.b = saved_.x_hp;
@@ -251,6 +251,8 @@ class Linear final : public Layer {
 
  private:
   static constexpr uint64_t kNever = ~uint64_t{0};
+  // The scale_inv of a cast and of its transposed copy, each in its own 16-byte slot.
+  static constexpr size_t kScaleSlot2 = 4, kScaleSlots = 8;
 
   struct Saved {
     bool valid = false;

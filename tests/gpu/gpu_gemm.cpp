@@ -19,9 +19,8 @@ std::pair<Tensor, Tensor> twin(fp8_context_t* cpu, fp8_context_t* gpu, fp8_dtype
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   Tensor c = make_tensor(cpu, dt, {rows, cols}), g = make_tensor(gpu, dt, {rows, cols});
-  if (dt == FP8_DTYPE_BF16) {
-    std::vector<uint16_t> raw(static_cast<size_t>(rows * cols));
-    for (auto& h : raw) h = fp8::float_to_bf16(normal(rng));
+  if (fp8_dtype_size(dt) > 1) {
+    const auto raw = to_wide_bytes(dt, normal_floats(static_cast<size_t>(rows * cols), seed));
     upload(c.get(), raw);
     upload(g.get(), raw);
   } else {
@@ -55,16 +54,7 @@ TEST_P(GpuGemm, MatchesTheCpuReference) {
   Tensor bias_c, bias_g;
   const fp8_dtype_t bias_dt = fp8_dtype_size(c.a) == 1 ? FP8_DTYPE_BF16 : c.d;
   if (c.bias) {
-    std::vector<uint8_t> raw(static_cast<size_t>(c.n) * fp8_dtype_size(bias_dt));
-    std::mt19937 rng(13);
-    for (size_t i = 0; i < raw.size(); i += fp8_dtype_size(bias_dt)) {
-      const float v = static_cast<float>(rng() % 200) / 50.0f - 2.0f;
-      if (bias_dt == FP8_DTYPE_F32) std::memcpy(&raw[i], &v, 4);
-      else {
-        const uint16_t h = fp8::float_to_bf16(v);
-        std::memcpy(&raw[i], &h, 2);
-      }
-    }
+    const auto raw = to_wide_bytes(bias_dt, normal_floats(static_cast<size_t>(c.n), 13, 0.0f, 1.0f));
     bias_c = make_tensor(cpu.get(), bias_dt, {c.n});
     bias_g = make_tensor(gpu.get(), bias_dt, {c.n});
     upload(bias_c.get(), raw);
@@ -137,7 +127,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, FP8_DTYPE_E4M3, 200, 128, 512, true, false, true, 0.07},
                       Case{FP8_DTYPE_BF16, FP8_DTYPE_BF16, FP8_DTYPE_BF16, 300, 200, 100, true, false, false, 5e-3},
                       Case{FP8_DTYPE_BF16, FP8_DTYPE_BF16, FP8_DTYPE_F32, 64, 48, 40, true, true, false, 1e-5},
-                      Case{FP8_DTYPE_BF16, FP8_DTYPE_BF16, FP8_DTYPE_F32, 7, 9, 13, false, false, false, 1e-5}));
+                      Case{FP8_DTYPE_BF16, FP8_DTYPE_BF16, FP8_DTYPE_F32, 7, 9, 13, false, false, false, 1e-5},
+                      // The Linear's backward: dgrad e5m2 x e4m3 -> bf16, wgrad accumulated into f32.
+                      Case{FP8_DTYPE_E5M2, FP8_DTYPE_E4M3, FP8_DTYPE_BF16, 256, 384, 192, false, false, false, 5e-3},
+                      Case{FP8_DTYPE_E5M2, FP8_DTYPE_E4M3, FP8_DTYPE_F32, 192, 384, 256, false, true, false, 5e-4},
+                      Case{FP8_DTYPE_F32, FP8_DTYPE_F32, FP8_DTYPE_F32, 70, 33, 129, true, true, false, 1e-6},
+                      Case{FP8_DTYPE_F16, FP8_DTYPE_F16, FP8_DTYPE_F16, 64, 80, 96, true, false, false, 2e-3}));
 
 // cuBLASLt assumes 256-byte aligned matrices unless told; wrapped tensors at 16-byte offsets must
 // get an algorithm that works for them (and the same answer).

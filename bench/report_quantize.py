@@ -1,5 +1,5 @@
 # Joins bench_quantize.json (libfp8) and peer_quantize.json (torch) into the ratio table that
-# bench/RESULTS.md records. Usage: python3 report.py libfp8.json peer.json
+# bench/RESULTS.md records. Usage: python3 report_quantize.py libfp8.json peer.json
 import json, sys
 
 ours = {r["name"]: r for r in json.load(open(sys.argv[1]))}

@@ -1,0 +1,242 @@
+// Linear forward + backward and an MLP block through the model API, as a trainer calls them: one
+// step = autocast_begin, forward, autocast_end (the batched scaling update), backward (dx, dW, db),
+// with fp8_model_weights_changed before each step so the FP8 weight cast is paid every step, as
+// after every optimizer step. Three variants per shape: FP8 forced (small_layer_fallback=off),
+// bf16 (not converted), and auto (the default recipe: the per-layer fallback rule decides).
+// Before timing, each FP8 result is checked against the bf16 path of the same layer.
+// Timing: median of 20 CUDA-event-timed steps after 3 warm-ups, as the torch peer (peer_linear.py).
+// Usage: bench_linear [out.json]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.hpp"
+#include "core/format.hpp"
+#include "fp8.h"
+
+namespace {
+
+fp8_context_t* ctx = nullptr;
+cudaStream_t stream = nullptr;
+
+fp8_tensor_t* tensor(fp8_dtype_t dt, int64_t rows, int64_t cols) {
+  fp8_tensor_t* t = nullptr;
+  const int64_t shape[2] = {rows, cols};
+  CHECK_FP8(fp8_tensor_create(&t, ctx, dt, 2, shape));
+  return t;
+}
+
+void fill(fp8_tensor_t* t, float sd, uint32_t seed) {
+  int64_t n = 0;
+  fp8_dtype_t dt = 0;
+  fp8_tensor_numel(t, &n);
+  fp8_tensor_dtype(t, &dt);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, sd);
+  if (dt == FP8_DTYPE_F32) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (auto& x : v) x = normal(rng);
+    CHECK_FP8(fp8_tensor_copy_from_host(t, v.data(), v.size() * 4));
+  } else {
+    std::vector<uint16_t> v(static_cast<size_t>(n));
+    for (auto& x : v) x = fp8::float_to_bf16(normal(rng));
+    CHECK_FP8(fp8_tensor_copy_from_host(t, v.data(), v.size() * 2));
+  }
+}
+
+std::vector<float> read_bf16(const fp8_tensor_t* t) {
+  int64_t n = 0;
+  fp8_tensor_numel(t, &n);
+  std::vector<uint16_t> raw(static_cast<size_t>(n));
+  CHECK_FP8(fp8_tensor_copy_to_host(t, raw.data(), raw.size() * 2));
+  std::vector<float> v(raw.size());
+  for (size_t i = 0; i < raw.size(); ++i) v[i] = fp8::bf16_to_float(raw[i]);
+  return v;
+}
+
+double relative_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  return std::sqrt(num / den);
+}
+
+double median_ms(const std::function<void()>& step) {
+  for (int i = 0; i < 3; ++i) step();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> ts;
+  for (int i = 0; i < 20; ++i) {
+    cudaEventRecord(a, stream);
+    step();
+    cudaEventRecord(b, stream);
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    ts.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+enum class Variant { Fp8, Bf16, Auto };
+const char* variant_name(Variant v) { return v == Variant::Fp8 ? "fp8" : v == Variant::Bf16 ? "bf16" : "auto"; }
+
+fp8_model_t* convert(fp8_model_t* m, Variant v) {
+  if (v == Variant::Bf16) return m;
+  fp8_recipe_t* r = nullptr;
+  CHECK_FP8(fp8_recipe_create(&r));
+  if (v == Variant::Fp8) CHECK_FP8(fp8_recipe_set_int(r, FP8_RECIPE_SMALL_LAYER_FALLBACK, 0));
+  CHECK_FP8(fp8_convert_model(m, r, nullptr));
+  fp8_recipe_destroy(r);
+  return m;
+}
+
+// Layers run in order forward and in reverse backward; acts[i] is layer i's input, acts[n] the
+// output; grads[i] the gradient of acts[i] (grads[0] may be NULL: no input gradient).
+struct Chain {
+  fp8_model_t* model;
+  std::vector<fp8_tensor_t*> acts, grads;
+  bool fp8;
+  void step() const {
+    CHECK_FP8(fp8_model_weights_changed(model));
+    if (fp8) CHECK_FP8(fp8_autocast_begin(model));
+    for (size_t i = 0; i + 1 < acts.size(); ++i) CHECK_FP8(fp8_layer_forward(model, static_cast<int32_t>(i), acts[i], acts[i + 1]));
+    if (fp8) CHECK_FP8(fp8_autocast_end(model));
+    for (size_t i = acts.size() - 1; i-- > 0;)
+      CHECK_FP8(fp8_layer_backward(model, static_cast<int32_t>(i), grads[i + 1], grads[i]));
+  }
+};
+
+FILE* json = nullptr;
+bool first_row = true;
+void row(const std::string& name, double ms, const char* note = "") {
+  std::printf("%-44s %9.4f ms  %s\n", name.c_str(), ms, note);
+  std::fflush(stdout);
+  std::fprintf(json, "%s {\"name\": \"%s\", \"ms\": %.5f}", first_row ? "" : ",\n", name.c_str(), ms);
+  first_row = false;
+}
+
+// One Linear m x k -> n with bias, bf16 activations; returns y of the first step for the check.
+std::vector<float> bench_linear(int64_t m, int64_t k, int64_t n, Variant v, bool check_only = false) {
+  fp8_model_t* model = nullptr;
+  CHECK_FP8(fp8_model_create(&model, ctx));
+  CHECK_FP8(fp8_model_add_linear(model, "fc", k, n, 1, nullptr));
+  fp8_tensor_t *w = nullptr, *b = nullptr;
+  CHECK_FP8(fp8_model_parameter(model, "fc.weight", &w, nullptr));
+  CHECK_FP8(fp8_model_parameter(model, "fc.bias", &b, nullptr));
+  fill(w, 1.0f / std::sqrt(static_cast<float>(k)), 1);
+  fill(b, 0.1f, 2);
+  convert(model, v);
+  fp8_tensor_t *x = tensor(FP8_DTYPE_BF16, m, k), *y = tensor(FP8_DTYPE_BF16, m, n);
+  fp8_tensor_t *dy = tensor(FP8_DTYPE_BF16, m, n), *dx = tensor(FP8_DTYPE_BF16, m, k);
+  fill(x, 1.0f, 3);
+  fill(dy, 1e-3f, 4);
+  const Chain chain{model, {x, y}, {dx, dy}, v != Variant::Bf16};
+  std::vector<float> out;
+  if (check_only) {  // the second step runs with scales from the first one's amaxes
+    chain.step();
+    chain.step();
+    out = read_bf16(y);
+  } else {
+    char name[96];
+    std::snprintf(name, sizeof name, "libfp8 %s linear %lldx%lld->%lld", variant_name(v), static_cast<long long>(m),
+                  static_cast<long long>(k), static_cast<long long>(n));
+    fp8_layer_report_t rep;
+    fp8_layer_report_init(&rep);
+    const double ms = median_ms([&] { chain.step(); });
+    CHECK_FP8(fp8_layer_get_report(model, 0, &rep));
+    row(name, ms, v == Variant::Auto ? (rep.fprop == 1 ? "(auto: fp8)" : "(auto: bf16)") : "");
+  }
+  for (fp8_tensor_t* t : {x, y, dy, dx}) fp8_tensor_destroy(t);
+  fp8_model_destroy(model);
+  return out;
+}
+
+// LayerNorm -> Linear d->f -> GELU -> Linear f->d, t tokens, bf16; FP8 with E4M3 hand-offs.
+std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool check_only = false) {
+  fp8_model_t* model = nullptr;
+  CHECK_FP8(fp8_model_create(&model, ctx));
+  CHECK_FP8(fp8_model_add_layernorm(model, "ln", d, 1e-5f, nullptr));
+  CHECK_FP8(fp8_model_add_linear(model, "fc1", d, f, 1, nullptr));
+  CHECK_FP8(fp8_model_add_activation(model, "gelu", FP8_ACTIVATION_GELU, nullptr));
+  CHECK_FP8(fp8_model_add_linear(model, "fc2", f, d, 1, nullptr));
+  for (auto [name, sd, seed] : {std::tuple{"fc1.weight", 1.0f / std::sqrt(static_cast<float>(d)), 1u},
+                                std::tuple{"fc1.bias", 0.1f, 2u},
+                                std::tuple{"fc2.weight", 1.0f / std::sqrt(static_cast<float>(f)), 3u},
+                                std::tuple{"fc2.bias", 0.1f, 4u}}) {
+    fp8_tensor_t* p = nullptr;
+    CHECK_FP8(fp8_model_parameter(model, name, &p, nullptr));
+    fill(p, sd, seed);
+  }
+  convert(model, v);
+  const bool fp8 = v != Variant::Bf16;
+  const fp8_dtype_t hand_off = fp8 ? FP8_DTYPE_E4M3 : FP8_DTYPE_BF16;
+  fp8_tensor_t* x = tensor(FP8_DTYPE_BF16, t, d);
+  std::vector<fp8_tensor_t*> acts = {x, tensor(hand_off, t, d), tensor(FP8_DTYPE_BF16, t, f), tensor(hand_off, t, f),
+                                     tensor(FP8_DTYPE_BF16, t, d)};
+  std::vector<fp8_tensor_t*> grads = {tensor(FP8_DTYPE_BF16, t, d), tensor(FP8_DTYPE_BF16, t, d),
+                                      tensor(FP8_DTYPE_BF16, t, f), tensor(FP8_DTYPE_BF16, t, f),
+                                      tensor(FP8_DTYPE_BF16, t, d)};
+  fill(x, 1.0f, 5);
+  fill(grads[4], 1e-3f, 6);
+  const Chain chain{model, acts, grads, fp8};
+  std::vector<float> out;
+  if (check_only) {
+    chain.step();
+    chain.step();
+    out = read_bf16(acts[4]);
+  } else {
+    char name[96];
+    std::snprintf(name, sizeof name, "libfp8 %s mlp %lldx%lldx%lld", variant_name(v), static_cast<long long>(t),
+                  static_cast<long long>(d), static_cast<long long>(f));
+    row(name, median_ms([&] { chain.step(); }));
+  }
+  for (fp8_tensor_t* p : acts) fp8_tensor_destroy(p);
+  for (size_t i = 0; i < grads.size(); ++i) fp8_tensor_destroy(grads[i]);
+  fp8_model_destroy(model);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  json = std::fopen(argc > 1 ? argv[1] : "bench_linear.json", "w");
+  CHECK_FP8(fp8_context_create(&ctx, 0));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CHECK_FP8(fp8_context_set_stream(ctx, stream));
+  std::fprintf(json, "[\n");
+
+  // Correctness first: FP8 against the bf16 path of the same layer (both checked against the CPU
+  // reference by tests/gpu/gpu_layers); FP8 rounding of x, W (E4M3) bounds the difference.
+  const double e_lin = relative_error(bench_linear(16384, 8192, 8192, Variant::Fp8, true),
+                                      bench_linear(16384, 8192, 8192, Variant::Bf16, true));
+  const double e_mlp = relative_error(bench_mlp(16384, 4096, 16384, Variant::Fp8, true),
+                                      bench_mlp(16384, 4096, 16384, Variant::Bf16, true));
+  std::printf("check: FP8 vs bf16 relative error: linear 16384x8192->8192 y %.4f, mlp y %.4f\n", e_lin, e_mlp);
+  if (!(e_lin < 0.08 && e_mlp < 0.08)) {
+    std::fprintf(stderr, "FP8 result too far from bf16\n");
+    return 1;
+  }
+
+  bench_mlp(16384, 4096, 16384, Variant::Fp8);
+  bench_mlp(16384, 4096, 16384, Variant::Bf16);
+  for (int64_t m : {512, 1024, 2048, 4096, 8192, 16384})
+    for (int64_t k : {1024, 2048, 4096, 8192})
+      for (Variant v : {Variant::Fp8, Variant::Bf16, Variant::Auto}) bench_linear(m, k, k, v);
+  std::fprintf(json, "\n]\n");
+  std::fclose(json);
+  fp8_context_destroy(ctx);
+  return 0;
+}

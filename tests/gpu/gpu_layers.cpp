@@ -1,0 +1,215 @@
+// The layers on the GPU against the same layers on the CPU reference: one model on each, the same
+// weights and inputs, the same sequence of training steps (convert, autocast, forward, backward,
+// batched scaling update). Scaling states of a Linear must stay bit-identical step after step (the
+// casts and amaxes are bit-exact); outputs and gradients agree within GEMM accumulation order.
+#include <cmath>
+#include <string>
+
+#include "gpu/gpu_compare.hpp"
+
+using namespace fp8test;
+
+namespace {
+
+struct ModelDeleter {
+  void operator()(fp8_model_t* m) const { fp8_model_destroy(m); }
+};
+using Model = std::unique_ptr<fp8_model_t, ModelDeleter>;
+
+Model make_model(fp8_context_t* ctx) {
+  fp8_model_t* m = nullptr;
+  EXPECT_EQ(fp8_model_create(&m, ctx), FP8_OK) << fp8_last_error_message();
+  return Model(m);
+}
+
+// The same model on the CPU and on the GPU, with the same parameter values.
+struct Twin {
+  Context cpu = make_context(FP8_DEVICE_CPU), gpu = make_context(0);
+  Model mc = make_model(cpu.get()), mg = make_model(gpu.get());
+
+  void add_linear(const char* name, int64_t in, int64_t out, uint32_t seed) {
+    FP8_ASSERT_OK(fp8_model_add_linear(mc.get(), name, in, out, 1, nullptr));
+    FP8_ASSERT_OK(fp8_model_add_linear(mg.get(), name, in, out, 1, nullptr));
+    set_param((std::string(name) + ".weight").c_str(), normal_floats(static_cast<size_t>(in * out), seed, 0.0f, 0.05f));
+    set_param((std::string(name) + ".bias").c_str(), normal_floats(static_cast<size_t>(out), seed + 1, 0.0f, 0.5f));
+  }
+  void set_param(const char* name, const std::vector<float>& v) {
+    for (fp8_model_t* m : {mc.get(), mg.get()}) {
+      fp8_tensor_t* t = nullptr;
+      FP8_ASSERT_OK(fp8_model_parameter(m, name, &t, nullptr));
+      upload(t, v);
+    }
+  }
+  void convert(const char* recipe_text) {
+    Recipe r = make_recipe(recipe_text);
+    FP8_ASSERT_OK(fp8_convert_model(mc.get(), r.get(), nullptr));
+    FP8_ASSERT_OK(fp8_convert_model(mg.get(), r.get(), nullptr));
+  }
+  std::pair<Tensor, Tensor> tensors(fp8_dtype_t dt, const std::vector<int64_t>& shape, const std::vector<float>* v) {
+    std::pair<Tensor, Tensor> t{make_tensor(cpu.get(), dt, shape), make_tensor(gpu.get(), dt, shape)};
+    if (v) {
+      upload(t.first.get(), to_wide_bytes(dt, *v));
+      upload(t.second.get(), to_wide_bytes(dt, *v));
+    }
+    return t;
+  }
+  // Every Linear's x, W and dy states equal bit for bit on both sides.
+  void expect_states_equal() {
+    int32_t n = 0;
+    fp8_model_layer_count(mc.get(), &n);
+    for (int32_t id = 0; id < n; ++id) {
+      for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
+        fp8_scaling_t *sc = nullptr, *sg = nullptr;
+        ASSERT_EQ(fp8_layer_get_scaling(mc.get(), id, slot, &sc), FP8_OK);
+        ASSERT_EQ(fp8_layer_get_scaling(mg.get(), id, slot, &sg), FP8_OK);
+        if (!sc) continue;
+        ASSERT_NE(sg, nullptr);
+        const fp8_scaling_info_t a = info_of(sc), b = info_of(sg);
+        EXPECT_EQ(bits_of(a.scale), bits_of(b.scale)) << "layer " << id << " slot " << slot;
+        EXPECT_EQ(bits_of(a.amax), bits_of(b.amax)) << "layer " << id << " slot " << slot;
+        EXPECT_EQ(a.update_count, b.update_count);
+      }
+    }
+  }
+  void expect_grads_close(double tol) {
+    int32_t n = 0;
+    fp8_model_parameter_count(mc.get(), &n);
+    for (int32_t i = 0; i < n; ++i) {
+      const char* name = nullptr;
+      fp8_tensor_t *gc = nullptr, *gg = nullptr;
+      ASSERT_EQ(fp8_model_parameter_at(mc.get(), i, &name, nullptr, &gc), FP8_OK);
+      ASSERT_EQ(fp8_model_parameter_at(mg.get(), i, nullptr, nullptr, &gg), FP8_OK);
+      const auto want = values(gc);
+      const double e = relative_error(values(gg), want);
+      EXPECT_LT(e, tol) << name;
+      EXPECT_GT(norm2(want), 0.0) << name << " is all zero: the test would prove nothing";
+    }
+  }
+  void report(fp8_model_t* m, int32_t id, fp8_layer_report_t* r) {
+    fp8_layer_report_init(r);
+    ASSERT_EQ(fp8_layer_get_report(m, id, r), FP8_OK);
+  }
+};
+
+struct LinearCase {
+  int64_t m, in, out;
+  fp8_dtype_t act;
+  const char* recipe;
+  int32_t fprop, dgrad, wgrad;  // the precisions the plan must show
+};
+
+// FP8 GEMM vs double accumulation: fast accumulation for fprop ~1e-3; a bf16 output adds one rounding.
+double tolerance(fp8_dtype_t act) { return act == FP8_DTYPE_BF16 ? 6e-3 : 2e-3; }
+
+TEST(GpuLayers, LinearStepsMatchTheCpuReference) {
+  const LinearCase cases[] = {
+      {256, 384, 192, FP8_DTYPE_BF16, "small_layer_fallback=off", 1, 1, 1},
+      {208, 208, 272, FP8_DTYPE_F32, "small_layer_fallback=off", 1, 1, 1},  // edge tiles of every pass
+      {200, 256, 128, FP8_DTYPE_BF16, "small_layer_fallback=off", 1, 1, 0},  // tokens not a multiple of 16
+      {128, 200, 128, FP8_DTYPE_BF16, "small_layer_fallback=off", 0, 0, 0},  // in_features not a multiple of 16
+      {256, 256, 256, FP8_DTYPE_BF16, "fp8_format=E4M3, small_layer_fallback=off", 1, 1, 1},
+      {256, 256, 256, FP8_DTYPE_BF16, "override_linear_precision=off/on/off, small_layer_fallback=off", 1, 0, 1},
+      {256, 256, 256, FP8_DTYPE_BF16, "override_linear_precision=on/off/on, small_layer_fallback=off", 0, 1, 0},
+      {64, 128, 64, FP8_DTYPE_BF16, "", 0, 0, 0},  // small: the automatic fallback
+      {2048, 1024, 1024, FP8_DTYPE_BF16, "", 1, 1, 1},  // large enough for FP8 under the default rule
+  };
+  uint32_t seed = 100;
+  for (const LinearCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << c.m << "x" << c.in << "->" << c.out << " " << fp8_dtype_name(c.act) << " '"
+                                      << c.recipe << "'");
+    Twin t;
+    t.add_linear("fc", c.in, c.out, seed);
+    t.convert(c.recipe);
+    for (int step = 0; step < 3; ++step) {
+      const auto xv = normal_floats(static_cast<size_t>(c.m * c.in), seed + 10 + step, 0.0f, 2.0f + step);
+      const auto dyv = normal_floats(static_cast<size_t>(c.m * c.out), seed + 20 + step, 0.0f, 1e-3f);
+      auto [x_c, x_g] = t.tensors(c.act, {c.m, c.in}, &xv);
+      auto [dy_c, dy_g] = t.tensors(c.act, {c.m, c.out}, &dyv);
+      auto [y_c, y_g] = t.tensors(c.act, {c.m, c.out}, nullptr);
+      auto [dx_c, dx_g] = t.tensors(c.act, {c.m, c.in}, nullptr);
+      for (auto [m, x, y, dy, dx] : {std::tuple{t.mc.get(), x_c.get(), y_c.get(), dy_c.get(), dx_c.get()},
+                                     std::tuple{t.mg.get(), x_g.get(), y_g.get(), dy_g.get(), dx_g.get()}}) {
+        FP8_ASSERT_OK(fp8_autocast_begin(m));
+        FP8_ASSERT_OK(fp8_layer_forward(m, 0, x, y));
+        FP8_ASSERT_OK(fp8_autocast_end(m));
+        FP8_ASSERT_OK(fp8_layer_backward(m, 0, dy, dx));
+      }
+      EXPECT_LT(relative_error(values(y_g.get()), values(y_c.get())), tolerance(c.act)) << "y, step " << step;
+      EXPECT_LT(relative_error(values(dx_g.get()), values(dx_c.get())), tolerance(c.act)) << "dx, step " << step;
+      t.expect_states_equal();
+    }
+    t.expect_grads_close(2e-3);  // FP32 gradients accumulated over the three steps
+    fp8_layer_report_t rc, rg;
+    t.report(t.mc.get(), 0, &rc);
+    t.report(t.mg.get(), 0, &rg);
+    EXPECT_EQ(rg.fprop, c.fprop);
+    EXPECT_EQ(rg.dgrad, c.dgrad);
+    EXPECT_EQ(rg.wgrad, c.wgrad);
+    EXPECT_EQ(rc.fprop, rg.fprop);
+    EXPECT_STREQ(rc.reason, rg.reason);
+    ++seed;
+  }
+}
+
+// LayerNorm -> Linear -> GELU -> Linear with FP8 hand-offs (E4M3 outputs of the norm and the
+// activation feed the Linears directly), forward and backward, bf16 activations.
+TEST(GpuLayers, MlpBlockWithFp8HandOffsMatchesTheCpuReference) {
+  const int64_t tokens = 256, d = 128, f = 512;
+  Twin t;
+  for (fp8_model_t* m : {t.mc.get(), t.mg.get()}) {
+    FP8_ASSERT_OK(fp8_model_add_layernorm(m, "ln", d, 1e-5f, nullptr));
+  }
+  t.add_linear("fc1", d, f, 7);
+  for (fp8_model_t* m : {t.mc.get(), t.mg.get()}) FP8_ASSERT_OK(fp8_model_add_activation(m, "gelu", FP8_ACTIVATION_GELU, nullptr));
+  t.add_linear("fc2", f, d, 9);
+  t.set_param("ln.gamma", normal_floats(d, 11, 1.0f, 0.2f));
+  t.set_param("ln.beta", normal_floats(d, 12, 0.0f, 0.2f));
+  t.convert("small_layer_fallback=off");
+  const fp8_dtype_t bf = FP8_DTYPE_BF16, e4 = FP8_DTYPE_E4M3;
+  for (int step = 0; step < 3; ++step) {
+    const auto xv = normal_floats(static_cast<size_t>(tokens * d), 30 + step, 0.5f, 1.5f);
+    const auto dyv = normal_floats(static_cast<size_t>(tokens * d), 40 + step, 0.0f, 1e-2f);
+    auto [x_c, x_g] = t.tensors(bf, {tokens, d}, &xv);
+    auto [h0_c, h0_g] = t.tensors(e4, {tokens, d}, nullptr);
+    auto [h1_c, h1_g] = t.tensors(bf, {tokens, f}, nullptr);
+    auto [h2_c, h2_g] = t.tensors(e4, {tokens, f}, nullptr);
+    auto [y_c, y_g] = t.tensors(bf, {tokens, d}, nullptr);
+    auto [dy_c, dy_g] = t.tensors(bf, {tokens, d}, &dyv);
+    auto [g2_c, g2_g] = t.tensors(bf, {tokens, f}, nullptr);
+    auto [g1_c, g1_g] = t.tensors(bf, {tokens, f}, nullptr);
+    auto [g0_c, g0_g] = t.tensors(bf, {tokens, d}, nullptr);
+    auto [dx_c, dx_g] = t.tensors(bf, {tokens, d}, nullptr);
+    for (auto [m, x, h0, h1, h2, y, dy, g2, g1, g0, dx] :
+         {std::tuple{t.mc.get(), x_c.get(), h0_c.get(), h1_c.get(), h2_c.get(), y_c.get(), dy_c.get(), g2_c.get(),
+                     g1_c.get(), g0_c.get(), dx_c.get()},
+          std::tuple{t.mg.get(), x_g.get(), h0_g.get(), h1_g.get(), h2_g.get(), y_g.get(), dy_g.get(), g2_g.get(),
+                     g1_g.get(), g0_g.get(), dx_g.get()}}) {
+      FP8_ASSERT_OK(fp8_autocast_begin(m));
+      FP8_ASSERT_OK(fp8_layer_forward(m, 0, x, h0));
+      FP8_ASSERT_OK(fp8_layer_forward(m, 1, h0, h1));
+      FP8_ASSERT_OK(fp8_layer_forward(m, 2, h1, h2));
+      FP8_ASSERT_OK(fp8_layer_forward(m, 3, h2, y));
+      FP8_ASSERT_OK(fp8_autocast_end(m));
+      FP8_ASSERT_OK(fp8_layer_backward(m, 3, dy, g2));
+      FP8_ASSERT_OK(fp8_layer_backward(m, 2, g2, g1));
+      FP8_ASSERT_OK(fp8_layer_backward(m, 1, g1, g0));
+      FP8_ASSERT_OK(fp8_layer_backward(m, 0, g0, dx));
+    }
+    // The hand-offs are FP8 codes of float results (norm statistics in float vs double, tanhf):
+    // a few codes may round the other way, so they are compared as values, like the rest.
+    EXPECT_LT(relative_error(values(h0_g.get()), values(h0_c.get())), 1e-2) << "norm output, step " << step;
+    EXPECT_LT(relative_error(values(h2_g.get()), values(h2_c.get())), 1e-2) << "gelu output, step " << step;
+    EXPECT_LT(relative_error(values(y_g.get()), values(y_c.get())), 1e-2) << "y, step " << step;
+    EXPECT_LT(relative_error(values(dx_g.get()), values(dx_c.get())), 2e-2) << "dx, step " << step;
+  }
+  t.expect_grads_close(2e-2);
+  for (int32_t id : {1, 3}) {
+    fp8_layer_report_t r;
+    t.report(t.mg.get(), id, &r);
+    EXPECT_EQ(r.fprop, 1);
+    EXPECT_EQ(r.dgrad, 1);
+    EXPECT_EQ(r.wgrad, 1);
+  }
+}
+
+}  // namespace
