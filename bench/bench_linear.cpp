@@ -121,10 +121,13 @@ struct Chain {
 
 FILE* json = nullptr;
 bool first_row = true;
-void row(const std::string& name, double ms, const char* note = "") {
-  std::printf("%-44s %9.4f ms  %s\n", name.c_str(), ms, note);
+// path: what the automatic rule chose ("fp8" or "bf16"), for the auto rows.
+void row(const std::string& name, double ms, const char* path = nullptr) {
+  std::printf("%-44s %9.4f ms  %s\n", name.c_str(), ms, path ? path : "");
   std::fflush(stdout);
-  std::fprintf(json, "%s {\"name\": \"%s\", \"ms\": %.5f}", first_row ? "" : ",\n", name.c_str(), ms);
+  std::fprintf(json, "%s {\"name\": \"%s\", \"ms\": %.5f", first_row ? "" : ",\n", name.c_str(), ms);
+  if (path) std::fprintf(json, ", \"path\": \"%s\"", path);
+  std::fprintf(json, "}");
   first_row = false;
 }
 
@@ -157,7 +160,7 @@ std::vector<float> bench_linear(int64_t m, int64_t k, int64_t n, Variant v, bool
     fp8_layer_report_init(&rep);
     const double ms = median_ms([&] { chain.step(); });
     CHECK_FP8(fp8_layer_get_report(model, 0, &rep));
-    row(name, ms, v == Variant::Auto ? (rep.fprop == 1 ? "(auto: fp8)" : "(auto: bf16)") : "");
+    row(name, ms, v == Variant::Auto ? (rep.fprop == 1 ? "fp8" : "bf16") : nullptr);
   }
   for (fp8_tensor_t* t : {x, y, dy, dx}) fp8_tensor_destroy(t);
   fp8_model_destroy(model);

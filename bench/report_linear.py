@@ -3,7 +3,8 @@
 # Usage: python3 report_linear.py libfp8.json peer.json
 import json, sys
 
-ms = {r["name"]: r["ms"] for f in sys.argv[1:3] for r in json.load(open(f))}
+rows = {r["name"]: r for f in sys.argv[1:3] for r in json.load(open(f))}
+ms = {name: r["ms"] for name, r in rows.items()}
 
 def fmt(v): return "–" if v is None else f"{v:.3f}"
 def ratio(num, den): return None if num is None or den is None else num / den
@@ -23,13 +24,12 @@ for what, ours, peer, target in [
     print(f"| {what} | {fmt(o)} | {fmt(p)} | {fmt_x(r)} | >= {target}x | {status} |")
 
 print()
-print("| M | K=N | libfp8 fp8 ms | libfp8 bf16 ms | fp8 vs our bf16 | libfp8 auto ms | torch bf16 ms | auto vs torch bf16 | auto ≈ |")
+print("| M | K=N | libfp8 fp8 ms | libfp8 bf16 ms | fp8 vs our bf16 | libfp8 auto ms | torch bf16 ms | auto vs torch bf16 | auto chose |")
 print("|---|---|---|---|---|---|---|---|---|")
 for m in [512, 1024, 2048, 4096, 8192, 16384]:
     for k in [1024, 2048, 4096, 8192]:
         tag = f"{m}x{k}->{k}"
         f8, b16, auto, tb = (ms.get(f"{who} linear {tag}") for who in ("libfp8 fp8", "libfp8 bf16", "libfp8 auto", "torch bf16"))
-        # Timings, not a flag from the library, tell which path the fallback rule picked.
-        path = "–" if None in (f8, b16, auto) else ("fp8" if abs(auto - f8) < abs(auto - b16) else "bf16")
+        path = rows.get(f"libfp8 auto linear {tag}", {}).get("path", "–")  # from the layer's report
         print(f"| {m} | {k} | {fmt(f8)} | {fmt(b16)} | {fmt_x(ratio(b16, f8))} | {fmt(auto)} | {fmt(tb)} | "
               f"{fmt_x(ratio(tb, auto))} | {path} |")

@@ -572,8 +572,9 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  *    accumulation. override_fprop/dgrad/wgrad move a GEMM to high precision each on its own.
  *  - Automatic fallback (never an error): the whole layer runs in high precision when in_features or
  *    out_features is not a multiple of 16, when x (an FP8 hand-off) or y is not 16-byte aligned, or,
- *    with the recipe's small_layer_fallback on, when tokens x in x out < 2^31 multiply-adds (below
- *    that an H100 runs the layer faster in bf16: bench/RESULTS.md); only the weight gradient does
+ *    with the recipe's small_layer_fallback on, when tokens x in x out < 2^32 multiply-adds or
+ *    in_features or out_features < 2048 (there an H100 runs a training step as fast or faster in
+ *    bf16: bench/RESULTS.md, "Linear fallback rule"); only the weight gradient does
  *    when the token count is not a multiple of 16. Each fallback is counted with its reason in the
  *    layer's report.
  * Dtypes: y, dy and dx share one activation dtype, F32 or BF16; x is that dtype or an E4M3 tensor
@@ -584,9 +585,11 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * Norms and activations compute in float from their input's dtype; once converted they may write y in
  * FP8 (pass an E4M3 y) with an output state of their own, which is the input the next Linear needs.
  *
- * Lifetimes: a layer's backward reads what its latest training-mode forward saw; the x passed to that
- * forward must stay alive and unchanged until the backward (as in any autograd). One backward per
- * forward. Scaling states of all converted layers are updated in one batched launch at
+ * Lifetimes: a layer's backward differentiates its latest forward, which must have run in training
+ * mode; the x passed to it must stay alive and unchanged until the backward (as in any autograd).
+ * One backward per forward. A Linear's dx must be 16-byte aligned when its dgrad runs in FP8
+ * (tensors from fp8_tensor_create always are). Writing any parameter of a Linear (the bias too)
+ * makes it remake its weight copies. Scaling states of all converted layers are updated in one batched launch at
  * fp8_autocast_end (the backward states with the amaxes of the backward passes run since).
  * A model is externally synchronised; calls are asynchronous on the context's stream unless stated.
  * --------------------------------------------------------------------------------------------- */

@@ -22,11 +22,15 @@ class BindingTest(unittest.TestCase):
     def test_gemm_and_activation(self):
         ctx = fp8.Context()
         a, b, d = fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 16)), fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16)), fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 16))
-        with self.assertRaises(fp8.Fp8Error) as err:  # f32 operands: FP8 or bf16 only
-            fp8.gemm(ctx, a, b, d)
+        with self.assertRaises(fp8.Fp8Error) as err:  # operands of two dtypes
+            fp8.gemm(ctx, a, fp8.Tensor(ctx, fp8.DTYPE_BF16, (16, 16)), d)
         self.assertEqual(err.exception.status_name, "FP8_ERR_DTYPE")
+        a_values = [float(i % 5) - 2 for i in range(32)]
+        a.write_floats(a_values)
+        b.write_floats([1.0 if i % 17 == 0 else 0.0 for i in range(256)])  # identity: a b^T = a
+        fp8.gemm(ctx, a, b, d)
+        self.assertEqual(d.read_floats(), a_values)
         y = fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 8))
-        a.write_floats([float(i % 5) - 2 for i in range(32)])
         fp8.activation_forward(ctx, fp8.ACTIVATION_SWIGLU, a, y)
         self.assertEqual(len(y.read_floats()), 16)
 

@@ -113,5 +113,7 @@ std::unique_ptr<Layer> make_activation(std::shared_ptr<Backend> backend, std::st
 // Checks shared by the layers; messages name the layer and the argument.
 void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const char* name, bool allow_fp8);
 void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim, const int64_t* shape);
+void require_disjoint_buffers(const std::string& layer, const fp8_tensor* a, const char* a_name, const fp8_tensor* b,
+                              const char* b_name);
 
 }  // namespace fp8::nn

@@ -39,6 +39,15 @@ void require_shape(const std::string& layer, const fp8_tensor* t, const char* na
          shape_string(ndim, shape));
 }
 
+void require_disjoint_buffers(const std::string& layer, const fp8_tensor* a, const char* a_name, const fp8_tensor* b,
+                              const char* b_name) {
+  const char* pa = static_cast<const char*>(a->data);
+  const char* pb = static_cast<const char*>(b->data);
+  if (a->nbytes() && b->nbytes() && pa < pb + b->nbytes() && pb < pa + a->nbytes())
+    fail(FP8_ERR_INVALID_ARGUMENT, a_name, " and ", b_name, " overlap in memory; layer '", layer,
+         "' needs separate buffers");
+}
+
 namespace {
 
 // Shared by the norm and activation layers: the forward's input kept for the backward, and the
@@ -77,19 +86,19 @@ class ElementwiseBase : public Layer {
     for (int32_t i = 0; i < x->ndim; ++i) y_shape[i] = x->shape[i];
     y_shape[x->ndim - 1] = y_cols;
     require_shape(name_, y, "y", x->ndim, y_shape);
-    const char* px = static_cast<const char*>(x->data);
-    const char* py = static_cast<const char*>(y->data);
-    if (x->nbytes() && y->nbytes() && px < py + y->nbytes() && py < px + x->nbytes())
-      fail(FP8_ERR_INVALID_ARGUMENT, "x and y overlap in memory; layer '", name_, "' needs separate buffers");
+    require_disjoint_buffers(name_, x, "x", y, "y");
     const bool fp8_out = dtype_is_fp8(y->dtype);
-    stats_.fprop = fp8_out;
-    if (!fp8_out) return nullptr;
+    if (!fp8_out) {
+      stats_.fprop = 0;
+      return nullptr;
+    }
     if (!converted_)
       fail(FP8_ERR_INVALID_STATE, "y has dtype ", dtype_name(y->dtype), " but layer '", name_,
            "' is not converted to FP8; call fp8_convert_model first or pass a wide y");
     if (y->dtype != s_out_->dtype)
       fail(FP8_ERR_DTYPE, "y has dtype ", dtype_name(y->dtype), "; layer '", name_, "' writes FP8 as ",
            dtype_name(s_out_->dtype), " (the recipe's forward format)");
+    stats_.fprop = 1;
     if (step.fp8) ++stats_.fp8_calls;
     return s_out_->state;
   }
@@ -111,6 +120,7 @@ class ElementwiseBase : public Layer {
     dy_shape[saved_.ndim - 1] = dy_cols;
     require_shape(name_, dy, "dy", saved_.ndim, dy_shape);
     require_shape(name_, dx, "dx", saved_.ndim, saved_.x_shape);
+    require_disjoint_buffers(name_, dy, "dy", dx, "dx");
     stats_.dgrad = 0;
   }
 

@@ -7,6 +7,7 @@
 //             dgrad dx = dy8 W8t^T,  wgrad dW += dy8t x8t^T
 // The FP8 copy of W (and its transpose) is made once per weights version, i.e. once per optimizer
 // step, and reused by every micro-batch.
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 
@@ -18,10 +19,12 @@ namespace fp8::nn {
 
 namespace {
 
-// Below this many multiply-adds per GEMM (tokens x in x out), a Linear's FP8 path costs more than
-// bf16 on an H100: the casts and the extra launches outweigh the faster GEMMs. Measured with
-// bench/bench_linear (bench/RESULTS.md, "Linear fallback rule").
-constexpr double kFp8MinMacs = 2.0 * 1024 * 1024 * 1024;
+// The small-layer rule, measured on an H100 with bench/bench_linear (bench/RESULTS.md, "Linear
+// fallback rule"): a step in FP8 was slower than bf16 or no faster below 2^32 multiply-adds per GEMM
+// (tokens x in x out) and whenever in or out was 1024 (up to 16384 tokens): the casts and extra
+// launches outweigh the faster GEMMs there.
+constexpr double kFp8MinMacs = 4.0 * 1024 * 1024 * 1024;
+constexpr int64_t kFp8MinFeatures = 2048;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -89,6 +92,7 @@ class Linear final : public Layer {
     for (int32_t i = 0; i < x->ndim; ++i) y_shape[i] = x->shape[i];
     y_shape[x->ndim - 1] = out_;
     require_shape(name_, y, "y", x->ndim, y_shape);
+    require_disjoint_buffers(name_, x, "x", y, "y");
     const int64_t m = x->rows();
 
     const Plan plan = decide(step, m, x, y);
@@ -174,6 +178,7 @@ class Linear final : public Layer {
       for (int32_t i = 0; i < saved_.ndim; ++i) x_shape[i] = saved_.y_shape[i];
       x_shape[saved_.ndim - 1] = in_;
       require_shape(name_, dx, "dx", saved_.ndim, x_shape);
+      require_disjoint_buffers(name_, dy, "dy", dx, "dx");
       if (saved_.plan.dgrad && !aligned16(dx->data))
         fail(FP8_ERR_INVALID_ARGUMENT, "dx's data is not 16-byte aligned, which layer '", name_, "''s FP8 dgrad needs");
     }
@@ -288,10 +293,13 @@ class Linear final : public Layer {
     } else if (!aligned16(y->data) || (dtype_is_fp8(x->dtype) && !aligned16(x->data))) {
       std::snprintf(why, sizeof why, "%s's data is not 16-byte aligned, which FP8 GEMMs need",
                     aligned16(y->data) ? "x" : "y");
-    } else if (recipe_.get(FP8_RECIPE_SMALL_LAYER_FALLBACK) && macs < kFp8MinMacs) {
-      std::snprintf(why, sizeof why,
-                    "small: %" PRId64 " x %" PRId64 " x %" PRId64 " multiply-adds is below the %.0f where FP8 pays off",
-                    m, in_, out_, kFp8MinMacs);
+    } else if (recipe_.get(FP8_RECIPE_SMALL_LAYER_FALLBACK) && (macs < kFp8MinMacs || std::min(in_, out_) < kFp8MinFeatures)) {
+      if (macs < kFp8MinMacs)
+        std::snprintf(why, sizeof why, "small: %" PRId64 " tokens x %" PRId64 " x %" PRId64
+                      " is below 2^32 multiply-adds, where FP8 starts to pay off", m, in_, out_);
+      else
+        std::snprintf(why, sizeof why, "small: %s = %" PRId64 " is below %" PRId64 ", where FP8 starts to pay off",
+                      in_ < kFp8MinFeatures ? "in_features" : "out_features", std::min(in_, out_), kFp8MinFeatures);
     }
     if (why[0]) {
       p.reason = why;
@@ -313,7 +321,7 @@ class Linear final : public Layer {
     stats_.dgrad = step.training ? p.dgrad : -1;
     stats_.wgrad = step.training ? p.wgrad : -1;
     if (converted_ && step.fp8) {
-      if (p.fprop || p.dgrad || p.wgrad) ++stats_.fp8_calls;
+      if (p.fprop || (step.training && (p.dgrad || p.wgrad))) ++stats_.fp8_calls;
       if (!p.reason.empty()) ++stats_.fallback_calls;
       stats_.reason = p.reason;
     }
