@@ -7,6 +7,9 @@ handles. Every failing call raises Fp8Error carrying the status and fp8_last_err
     ctx = fp8.Context(fp8.DEVICE_CPU)
     recipe = fp8.Recipe("fp8_format=E4M3, margin=1")
     print(recipe)                                  # the full text form
+    model = fp8.Model(ctx); fc = model.add_linear("fc1", 784, 1024)
+    model.convert(recipe)
+    with model.autocast(): model.forward(fc, x, y)  # FP8 inside, scaling updated on exit
 
 The shared library is found through FP8_LIBRARY (a path), else the loader's usual search for
 libfp8.so.0.
@@ -30,6 +33,8 @@ ROLE_FORWARD, ROLE_BACKWARD = 0, 1
 FORMAT_E4M3, FORMAT_HYBRID = 0, 1
 ACTIVATION_RELU, ACTIVATION_GELU, ACTIVATION_SWIGLU = 0, 1, 2
 NORM_LAYERNORM, NORM_RMSNORM = 0, 1
+LAYER_LINEAR, LAYER_LAYERNORM, LAYER_RMSNORM, LAYER_ACTIVATION = 0, 1, 2, 3
+SCALING_INPUT, SCALING_WEIGHT, SCALING_GRAD_OUTPUT, SCALING_OUTPUT = 0, 1, 2, 3
 
 _p = ctypes.c_void_p
 _i32, _i64, _u8, _f32, _size = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint8, ctypes.c_float, ctypes.c_size_t
@@ -65,9 +70,28 @@ for _name, _args in {
     "fp8_dequantize": (_p, _p, _p),
     "fp8_activation_forward": (_p, _i32, _p, _p, _p),
     "fp8_gemm": (_p, _p, _p, _p, _p, _p, _p),
+    "fp8_tensor_dtype": (_p, ctypes.POINTER(_i32)),
+    "fp8_tensor_shape": (_p, ctypes.POINTER(_i32), ctypes.POINTER(_i64)),
+    "fp8_model_create": (ctypes.POINTER(_p), _p),
+    "fp8_model_add_linear": (_p, ctypes.c_char_p, _i64, _i64, _i32, ctypes.POINTER(_i32)),
+    "fp8_model_add_layernorm": (_p, ctypes.c_char_p, _i64, _f32, ctypes.POINTER(_i32)),
+    "fp8_model_add_rmsnorm": (_p, ctypes.c_char_p, _i64, _f32, ctypes.POINTER(_i32)),
+    "fp8_model_add_activation": (_p, ctypes.c_char_p, _i32, ctypes.POINTER(_i32)),
+    "fp8_model_parameter": (_p, ctypes.c_char_p, ctypes.POINTER(_p), ctypes.POINTER(_p)),
+    "fp8_model_weights_changed": (_p,),
+    "fp8_model_zero_grad": (_p,),
+    "fp8_model_set_training": (_p, _i32),
+    "fp8_convert_model": (_p, _p, _p),
+    "fp8_model_has_fp8_layers": (_p, ctypes.POINTER(_i32)),
+    "fp8_autocast_begin": (_p,),
+    "fp8_autocast_end": (_p,),
+    "fp8_layer_forward": (_p, _i32, _p, _p),
+    "fp8_layer_backward": (_p, _i32, _p, _p),
+    "fp8_model_report": (_p, ctypes.c_char_p, _size, ctypes.POINTER(_size)),
 }.items():
     _declare(_name, _i32, *_args)
-for _name in ["fp8_context_destroy", "fp8_recipe_destroy", "fp8_tensor_destroy", "fp8_scaling_destroy"]:
+for _name in ["fp8_context_destroy", "fp8_recipe_destroy", "fp8_tensor_destroy", "fp8_scaling_destroy",
+              "fp8_model_destroy"]:
     _declare(_name, None, _p)
 
 
@@ -102,7 +126,7 @@ class _Handle:
         self.handle = _p()
 
     def __del__(self):
-        if getattr(self, "handle", None) and self.handle.value:
+        if self._destroy and getattr(self, "handle", None) and self.handle.value:
             getattr(_lib, self._destroy)(self.handle)
             self.handle = _p()
 
@@ -174,6 +198,20 @@ class Tensor(_Handle):
         raw = self.read()
         return list(struct.unpack(f"{len(raw) // 4}f", raw))
 
+    @classmethod
+    def _borrowed(cls, owner, handle):
+        """A tensor that belongs to `owner` (a model's parameter): not destroyed here, kept with it."""
+        t = cls.__new__(cls)
+        t.handle, t._destroy, t.owner = _p(handle), None, owner
+        dt, ndim, dims = _i32(), _i32(), (_i64 * 8)()
+        _check(_lib.fp8_tensor_dtype(t.handle, ctypes.byref(dt)))
+        _check(_lib.fp8_tensor_shape(t.handle, ctypes.byref(ndim), dims))
+        t.dtype, t.shape = dt.value, tuple(dims[:ndim.value])
+        t.nbytes = _lib.fp8_dtype_size(t.dtype)
+        for d in t.shape:
+            t.nbytes *= d
+        return t
+
     @property
     def scale_inv(self):
         v = _f32()
@@ -216,3 +254,92 @@ def gemm(ctx, a, b, d, bias=None, d_scaling=None):
 def activation_forward(ctx, activation, x, y, y_scaling=None):
     _check(_lib.fp8_activation_forward(ctx.handle, activation, x.handle, y.handle,
                                        y_scaling.handle if y_scaling else None))
+
+
+def _text(call):
+    """Runs a (buf, cap, needed) text getter twice: once for the size, once for the text."""
+    needed = _size()
+    status = call(None, 0, ctypes.byref(needed))
+    if status != ERR_BUFFER_TOO_SMALL:
+        _check(status)
+    buf = ctypes.create_string_buffer(needed.value)
+    _check(call(buf, needed.value, None))
+    return buf.value.decode()
+
+
+class Model(_Handle):
+    """Named layers with FP32 parameters (see "Models and layers" in fp8.h). Layer methods return ids."""
+    _destroy = "fp8_model_destroy"
+
+    def __init__(self, ctx):
+        super().__init__()
+        self.ctx = ctx
+        _check(_lib.fp8_model_create(ctypes.byref(self.handle), ctx.handle))
+
+    def _add(self, fn, name, *args):
+        layer_id = _i32()
+        _check(getattr(_lib, fn)(self.handle, name.encode(), *args, ctypes.byref(layer_id)))
+        return layer_id.value
+
+    def add_linear(self, name, in_features, out_features, bias=True):
+        return self._add("fp8_model_add_linear", name, in_features, out_features, int(bias))
+
+    def add_layernorm(self, name, dim, eps=1e-5):
+        return self._add("fp8_model_add_layernorm", name, dim, eps)
+
+    def add_rmsnorm(self, name, dim, eps=1e-5):
+        return self._add("fp8_model_add_rmsnorm", name, dim, eps)
+
+    def add_activation(self, name, activation):
+        return self._add("fp8_model_add_activation", name, activation)
+
+    def parameter(self, name):
+        """(value, grad) of "<layer>.<param>", borrowed FP32 tensors."""
+        value, grad = _p(), _p()
+        _check(_lib.fp8_model_parameter(self.handle, name.encode(), ctypes.byref(value), ctypes.byref(grad)))
+        return Tensor._borrowed(self, value.value), Tensor._borrowed(self, grad.value)
+
+    def convert(self, recipe=None):
+        """To FP8 under `recipe`; back to high precision with recipe=None (weights kept)."""
+        if recipe is None:
+            opts = (ctypes.c_uint32 * 5)(20, 0, 1, 1, 1)  # fp8_convert_options_t with to_fp8 = 0
+            _check(_lib.fp8_convert_model(self.handle, None, ctypes.cast(opts, _p)))
+        else:
+            _check(_lib.fp8_convert_model(self.handle, recipe.handle, None))
+
+    @property
+    def has_fp8_layers(self):
+        v = _i32()
+        _check(_lib.fp8_model_has_fp8_layers(self.handle, ctypes.byref(v)))
+        return bool(v.value)
+
+    def train(self, training=True):
+        _check(_lib.fp8_model_set_training(self.handle, int(training)))
+
+    def zero_grad(self):
+        _check(_lib.fp8_model_zero_grad(self.handle))
+
+    def weights_changed(self):
+        _check(_lib.fp8_model_weights_changed(self.handle))
+
+    def autocast(self):
+        """with model.autocast(): ... — FP8 inside; the scaling states are updated on exit."""
+        model = self
+
+        class _Region:
+            def __enter__(self):
+                _check(_lib.fp8_autocast_begin(model.handle))
+
+            def __exit__(self, *exc):
+                _check(_lib.fp8_autocast_end(model.handle))
+
+        return _Region()
+
+    def forward(self, layer_id, x, y):
+        _check(_lib.fp8_layer_forward(self.handle, layer_id, x.handle, y.handle))
+
+    def backward(self, layer_id, dy, dx=None):
+        _check(_lib.fp8_layer_backward(self.handle, layer_id, dy.handle, dx.handle if dx else None))
+
+    def report(self):
+        return _text(lambda buf, cap, needed: _lib.fp8_model_report(self.handle, buf, cap, needed))

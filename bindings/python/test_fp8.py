@@ -12,7 +12,8 @@ HEADER = os.environ.get("FP8_HEADER", os.path.join(os.path.dirname(__file__), ".
 
 class BindingTest(unittest.TestCase):
     def test_every_constant_equals_its_definition_in_fp8_h(self):
-        defines = dict(re.findall(r"^#define FP8_([A-Z0-9_]+) \(?(-?\d+)\)?", open(HEADER).read(), re.M))
+        with open(HEADER) as f:
+            defines = dict(re.findall(r"^#define FP8_([A-Z0-9_]+) \(?(-?\d+)\)?", f.read(), re.M))
         constants = {k: v for k, v in vars(fp8).items() if k.isupper() and isinstance(v, int)}
         self.assertGreater(len(constants), 25)
         for name, value in constants.items():
@@ -68,6 +69,36 @@ class BindingTest(unittest.TestCase):
             fp8.quantize(ctx, fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 3)), fp8.Tensor(ctx, fp8.DTYPE_E4M3, (3, 2)), s)
         self.assertEqual(err.exception.status_name, "FP8_ERR_SHAPE")
         self.assertIn("out has shape [3, 2]", str(err.exception))
+
+
+    def test_fp8_linear_step_through_the_model(self):
+        ctx = fp8.Context()
+        model = fp8.Model(ctx)
+        fc = model.add_linear("fc", 16, 16)
+        weight, weight_grad = model.parameter("fc.weight")
+        weight.write_floats([1.0 if i % 17 == 0 else 0.0 for i in range(256)])  # identity
+        self.assertFalse(model.has_fp8_layers)
+        model.convert(fp8.Recipe("small_layer_fallback=off"))
+        self.assertTrue(model.has_fp8_layers)
+        x, y = fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16)), fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16))
+        dy, dx = fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16)), fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16))
+        values = [float(i % 7) - 3 for i in range(256)]  # exact in E4M3 and E5M2 at scale 1
+        x.write_floats(values)
+        dy.write_floats(values[::-1])
+        with model.autocast():
+            model.forward(fc, x, y)
+        model.backward(fc, dy, dx)
+        self.assertEqual(y.read_floats(), values)          # x I^T, through E4M3
+        self.assertEqual(dx.read_floats(), values[::-1])   # dy I, through E5M2
+        self.assertNotEqual(weight_grad.read_floats(), [0.0] * 256)
+        self.assertIn("fc", model.report())
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.forward(fc, fp8.Tensor(ctx, fp8.DTYPE_F32, (4, 8)), y)
+        self.assertEqual(err.exception.status_name, "FP8_ERR_SHAPE")
+        self.assertIn("layer 'fc'", str(err.exception))
+        model.convert(None)
+        self.assertFalse(model.has_fp8_layers)
+        self.assertEqual(weight.read_floats()[:18], [1.0] + [0.0] * 16 + [1.0])  # kept
 
 
 if __name__ == "__main__":
