@@ -94,30 +94,14 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "%s: relative error %.3e against float64\n", name.c_str(), rel);
         return 1;
       }
-      for (int i = 0; i < 3; ++i) run();
-      cudaEvent_t e0, e1;
-      cudaEventCreate(&e0);
-      cudaEventCreate(&e1);
-      std::vector<float> ms;
-      for (int i = 0; i < 20; ++i) {
-        cudaEventRecord(e0, stream);
-        run();
-        cudaEventRecord(e1, stream);
-        cudaEventSynchronize(e1);
-        float t = 0;
-        cudaEventElapsedTime(&t, e0, e1);
-        ms.push_back(t);
-      }
-      std::sort(ms.begin(), ms.end());
-      const double med = ms[ms.size() / 2], tflops = 2.0 * m * n * k / med / 1e9;
+      const double med = fp8bench::median_ms(stream, [&](int) { run(); }, 1, 3, 20);
+      const double tflops = 2.0 * m * n * k / med / 1e9;
       std::printf("%-44s %10.4f %10.1f %10.2e\n", name.c_str(), med, tflops, rel);
       std::fprintf(json, "%s  {\"name\": \"%s\", \"ms\": %.5f, \"tflops\": %.2f}", first ? "" : ",\n", name.c_str(), med, tflops);
       first = false;
       fp8_tensor_destroy(a.t);
       fp8_tensor_destroy(b.t);
       fp8_tensor_destroy(d);
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
     }
   }
   std::fprintf(json, "\n]\n");

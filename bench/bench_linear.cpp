@@ -69,27 +69,6 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& w
   return std::sqrt(num / den);
 }
 
-double median_ms(const std::function<void()>& step) {
-  for (int i = 0; i < 3; ++i) step();
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ts;
-  for (int i = 0; i < 20; ++i) {
-    cudaEventRecord(a, stream);
-    step();
-    cudaEventRecord(b, stream);
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    ts.push_back(ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
-}
-
 enum class Variant { Fp8, Bf16, Auto };
 const char* variant_name(Variant v) { return v == Variant::Fp8 ? "fp8" : v == Variant::Bf16 ? "bf16" : "auto"; }
 
@@ -158,7 +137,7 @@ std::vector<float> bench_linear(int64_t m, int64_t k, int64_t n, Variant v, bool
                   static_cast<long long>(k), static_cast<long long>(n));
     fp8_layer_report_t rep;
     fp8_layer_report_init(&rep);
-    const double ms = median_ms([&] { chain.step(); });
+    const double ms = fp8bench::median_ms(stream, [&](int) { chain.step(); }, 1, 3, 20);
     CHECK_FP8(fp8_layer_get_report(model, 0, &rep));
     row(name, ms, v == Variant::Auto ? (rep.fprop == 1 ? "fp8" : "bf16") : nullptr);
   }
@@ -204,7 +183,7 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
     char name[96];
     std::snprintf(name, sizeof name, "libfp8 %s mlp %lldx%lldx%lld", variant_name(v), static_cast<long long>(t),
                   static_cast<long long>(d), static_cast<long long>(f));
-    row(name, median_ms([&] { chain.step(); }));
+    row(name, fp8bench::median_ms(stream, [&](int) { chain.step(); }, 1, 3, 20));
   }
   for (fp8_tensor_t* p : acts) fp8_tensor_destroy(p);
   for (size_t i = 0; i < grads.size(); ++i) fp8_tensor_destroy(grads[i]);

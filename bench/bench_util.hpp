@@ -1,10 +1,14 @@
-// What the benchmark programs share: checks that stop the program with the library's message.
+// What the benchmark programs share: checks that stop the program with the library's message, and
+// the CUDA-event timing every benchmark uses.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <vector>
 
 #include "fp8.h"
 
@@ -25,3 +29,31 @@
       std::exit(1);                                                    \
     }                                                                  \
   } while (0)
+
+namespace fp8bench {
+
+// Median time in ms of `fn` over `reps` runs, each timed with CUDA events on `stream`. With
+// batch > 1, each timed region queues `batch` calls back to back and the time is per call: the
+// GPU's throughput without the host's launch latency between an event and the kernel.
+double median_ms(cudaStream_t stream, const std::function<void(int)>& fn, int batch = 1, int warmup = 10, int reps = 50) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(a, stream));
+    for (int k = 0; k < batch; ++k) fn(i * batch + k);
+    CHECK_CUDA(cudaEventRecord(b, stream));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t / batch);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace fp8bench

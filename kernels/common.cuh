@@ -99,6 +99,32 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// The write half of a 128 x 128 byte-tile transpose (FP8 codes in shared memory, rows PITCH bytes
+// apart): 8 lanes write one output row (a tile column) of 16 codes each, one 16-byte store when
+// rows_aligned, else byte by byte. Used by cast_transpose and by the plain FP8 transpose.
+template <int THREADS, int PITCH>
+__device__ __forceinline__ void store_tile_transposed(const uint8_t* tile, uint8_t* out_t, int64_t rows, int64_t R0,
+                                                      int64_t C0, bool rows_aligned) {
+#pragma unroll
+  for (int k = 0; k < 128 * 128 / 16 / THREADS; ++k) {
+    const int task = threadIdx.x + k * THREADS, c = task >> 3, r0 = (task & 7) * 16;
+    uint32_t w[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      w[b] = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[b] |= static_cast<uint32_t>(tile[(r0 + 4 * b + i) * PITCH + c]) << (8 * i);
+    }
+    uint8_t* dst = out_t + (C0 + c) * rows + R0 + r0;
+    if (rows_aligned) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+    }
+  }
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Calls f(dtype constant) for a runtime wide dtype (F32, F16, BF16), so each launcher names its

@@ -113,24 +113,7 @@ __global__ void __launch_bounds__(kThreads)
       // Phase 2: transposed row c (input column C0 + c), input rows r0..r0+15: one 16-byte store
       // when rows keeps the transposed rows 16-byte aligned, else 16 byte stores (e.g. a vocabulary
       // of 50257 rows still gets the vector loads and the row-major stores of phase 1).
-#pragma unroll
-      for (int k = 0; k < kTile * kTile / 16 / kThreads; ++k) {
-        const int task = tid + k * kThreads, c = task >> 3, r0 = (task & 7) * 16;
-        uint32_t w[4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          w[b] = 0;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) w[b] |= static_cast<uint32_t>(tile[(r0 + 4 * b + i) * kTilePitch + c]) << (8 * i);
-        }
-        uint8_t* dst = out_t + (C0 + c) * rows + R0 + r0;
-        if (rows_aligned) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
-        }
-      }
+      store_tile_transposed<kThreads, kTilePitch>(tile, out_t, rows, R0, C0, rows_aligned);
       __syncthreads();  // the tile is reused by the next iteration
     } else {
       // Edge or unaligned tile: element by element, rows spread over the threads.

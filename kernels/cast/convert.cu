@@ -40,18 +40,7 @@ __global__ void __launch_bounds__(kThreads) transpose_kernel(const uint8_t* __re
             __ldg(reinterpret_cast<const uint4*>(in + (R0 + r) * cols + C0 + c));
       }
       __syncthreads();
-#pragma unroll
-      for (int k = 0; k < kT * kT / 16 / kThreads; ++k) {
-        const int task = tid + k * kThreads, c = task >> 3, r0 = (task & 7) * 16;
-        uint32_t w[4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          w[b] = 0;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) w[b] |= static_cast<uint32_t>(tile[(r0 + 4 * b + i) * kPitch + c]) << (8 * i);
-        }
-        *reinterpret_cast<uint4*>(out + (C0 + c) * rows + R0 + r0) = make_uint4(w[0], w[1], w[2], w[3]);
-      }
+      store_tile_transposed<kThreads, kPitch>(tile, out, rows, R0, C0, true);
       __syncthreads();
     } else {
       for (int e = tid; e < kT * kT; e += kThreads) {
