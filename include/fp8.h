@@ -589,8 +589,8 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * mode; the x passed to it must stay alive and unchanged until the backward (as in any autograd).
  * One backward per forward. A Linear's dx must be 16-byte aligned when its dgrad runs in FP8
  * (tensors from fp8_tensor_create always are). Writing any parameter of a Linear (the bias too)
- * makes it remake its weight copies. Scaling states of all converted layers are updated in one batched launch at
- * fp8_autocast_end (the backward states with the amaxes of the backward passes run since).
+ * makes it remake its weight copies. Scaling states are updated in batched launches at the end of
+ * an autocast region and of fp8_model_backward (see fp8_autocast_begin).
  * A model is externally synchronised; calls are asynchronous on the context's stream unless stated.
  * --------------------------------------------------------------------------------------------- */
 
@@ -669,11 +669,23 @@ FP8_API fp8_status_t fp8_convert_model(fp8_model_t *model, const fp8_recipe_t *r
 /** [out] has: 1 if any layer is converted to FP8. */
 FP8_API fp8_status_t fp8_model_has_fp8_layers(const fp8_model_t *model, int32_t *has);
 
-/** Starts an FP8 region (FP8_ERR_INVALID_STATE if one is open or the model was never converted). */
+/**
+ * Autocast regions. fp8_autocast_begin starts one (FP8_ERR_INVALID_STATE if one is open: regions do
+ * not nest, or if the model was never converted); fp8_autocast_end ends it (FP8_ERR_INVALID_STATE
+ * without a begin) and updates, in one batched launch, every scaling state that recorded an amax
+ * since its last update: the forward states of this region, and the gradient states of per-layer
+ * backward calls made since (fp8_model_backward updates its own at its end). A state that recorded
+ * nothing is left alone, so a layer that did not run keeps its history. Asynchronous.
+ */
 FP8_API fp8_status_t fp8_autocast_begin(fp8_model_t *model);
-/** Ends it and updates every scaling state of the model in one batched launch (when FP8 was on).
- *  FP8_ERR_INVALID_STATE without a begin. Asynchronous. */
 FP8_API fp8_status_t fp8_autocast_end(fp8_model_t *model);
+/**
+ * Autowrap (Accelerate's apply_fp8_autowrap): with on = 1, every fp8_model_forward,
+ * fp8_layer_forward and fp8_layer_backward made outside an explicit region runs as a region of its
+ * own, so a converted model trains in FP8 with no begin/end calls (the states it recorded are
+ * updated at the end of the call). Explicit regions still work and take precedence. Default 0.
+ */
+FP8_API fp8_status_t fp8_model_set_autowrap(fp8_model_t *model, int32_t on);
 
 /**
  * y = layer(x). [in] x, [out] y: tensors of the model's context; shapes [.., in] -> [.., out]
@@ -688,6 +700,25 @@ FP8_API fp8_status_t fp8_layer_forward(fp8_model_t *model, int32_t layer_id, con
  */
 FP8_API fp8_status_t fp8_layer_backward(fp8_model_t *model, int32_t layer_id, const fp8_tensor_t *dy,
                                         fp8_tensor_t *dx);
+
+/**
+ * The model as one sequential stack: the layers in the order they were added, each layer's y the
+ * next one's x. [in] x: [.., in_features of the first layer], F32 or BF16 (the run's activation
+ * dtype); [out] y: the last layer's output shape ([.., out]) and x's dtype. Every layer's shape is
+ * checked against its neighbours before anything runs (the error names both layers). The model
+ * keeps the intermediate activations itself, in memory it reuses while the shapes stay the same.
+ * Under FP8, a converted norm or activation whose next layer is a Linear that will run its forward
+ * GEMM in FP8 hands its output over in E4M3 (no round trip through the activation dtype).
+ * In training mode the activations are kept for fp8_model_backward. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_model_forward(fp8_model_t *model, const fp8_tensor_t *x, fp8_tensor_t *y);
+/**
+ * Backward of the latest fp8_model_forward, which must have run in training mode with no per-layer
+ * call since (FP8_ERR_INVALID_STATE otherwise). [in] dy: y's shape and dtype; [out] dx: x's shape
+ * and dtype, or NULL when the input needs no gradient. Parameter gradients accumulate. At its end
+ * the gradient scaling states it fed are updated in one batched launch. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_model_backward(fp8_model_t *model, const fp8_tensor_t *dy, fp8_tensor_t *dx);
 
 /** Scaling-state slots of a layer, for fp8_layer_get_scaling. */
 #define FP8_SCALING_INPUT 0       /**< Linear: x */
@@ -718,6 +749,82 @@ FP8_API fp8_status_t fp8_layer_get_report(const fp8_model_t *model, int32_t laye
  *  text. Writes at most `cap` bytes including the terminating NUL; [out] needed (may be NULL): the
  *  full length + 1. FP8_ERR_BUFFER_TOO_SMALL (buf untouched) when cap < needed. */
 FP8_API fp8_status_t fp8_model_report(const fp8_model_t *model, char *buf, size_t cap, size_t *needed);
+
+/* ---------------------------------------------------------------------------------------------
+ * Optimizer
+ *
+ * Updates every parameter of a model from its gradient, with FP32 master weights (the parameters
+ * themselves) and FP32 states: Accelerate's "te" level. One step is a few launches on the
+ * context's stream and never waits for the GPU: the gradient norm, the clipping factor, the
+ * non-finite check, the step count and the bias corrections all stay in device memory.
+ *
+ *   SGD:   g' = g + wd p;  b = momentum b + g' (b = g' when momentum is 0);  p -= lr b
+ *   Adam:  g' = g + wd p;  m = b1 m + (1-b1) g';  v = b2 v + (1-b2) g'^2
+ *          p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+ *   AdamW: Adam with wd applied to the weights instead: p *= 1 - lr wd, then the update with g' = g.
+ * (PyTorch's torch.optim.SGD without dampening or Nesterov, Adam and AdamW without amsgrad.) t is the
+ * number of steps applied so far, this one included. Weight decay applies to every parameter.
+ *
+ * Before the update, g is multiplied by min(1, max_grad_norm / (||g|| + 1e-6)) when max_grad_norm > 0,
+ * where ||g|| is the L2 norm over all the model's gradients together (torch's clip_grad_norm_).
+ * If any gradient holds an inf or NaN the step is skipped on the device: parameters, states and t
+ * are left exactly as they were, and the skip is counted (fp8_optimizer_get_stats). Delayed scaling
+ * never lets a non-finite amax into a history, so the scales stay as they were too.
+ * After each step the layers remake their FP8 (and bf16) weight copies at their next forward.
+ * The CPU reference and the GPU give bit-identical parameters and states (the norm is summed in
+ * double in one fixed order on both).
+ * --------------------------------------------------------------------------------------------- */
+
+typedef struct fp8_optimizer fp8_optimizer_t;
+
+typedef int32_t fp8_optimizer_kind_t;
+#define FP8_OPTIMIZER_SGD 0
+#define FP8_OPTIMIZER_ADAM 1
+#define FP8_OPTIMIZER_ADAMW 2
+
+/** Hyper-parameters: doubles, settable before any step (the next step uses the new value). */
+typedef int32_t fp8_optimizer_attr_t;
+#define FP8_OPTIM_LR 0            /**< learning rate, >= 0; default 1e-3 */
+#define FP8_OPTIM_BETA1 1         /**< Adam(W): [0, 1); default 0.9 */
+#define FP8_OPTIM_BETA2 2         /**< Adam(W): [0, 1); default 0.999 */
+#define FP8_OPTIM_EPS 3           /**< Adam(W): > 0; default 1e-8 */
+#define FP8_OPTIM_WEIGHT_DECAY 4  /**< >= 0; default 0 (SGD, Adam), 0.01 (AdamW) */
+#define FP8_OPTIM_MOMENTUM 5      /**< SGD: [0, 1); default 0 */
+#define FP8_OPTIM_MAX_GRAD_NORM 6 /**< clip to this global L2 norm, > 0; 0 (default) = no clipping */
+#define FP8_OPTIM_ATTR_COUNT 7
+
+/**
+ * Creates an optimizer for every parameter `model` has now (layers added later are refused at the
+ * next step). Allocates its states (zeroed) on the model's device. The optimizer keeps the model's
+ * device alive but not the model: destroy it before the model. Synchronous.
+ */
+FP8_API fp8_status_t fp8_optimizer_create(fp8_optimizer_t **out, fp8_model_t *model, fp8_optimizer_kind_t kind);
+FP8_API void fp8_optimizer_destroy(fp8_optimizer_t *optimizer);
+/** Sets or reads a hyper-parameter. A value out of range, or setting one the kind does not use
+ *  (momentum for Adam, betas and eps for SGD), is refused with FP8_ERR_INVALID_ARGUMENT. */
+FP8_API fp8_status_t fp8_optimizer_set_float(fp8_optimizer_t *optimizer, fp8_optimizer_attr_t attr, double value);
+FP8_API fp8_status_t fp8_optimizer_get_float(const fp8_optimizer_t *optimizer, fp8_optimizer_attr_t attr,
+                                             double *value);
+/** One update of every parameter from its gradient (see above). Not allowed inside autocast.
+ *  Gradients are left as they are: call fp8_optimizer_zero_grad before the next accumulation.
+ *  Asynchronous. */
+FP8_API fp8_status_t fp8_optimizer_step(fp8_optimizer_t *optimizer);
+/** Sets every gradient of the model to zero (fp8_model_zero_grad). Asynchronous. */
+FP8_API fp8_status_t fp8_optimizer_zero_grad(fp8_optimizer_t *optimizer);
+
+/** What the optimizer did. Versioned: fp8_optimizer_stats_init first. */
+typedef struct fp8_optimizer_stats {
+  uint32_t struct_size;     /**< [in] sizeof(fp8_optimizer_stats_t) */
+  int64_t steps;            /**< steps applied (t) */
+  int64_t skipped_steps;    /**< steps skipped for a non-finite gradient */
+  int32_t last_skipped;     /**< 1 if the latest step was skipped */
+  float last_grad_norm;     /**< ||g|| of the latest step, before clipping (inf/NaN when skipped) */
+  int64_t parameters;       /**< number of scalar parameters updated */
+  int64_t state_bytes;      /**< device bytes of optimizer state (momentum / Adam m and v) */
+} fp8_optimizer_stats_t;
+FP8_API void fp8_optimizer_stats_init(fp8_optimizer_stats_t *stats);
+/** Synchronous: waits for the steps queued so far. */
+FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, fp8_optimizer_stats_t *stats);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -178,8 +178,7 @@ FP8_API fp8_status_t fp8_model_weights_changed(fp8_model_t* model) {
 FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t* model) {
   return guard("fp8_model_zero_grad", [&] {
     require_arg(model, "model");
-    for (auto& l : model->layers)
-      for (fp8::nn::Parameter& p : l->parameters()) model->backend->zero(p.grad->data, p.grad->nbytes());
+    fp8::nn::zero_grad(*model);
   });
 }
 
@@ -188,6 +187,7 @@ FP8_API fp8_status_t fp8_model_set_training(fp8_model_t* model, int32_t training
     require_arg(model, "model");
     if (training != 0 && training != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "training = ", training, "; expected 0 or 1");
     model->training = training != 0;
+    model->sequential_saved = false;
   });
 }
 
@@ -213,6 +213,7 @@ FP8_API fp8_status_t fp8_convert_model(fp8_model_t* model, const fp8_recipe_t* r
     require_no_autocast(model, "converting the model");
     fp8::nn::convert_model(*model, opts.to_fp8 ? &recipe->recipe : nullptr,
                            {opts.to_fp8 != 0, opts.linear != 0, opts.norm != 0, opts.activation != 0});
+    model->sequential_saved = false;
     if (opts.to_fp8) model->recipe = recipe->recipe;
     else model->recipe.reset();
   });
@@ -240,9 +241,36 @@ FP8_API fp8_status_t fp8_autocast_end(fp8_model_t* model) {
   return guard("fp8_autocast_end", [&] {
     require_arg(model, "model");
     if (!model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "fp8_autocast_end without fp8_autocast_begin");
-    const bool fp8_was_on = fp8::nn::make_step(*model).fp8;
     model->autocast = false;
-    if (fp8_was_on) fp8::nn::update_model_scaling(*model);
+    fp8::nn::update_model_scaling(*model);
+  });
+}
+
+FP8_API fp8_status_t fp8_model_set_autowrap(fp8_model_t* model, int32_t on) {
+  return guard("fp8_model_set_autowrap", [&] {
+    require_arg(model, "model");
+    if (on != 0 && on != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "on = ", on, "; expected 0 or 1");
+    model->autowrap = on != 0;
+  });
+}
+
+FP8_API fp8_status_t fp8_model_forward(fp8_model_t* model, const fp8_tensor_t* x, fp8_tensor_t* y) {
+  return guard("fp8_model_forward", [&] {
+    require_arg(model, "model");
+    require_tensor(model, x, "x");
+    require_tensor(model, y, "y");
+    fp8::nn::AutowrapRegion region(*model);
+    fp8::nn::model_forward(*model, x, y);
+    region.close();
+  });
+}
+
+FP8_API fp8_status_t fp8_model_backward(fp8_model_t* model, const fp8_tensor_t* dy, fp8_tensor_t* dx) {
+  return guard("fp8_model_backward", [&] {
+    require_arg(model, "model");
+    require_tensor(model, dy, "dy");
+    if (dx) require_tensor(model, dx, "dx");
+    fp8::nn::model_backward(*model, dy, dx);
   });
 }
 
@@ -252,7 +280,10 @@ FP8_API fp8_status_t fp8_layer_forward(fp8_model_t* model, int32_t layer_id, con
     fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
+    fp8::nn::AutowrapRegion region(*model);
     layer.forward(fp8::nn::make_step(*model), x, y);
+    model->sequential_saved = false;  // the layer's saved forward is no longer the model run's
+    region.close();
   });
 }
 
@@ -263,7 +294,10 @@ FP8_API fp8_status_t fp8_layer_backward(fp8_model_t* model, int32_t layer_id, co
     fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, dy, "dy");
     if (dx) require_tensor(model, dx, "dx");
+    fp8::nn::AutowrapRegion region(*model);
     layer.backward(fp8::nn::make_step(*model), dy, dx);
+    model->sequential_saved = false;
+    region.close();
   });
 }
 

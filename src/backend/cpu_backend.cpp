@@ -112,6 +112,8 @@ class CpuBackend final : public Backend {
     if (bytes) std::memset(p, 0, bytes);
   }
 
+  void optimizer_step(const OptimizerStepJob& j) override { cpu_optimizer_step(j); }
+
   void dequantize(const DequantizeJob& j) override {
     const float scale_inv = *j.scale_inv;
     for (int64_t i = 0; i < j.n; ++i) store_wide(j.out, j.out_dtype, i, dequantize_fp8(j.in[i], j.e5m2, scale_inv));

@@ -152,6 +152,10 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::transpose(job, limits_, stream_);
   }
+  void optimizer_step(const OptimizerStepJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::optimizer_step(job, stream_);
+  }
   void zero(void* p, size_t bytes) override {
     if (!bytes) return;
     DeviceScope scope(limits_.device);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/optim_rule.hpp"
 #include "core/scaling_rule.hpp"
 #include "fp8.h"
 
@@ -158,6 +159,18 @@ struct GemmJob {
   float alpha;
   bool accumulate;
   bool fast_accumulation;
+};
+
+// One optimizer step over every chunk of every tensor (core/optim_rule.hpp): the squared norm in
+// its fixed order (per-chunk partials, then their sum), finish_step into *scalars, then the
+// element updates unless scalars->skip. tensors and chunks are device memory, built once.
+struct OptimizerStepJob {
+  const OptimTensor* tensors;
+  const OptimChunk* chunks;
+  int64_t chunk_count;
+  double* partials;  // chunk_count doubles
+  OptimScalars* scalars;
+  OptimHyper hyper;
 };
 
 }  // namespace fp8

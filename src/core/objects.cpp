@@ -80,6 +80,7 @@ std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backen
   s->backend = backend;
   s->dtype = recipe.dtype_for(role);
   s->history_len = static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN));
+  s->backward_role = role == FP8_ROLE_BACKWARD;
   const size_t bytes = sizeof(ScalingHeader) + sizeof(float) * static_cast<size_t>(s->history_len);
   std::vector<unsigned char> init(bytes, 0);
   const ScalingHeader header{1.0f, 1.0f, {0u, 0u}, 0u, 0u};

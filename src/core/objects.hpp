@@ -54,6 +54,10 @@ struct fp8_scaling {
   int32_t history_len = 0;
   fp8_dtype_t dtype = FP8_DTYPE_E4M3;
   uint64_t update_mark = 0;  // the fp8_scaling_update call that last listed it (finds duplicates)
+  // Kept by the layers of a model: the state's role, and whether work queued since its last update
+  // recorded an amax into it (only such states are updated at the end of a region).
+  bool backward_role = false;
+  bool pending = false;
 
   fp8_scaling() = default;
   fp8_scaling(const fp8_scaling&) = delete;

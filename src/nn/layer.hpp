@@ -87,6 +87,13 @@ class Layer {
   // The state behind an FP8_SCALING_* slot, or nullptr if the layer has none there.
   virtual fp8_scaling* scaling(int32_t slot) = 0;
 
+  // For whole-model runs: the input features the layer needs (0: any), the output features it
+  // gives for `in` of them (throws FP8_ERR_SHAPE naming the layer when it cannot take `in`), and
+  // whether a forward of `rows` rows under `step` would take its x in E4M3 (an FP8 forward GEMM).
+  virtual int64_t input_features() const { return 0; }
+  virtual int64_t output_features(int64_t in) const { return in; }
+  virtual bool takes_fp8_input(const Step&, int64_t /*rows*/) const { return false; }
+
  protected:
   // Adds a parameter with a zeroed gradient, its value filled with `init`.
   fp8_tensor* add_parameter(const char* name, int32_t ndim, const int64_t* shape, float init);

@@ -100,6 +100,7 @@ class ElementwiseBase : public Layer {
            dtype_name(s_out_->dtype), " (the recipe's forward format)");
     stats_.fprop = 1;
     if (step.fp8) ++stats_.fp8_calls;
+    s_out_->pending = true;
     return s_out_->state;
   }
 
@@ -142,6 +143,8 @@ class Norm final : public ElementwiseBase {
     add_parameter("gamma", 1, &dim, 1.0f);
     if (!rms) add_parameter("beta", 1, &dim, 0.0f);
   }
+
+  int64_t input_features() const override { return dim_; }
 
   void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
     if (x->ndim >= 1 && x->cols() != dim_)
@@ -204,6 +207,13 @@ class Activation final : public ElementwiseBase {
  public:
   Activation(std::shared_ptr<Backend> backend, std::string name, fp8_activation_t act)
       : ElementwiseBase(std::move(backend), std::move(name), FP8_LAYER_ACTIVATION), act_(act) {}
+
+  int64_t output_features(int64_t in) const override {
+    if (act_ != FP8_ACTIVATION_SWIGLU) return in;
+    if (in % 2 != 0)
+      fail(FP8_ERR_SHAPE, "layer '", name_, "' (SwiGLU) needs an even number of input features [gate | up]; it gets ", in);
+    return in / 2;
+  }
 
   void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
     const bool glu = act_ == FP8_ACTIVATION_SWIGLU;

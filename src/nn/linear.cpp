@@ -77,6 +77,10 @@ class Linear final : public Layer {
     }
   }
 
+  int64_t input_features() const override { return in_; }
+  int64_t output_features(int64_t) const override { return out_; }
+  bool takes_fp8_input(const Step& step, int64_t rows) const override { return decide(step, rows, true).fprop; }
+
   void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
     require_layer_dtype(name_, y, "y", false);
     const fp8_dtype_t act = y->dtype;
@@ -95,7 +99,8 @@ class Linear final : public Layer {
     require_disjoint_buffers(name_, x, "x", y, "y");
     const int64_t m = x->rows();
 
-    const Plan plan = decide(step, m, x, y);
+    const Plan plan = decide(step, m, aligned16(y->data) && (!dtype_is_fp8(x->dtype) || aligned16(x->data)),
+                             aligned16(y->data) ? "x" : "y");
     record(step, plan);
     const bool x_fp8 = dtype_is_fp8(x->dtype);
     const bool want_qxt = step.training && plan.wgrad;
@@ -125,6 +130,7 @@ class Linear final : public Layer {
       q.out_t = qxt;
       q.e5m2 = false;
       q.state = s_x_->state;
+      s_x_->pending = true;
       q.out_scale_inv = si;
       q.out_t_scale_inv = qxt ? si + kScaleSlot2 : nullptr;
       be.quantize(q);
@@ -202,6 +208,7 @@ class Linear final : public Layer {
       q.out_t = qdyt = plan.wgrad ? qdyt_.ensure<uint8_t>(static_cast<size_t>(m * out_)) : nullptr;
       q.e5m2 = s_dy_->dtype == FP8_DTYPE_E5M2;
       q.state = s_dy_->state;
+      if (m > 0) s_dy_->pending = true;
       q.out_scale_inv = dy_si;
       q.out_t_scale_inv = qdyt ? dy_si + kScaleSlot2 : nullptr;
       q.dbias = dbias;
@@ -281,8 +288,9 @@ class Linear final : public Layer {
   }
 
   // The rule of fp8.h (fp8_layer_forward): FP8 when the model is converted and FP8 is on, except
-  // where the shape, alignment or size forbids it or the recipe overrides a GEMM.
-  Plan decide(const Step& step, int64_t m, const fp8_tensor* x, const fp8_tensor* y) const {
+  // where the shape, alignment (`misaligned` names the tensor unless `aligned`) or size forbids it
+  // or the recipe overrides a GEMM.
+  Plan decide(const Step& step, int64_t m, bool aligned, const char* misaligned = "") const {
     Plan p;
     if (!converted_ || !step.fp8) return p;
     char why[200] = "";
@@ -290,9 +298,8 @@ class Linear final : public Layer {
     if (in_ % 16 != 0 || out_ % 16 != 0) {
       std::snprintf(why, sizeof why, "%s = %" PRId64 " is not a multiple of 16, which FP8 GEMMs need",
                     in_ % 16 != 0 ? "in_features" : "out_features", in_ % 16 != 0 ? in_ : out_);
-    } else if (!aligned16(y->data) || (dtype_is_fp8(x->dtype) && !aligned16(x->data))) {
-      std::snprintf(why, sizeof why, "%s's data is not 16-byte aligned, which FP8 GEMMs need",
-                    aligned16(y->data) ? "x" : "y");
+    } else if (!aligned) {
+      std::snprintf(why, sizeof why, "%s's data is not 16-byte aligned, which FP8 GEMMs need", misaligned);
     } else if (recipe_.get(FP8_RECIPE_SMALL_LAYER_FALLBACK) && (macs < kFp8MinMacs || std::min(in_, out_) < kFp8MinFeatures)) {
       if (macs < kFp8MinMacs)
         std::snprintf(why, sizeof why, "small: %" PRId64 " tokens x %" PRId64 " x %" PRId64
@@ -344,6 +351,7 @@ class Linear final : public Layer {
       q.out_t = qwt_.ensure<uint8_t>(static_cast<size_t>(out_ * in_));
       q.e5m2 = false;
       q.state = s_w_->state;
+      s_w_->pending = true;
       q.out_scale_inv = si;
       q.out_t_scale_inv = si;
       be.quantize(q);

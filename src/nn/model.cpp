@@ -2,9 +2,12 @@
 
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <sstream>
 
+#include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/objects.hpp"
 
 namespace fp8::nn {
 
@@ -55,11 +58,153 @@ void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
   }
 }
 
-void update_model_scaling(fp8_model& m) {
+void update_model_scaling(fp8_model& m, bool backward_only) {
   if (!m.recipe) return;
-  std::vector<fp8_scaling*> states;
-  for (auto& l : m.layers) l->scaling_states(states);
-  if (!states.empty()) fp8::update_scaling(*m.backend, states.data(), static_cast<int32_t>(states.size()), *m.recipe);
+  std::vector<fp8_scaling*> all, due;
+  for (auto& l : m.layers) l->scaling_states(all);
+  for (fp8_scaling* s : all)
+    if (s->pending && (!backward_only || s->backward_role)) due.push_back(s);
+  if (due.empty()) return;
+  fp8::update_scaling(*m.backend, due.data(), static_cast<int32_t>(due.size()), *m.recipe);
+  for (fp8_scaling* s : due) s->pending = false;
+}
+
+AutowrapRegion::AutowrapRegion(fp8_model& m) : m_(m) {
+  if (m.autowrap && m.recipe && !m.autocast) m.autocast = opened_ = true;
+}
+
+AutowrapRegion::~AutowrapRegion() {
+  if (opened_) m_.autocast = false;
+}
+
+void AutowrapRegion::close() {
+  if (!opened_) return;
+  m_.autocast = opened_ = false;
+  update_model_scaling(m_);
+}
+
+fp8_tensor* ScratchTensor::bind(fp8_dtype_t dtype, int32_t ndim, const int64_t* shape) {
+  int64_t numel = 1;
+  for (int32_t i = 0; i < ndim; ++i) numel *= shape[i];
+  const size_t bytes = static_cast<size_t>(numel) * dtype_size(dtype);
+  const size_t scale_at = (bytes + 15) / 16 * 16;  // FP8: the scale_inv in its own 16-byte slot
+  char* base = storage.ensure<char>(dtype_is_fp8(dtype) ? scale_at + 16 : std::max<size_t>(bytes, 1));
+  // The storage owns the memory: the view owns nothing (owns_data stays false).
+  view.dtype = dtype;
+  view.ndim = ndim;
+  std::copy(shape, shape + ndim, view.shape);
+  view.numel = numel;
+  view.data = base;
+  view.scale_inv = dtype_is_fp8(dtype) ? reinterpret_cast<float*>(base + scale_at) : nullptr;
+  return &view;
+}
+
+namespace {
+
+const char* layer_label(const fp8_model& m, size_t i) { return m.layers[i]->name().c_str(); }
+
+// The output features of every layer for input features `cols`, checked against each layer's needs.
+std::vector<int64_t> chain_features(const fp8_model& m, int64_t cols) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const int64_t need = m.layers[i]->input_features();
+    if (need != 0 && need != cols) {
+      if (i == 0)
+        fail(FP8_ERR_SHAPE, "x has ", cols, " features (last dimension); the first layer '", layer_label(m, 0),
+             "' expects ", need);
+      fail(FP8_ERR_SHAPE, "layer '", layer_label(m, i), "' expects ", need, " input features, but layer '",
+           layer_label(m, i - 1), "' before it gives ", cols);
+    }
+    cols = m.layers[i]->output_features(cols);
+    out.push_back(cols);
+  }
+  return out;
+}
+
+void require_run_tensor(const fp8_tensor* t, const char* name, fp8_dtype_t dtype, int32_t ndim, const int64_t* shape) {
+  if (t->dtype != dtype)
+    fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(t->dtype), "; expected ", dtype_name(dtype),
+         " (the dtype of the forward's x)");
+  bool same = t->ndim == ndim;
+  for (int32_t i = 0; same && i < ndim; ++i) same = t->shape[i] == shape[i];
+  if (!same)
+    fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(t->ndim, t->shape), "; expected ", shape_string(ndim, shape));
+}
+
+}  // namespace
+
+void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
+  const size_t n = m.layers.size();
+  if (n == 0) fail(FP8_ERR_INVALID_STATE, "the model has no layers");
+  const fp8_dtype_t act = x->dtype;
+  if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
+    fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(act), "; a whole-model run takes f32 or bf16 activations");
+  if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; expected [.., features]");
+  const std::vector<int64_t> cols = chain_features(m, x->cols());
+  int64_t shape[FP8_MAX_DIMS];
+  std::copy(x->shape, x->shape + x->ndim, shape);
+  shape[x->ndim - 1] = cols.back();
+  require_run_tensor(y, "y", act, x->ndim, shape);
+
+  m.sequential_saved = false;
+  const Step step = make_step(m);
+  const int64_t rows = x->rows();
+  while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
+  const fp8_tensor* in = x;
+  for (size_t i = 0; i < n; ++i) {
+    fp8_tensor* out = y;
+    if (i + 1 < n) {
+      // The E4M3 hand-off: a converted norm or activation feeding a Linear that runs its forward in FP8.
+      const bool handoff = step.fp8 && m.layers[i]->converted() && m.layers[i]->kind() != FP8_LAYER_LINEAR &&
+                           m.layers[i + 1]->takes_fp8_input(step, rows);
+      shape[x->ndim - 1] = cols[i];
+      out = m.acts[i]->bind(handoff ? FP8_DTYPE_E4M3 : act, x->ndim, shape);
+    }
+    m.layers[i]->forward(step, in, out);
+    in = out;
+  }
+  if (m.training) {
+    m.sequential_saved = true;
+    m.sequential_dtype = act;
+    m.sequential_ndim = x->ndim;
+    std::copy(x->shape, x->shape + x->ndim, m.sequential_x_shape);
+    std::copy(y->shape, y->shape + y->ndim, m.sequential_y_shape);
+  }
+}
+
+void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
+  if (!m.sequential_saved)
+    fail(FP8_ERR_INVALID_STATE, "no training-mode fp8_model_forward to differentiate (none ran, it ran in eval "
+                                "mode, it was already differentiated, or a per-layer call came after it)");
+  const fp8_dtype_t act = m.sequential_dtype;
+  const int32_t ndim = m.sequential_ndim;
+  require_run_tensor(dy, "dy", act, ndim, m.sequential_y_shape);
+  if (dx) require_run_tensor(dx, "dx", act, ndim, m.sequential_x_shape);
+
+  const Step step = make_step(m);
+  const size_t n = m.layers.size();
+  for (auto& g : m.grads)
+    if (!g) g = std::make_unique<ScratchTensor>(m.backend);
+  if (!m.first_dx) m.first_dx = std::make_unique<ScratchTensor>(m.backend);
+  const fp8_tensor* g_out = dy;
+  for (size_t i = n; i-- > 0;) {
+    fp8_tensor* g_in = dx;
+    const fp8_tensor* x_i = i > 0 ? &m.acts[i - 1]->view : nullptr;
+    if (i > 0) {
+      g_in = m.grads[i % 2]->bind(act, ndim, x_i->shape);
+    } else if (!dx && m.layers[0]->kind() != FP8_LAYER_LINEAR) {
+      g_in = m.first_dx->bind(act, ndim, m.sequential_x_shape);  // norms and activations always make dx
+    }
+    m.layers[i]->backward(step, g_out, g_in);
+    g_out = g_in;
+  }
+  m.sequential_saved = false;
+  update_model_scaling(m, true);
+}
+
+void zero_grad(fp8_model& m) {
+  for (auto& l : m.layers)
+    for (Parameter& p : l->parameters()) m.backend->zero(p.grad->data, p.grad->nbytes());
 }
 
 Parameter* find_parameter(fp8_model& m, const std::string& full_name) {

@@ -1,6 +1,6 @@
 // The model behind fp8_model_t: its layers in order, the conversion recipe, the training and
-// autocast flags, and the operations over all layers (conversion, the batched scaling update, the
-// report).
+// autocast flags, the activations of whole-model runs, and the operations over all layers
+// (conversion, sequential forward/backward, the batched scaling update, the report).
 #pragma once
 
 #include <memory>
@@ -10,13 +10,36 @@
 
 #include "nn/layer.hpp"
 
+namespace fp8::nn {
+
+// A tensor over a grow-only buffer: the activations and gradients between the layers of a
+// whole-model run keep their memory while batch sizes go up and down.
+struct ScratchTensor {
+  explicit ScratchTensor(std::shared_ptr<Backend> backend) : storage(backend) { view.backend = std::move(backend); }
+  // Points `view` at storage big enough for dtype x shape (FP8: with a scale_inv slot behind it).
+  fp8_tensor* bind(fp8_dtype_t dtype, int32_t ndim, const int64_t* shape);
+  DeviceBuffer storage;
+  fp8_tensor view;
+};
+
+}  // namespace fp8::nn
+
 struct fp8_model {
   std::shared_ptr<fp8::Backend> backend;
   std::vector<std::unique_ptr<fp8::nn::Layer>> layers;
   std::optional<fp8::Recipe> recipe;  // set by fp8_convert_model(to_fp8 = 1)
   bool training = true;
-  bool autocast = false;
+  bool autocast = false;  // inside a region, explicit or made by the autowrap
+  bool autowrap = false;
   uint64_t weights_version = 0;
+  // Whole-model runs: the output of layer i is acts[i] (the last one is the caller's y); the
+  // gradients between layers alternate between two buffers.
+  std::vector<std::unique_ptr<fp8::nn::ScratchTensor>> acts;
+  std::unique_ptr<fp8::nn::ScratchTensor> grads[2], first_dx;
+  bool sequential_saved = false;  // a training fp8_model_forward awaits its backward
+  fp8_dtype_t sequential_dtype = FP8_DTYPE_F32;
+  int32_t sequential_ndim = 0;
+  int64_t sequential_x_shape[FP8_MAX_DIMS] = {}, sequential_y_shape[FP8_MAX_DIMS] = {};
 };
 
 namespace fp8::nn {
@@ -34,8 +57,32 @@ struct ConvertChoice {
 };
 void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& choice);
 
-// One batched update of every scaling state of the model.
-void update_model_scaling(fp8_model& m);
+// One batched update of the states that recorded an amax since their last update (only the
+// gradient states when `backward_only`).
+void update_model_scaling(fp8_model& m, bool backward_only = false);
+
+// Runs the layers in order (fp8_model_forward) and back (fp8_model_backward).
+void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y);
+void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx);
+
+// Opens a region for one call when the autowrap asks for it and none is open. close() ends it at
+// the end of a successful call and updates the states the call recorded; on an error the
+// destructor just ends it.
+class AutowrapRegion {
+ public:
+  explicit AutowrapRegion(fp8_model& m);
+  ~AutowrapRegion();
+  void close();
+  AutowrapRegion(const AutowrapRegion&) = delete;
+  AutowrapRegion& operator=(const AutowrapRegion&) = delete;
+
+ private:
+  fp8_model& m_;
+  bool opened_ = false;
+};
+
+// Sets every gradient to zero.
+void zero_grad(fp8_model& m);
 
 // "<layer>.<param>" -> the parameter, or nullptr.
 Parameter* find_parameter(fp8_model& m, const std::string& full_name);

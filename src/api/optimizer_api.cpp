@@ -1,0 +1,66 @@
+// The optimizer: handle checks here, the work in src/optim.
+#include "api/guard.hpp"
+#include "nn/model.hpp"
+#include "optim/optimizer.hpp"
+
+using fp8::guard;
+using fp8::require_arg;
+
+extern "C" {
+
+FP8_API fp8_status_t fp8_optimizer_create(fp8_optimizer_t** out, fp8_model_t* model, fp8_optimizer_kind_t kind) {
+  return guard("fp8_optimizer_create", [&] {
+    require_arg(out, "out");
+    require_arg(model, "model");
+    *out = fp8::optim::make_optimizer(*model, kind).release();
+  });
+}
+
+FP8_API void fp8_optimizer_destroy(fp8_optimizer_t* optimizer) { delete optimizer; }
+
+FP8_API fp8_status_t fp8_optimizer_set_float(fp8_optimizer_t* optimizer, fp8_optimizer_attr_t attr, double value) {
+  return guard("fp8_optimizer_set_float", [&] {
+    require_arg(optimizer, "optimizer");
+    fp8::optim::set_attr(*optimizer, attr, value);
+  });
+}
+
+FP8_API fp8_status_t fp8_optimizer_get_float(const fp8_optimizer_t* optimizer, fp8_optimizer_attr_t attr,
+                                             double* value) {
+  return guard("fp8_optimizer_get_float", [&] {
+    require_arg(optimizer, "optimizer");
+    require_arg(value, "value");
+    *value = fp8::optim::get_attr(*optimizer, attr);
+  });
+}
+
+FP8_API fp8_status_t fp8_optimizer_step(fp8_optimizer_t* optimizer) {
+  return guard("fp8_optimizer_step", [&] {
+    require_arg(optimizer, "optimizer");
+    fp8::optim::step(*optimizer);
+  });
+}
+
+FP8_API fp8_status_t fp8_optimizer_zero_grad(fp8_optimizer_t* optimizer) {
+  return guard("fp8_optimizer_zero_grad", [&] {
+    require_arg(optimizer, "optimizer");
+    fp8::nn::zero_grad(*optimizer->model);
+  });
+}
+
+FP8_API void fp8_optimizer_stats_init(fp8_optimizer_stats_t* stats) {
+  if (!stats) return;
+  *stats = fp8_optimizer_stats_t{};
+  stats->struct_size = sizeof *stats;
+}
+
+FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t* optimizer, fp8_optimizer_stats_t* stats) {
+  return guard("fp8_optimizer_get_stats", [&] {
+    require_arg(optimizer, "optimizer");
+    require_arg(stats, "stats");
+    fp8::require_struct_size(stats, sizeof(fp8_optimizer_stats_t), "stats", "fp8_optimizer_stats_init");
+    fp8::write_versioned(stats, fp8::optim::stats(*optimizer));
+  });
+}
+
+}  // extern "C"
