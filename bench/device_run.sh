@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
-# RUN_TESTS=0, RUN_BENCH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks benchmarks.
-# Dependencies missing on the GPU image (GoogleTest, zlib headers) come from .device/ when present.
+# RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
+# benchmarks. Dependencies missing on the GPU image (GoogleTest, zlib headers, the Fashion-MNIST
+# files) come from .device/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -30,6 +31,14 @@ cmake --build build/device -j 16 >> "$OUT/build.log" 2>&1 || { grep -E "error|Er
 echo "build: $(( $(date +%s) - t0 )) s"
 
 [ "${RUN_TESTS:-1}" = 1 ] && ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+
+# The main job on the real data: bf16 and FP8 runs side by side; fails when FP8 trails by > 0.5 points.
+if [ "${RUN_EXAMPLE:-1}" = 1 ]; then
+  data=/usr/share/datasets/fashion-mnist
+  [ -d "$data" ] || data=$PWD/.device/fashion-mnist
+  build/device/examples/train_fashion_mnist --data "$data" --max-accuracy-gap 0.5 ${EXAMPLE_ARGS:-} 2>&1 |
+    tee "$OUT/fashion_mnist.log" | tail -22
+fi
 
 [ "${RUN_BENCH:-1}" = 1 ] || exit 0
 # BENCHES picks among quantize, gemm and linear (default: all); each has bench_<name>,
