@@ -9,7 +9,8 @@ handles. Every failing call raises Fp8Error carrying the status and fp8_last_err
     print(recipe)                                  # the full text form
     model = fp8.Model(ctx); fc = model.add_linear("fc1", 784, 1024)
     model.convert(recipe)
-    with model.autocast(): model.forward(fc, x, y)  # FP8 inside, scaling updated on exit
+    with model.autocast(): model.run(x, y)           # FP8 inside, scaling updated on exit
+    model.run_backward(dy); opt = fp8.Optimizer(model, fp8.OPTIMIZER_ADAMW, lr=1e-3); opt.step()
 
 The shared library is found through FP8_LIBRARY (a path), else the loader's usual search for
 libfp8.so.0.
@@ -35,6 +36,9 @@ ACTIVATION_RELU, ACTIVATION_GELU, ACTIVATION_SWIGLU = 0, 1, 2
 NORM_LAYERNORM, NORM_RMSNORM = 0, 1
 LAYER_LINEAR, LAYER_LAYERNORM, LAYER_RMSNORM, LAYER_ACTIVATION = 0, 1, 2, 3
 SCALING_INPUT, SCALING_WEIGHT, SCALING_GRAD_OUTPUT, SCALING_OUTPUT = 0, 1, 2, 3
+OPTIMIZER_SGD, OPTIMIZER_ADAM, OPTIMIZER_ADAMW = 0, 1, 2
+(OPTIM_LR, OPTIM_BETA1, OPTIM_BETA2, OPTIM_EPS, OPTIM_WEIGHT_DECAY, OPTIM_MOMENTUM, OPTIM_MAX_GRAD_NORM,
+ OPTIM_ATTR_COUNT) = range(8)
 
 _p = ctypes.c_void_p
 _i32, _i64, _u8, _f32, _size = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint8, ctypes.c_float, ctypes.c_size_t
@@ -88,10 +92,19 @@ for _name, _args in {
     "fp8_layer_forward": (_p, _i32, _p, _p),
     "fp8_layer_backward": (_p, _i32, _p, _p),
     "fp8_model_report": (_p, ctypes.c_char_p, _size, ctypes.POINTER(_size)),
+    "fp8_model_forward": (_p, _p, _p),
+    "fp8_model_backward": (_p, _p, _p),
+    "fp8_model_set_autowrap": (_p, _i32),
+    "fp8_optimizer_create": (ctypes.POINTER(_p), _p, _i32),
+    "fp8_optimizer_set_float": (_p, _i32, ctypes.c_double),
+    "fp8_optimizer_get_float": (_p, _i32, ctypes.POINTER(ctypes.c_double)),
+    "fp8_optimizer_step": (_p,),
+    "fp8_optimizer_zero_grad": (_p,),
+    "fp8_optimizer_get_stats": (_p, _p),
 }.items():
     _declare(_name, _i32, *_args)
 for _name in ["fp8_context_destroy", "fp8_recipe_destroy", "fp8_tensor_destroy", "fp8_scaling_destroy",
-              "fp8_model_destroy"]:
+              "fp8_model_destroy", "fp8_optimizer_destroy"]:
     _declare(_name, None, _p)
 
 
@@ -335,11 +348,66 @@ class Model(_Handle):
 
         return _Region()
 
+    def set_autowrap(self, on=True):
+        """Every forward outside `with model.autocast()` becomes a region of its own (apply_fp8_autowrap)."""
+        _check(_lib.fp8_model_set_autowrap(self.handle, int(on)))
+
     def forward(self, layer_id, x, y):
+        """One layer: y = layer(x)."""
         _check(_lib.fp8_layer_forward(self.handle, layer_id, x.handle, y.handle))
 
     def backward(self, layer_id, dy, dx=None):
         _check(_lib.fp8_layer_backward(self.handle, layer_id, dy.handle, dx.handle if dx else None))
 
+    def run(self, x, y):
+        """The whole model, layers in order (fp8_model_forward)."""
+        _check(_lib.fp8_model_forward(self.handle, x.handle, y.handle))
+
+    def run_backward(self, dy, dx=None):
+        """Backward of the latest run (fp8_model_backward); dx=None when the input needs no gradient."""
+        _check(_lib.fp8_model_backward(self.handle, dy.handle, dx.handle if dx else None))
+
     def report(self):
         return _text(lambda buf, cap, needed: _lib.fp8_model_report(self.handle, buf, cap, needed))
+
+
+class OptimizerStats(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("steps", _i64), ("skipped_steps", _i64),
+                ("last_skipped", _i32), ("last_grad_norm", _f32), ("parameters", _i64), ("state_bytes", _i64)]
+
+
+class Optimizer(_Handle):
+    """SGD, Adam or AdamW over every parameter of `model` (see "Optimizer" in fp8.h).
+
+        opt = fp8.Optimizer(model, fp8.OPTIMIZER_ADAMW, lr=1e-3, max_grad_norm=1.0)
+        opt.step(); opt.zero_grad(); opt["lr"] = 5e-4; opt.stats().skipped_steps
+    """
+    _destroy = "fp8_optimizer_destroy"
+    _attrs = {"lr": OPTIM_LR, "beta1": OPTIM_BETA1, "beta2": OPTIM_BETA2, "eps": OPTIM_EPS,
+              "weight_decay": OPTIM_WEIGHT_DECAY, "momentum": OPTIM_MOMENTUM, "max_grad_norm": OPTIM_MAX_GRAD_NORM}
+
+    def __init__(self, model, kind=OPTIMIZER_ADAMW, **attrs):
+        super().__init__()
+        self.model = model  # the optimizer must not outlive its model
+        _check(_lib.fp8_optimizer_create(ctypes.byref(self.handle), model.handle, kind))
+        for name, value in attrs.items():
+            self[name] = value
+
+    def __setitem__(self, name, value):
+        _check(_lib.fp8_optimizer_set_float(self.handle, self._attrs[name], value))
+
+    def __getitem__(self, name):
+        v = ctypes.c_double()
+        _check(_lib.fp8_optimizer_get_float(self.handle, self._attrs[name], ctypes.byref(v)))
+        return v.value
+
+    def step(self):
+        _check(_lib.fp8_optimizer_step(self.handle))
+
+    def zero_grad(self):
+        _check(_lib.fp8_optimizer_zero_grad(self.handle))
+
+    def stats(self):
+        s = OptimizerStats(struct_size=ctypes.sizeof(OptimizerStats))
+        _check(_lib.fp8_optimizer_get_stats(self.handle, ctypes.byref(s)))
+        return s

@@ -100,6 +100,49 @@ class BindingTest(unittest.TestCase):
         self.assertFalse(model.has_fp8_layers)
         self.assertEqual(weight.read_floats()[:18], [1.0] + [0.0] * 16 + [1.0])  # kept
 
+    def test_whole_model_run_and_an_sgd_step(self):
+        ctx = fp8.Context()
+        model = fp8.Model(ctx)
+        model.add_linear("fc1", 4, 8)
+        model.add_activation("relu", fp8.ACTIVATION_RELU)
+        model.add_linear("fc2", 8, 2, bias=False)
+        w1, _ = model.parameter("fc1.weight")
+        w2, g2 = model.parameter("fc2.weight")
+        w1.write_floats([0.25 * ((i % 5) - 2) for i in range(32)])
+        w2.write_floats([0.5] * 16)
+        x, y = fp8.Tensor(ctx, fp8.DTYPE_F32, (3, 4)), fp8.Tensor(ctx, fp8.DTYPE_F32, (3, 2))
+        xs = [float(i % 4) for i in range(12)]
+        x.write_floats(xs)
+        model.run(x, y)
+        w1v = w1.read_floats()
+        hidden = [[max(0.0, sum(xs[r * 4 + k] * w1v[j * 4 + k] for k in range(4))) for j in range(8)] for r in range(3)]
+        expected = [0.5 * sum(hidden[r]) for r in range(3) for _ in range(2)]
+        for got, want in zip(y.read_floats(), expected):
+            self.assertAlmostEqual(got, want, places=5)
+        dy = fp8.Tensor(ctx, fp8.DTYPE_F32, (3, 2))
+        dy.write_floats([1.0] * 6)
+        model.run_backward(dy)
+        grad = g2.read_floats()  # dW2[o][j] = sum_r dy[r][o] * hidden[r][j]
+        for j in range(8):
+            self.assertAlmostEqual(grad[j], sum(hidden[r][j] for r in range(3)), places=5)
+        opt = fp8.Optimizer(model, fp8.OPTIMIZER_SGD, lr=0.1)
+        self.assertAlmostEqual(opt["lr"], 0.1)
+        before = w2.read_floats()
+        opt.step()
+        after = w2.read_floats()
+        for i in range(16):
+            self.assertAlmostEqual(after[i], before[i] - 0.1 * grad[i], places=5)
+        stats = opt.stats()
+        self.assertEqual((stats.steps, stats.skipped_steps, stats.parameters), (1, 0, 32 + 8 + 16))
+        with self.assertRaises(fp8.Fp8Error) as err:
+            opt["beta1"] = 0.9  # SGD has no betas
+        self.assertIn("FP8_OPTIM_BETA1", str(err.exception))
+        opt.zero_grad()
+        self.assertEqual(g2.read_floats(), [0.0] * 16)
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.run_backward(dy)  # already differentiated
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_STATE")
+
 
 if __name__ == "__main__":
     sys.exit(0 if unittest.main(exit=False).result.wasSuccessful() else 1)
