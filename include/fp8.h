@@ -559,7 +559,7 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * fp8_tensor_copy_from_host. Frameworks that own their graph call fp8_layer_forward/backward per layer.
  *
  * FP8 runs where three things hold: the layer was converted (fp8_convert_model), the call is between
- * fp8_autocast_begin and fp8_autocast_end, and the model is training (or the recipe's
+ * fp8_autocast_begin and fp8_autocast_end (or the model's autowrap is on), and the model is training (or the recipe's
  * use_autocast_during_eval is on). Anywhere else a layer computes in its activations' precision.
  *
  * Linear in FP8 (per call, the "plan" shown by fp8_layer_get_report):
@@ -570,8 +570,10 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  *  - backward: dy -> the recipe's backward format (E5M2 under HYBRID) with the gradient state, its
  *    transposed copy and the bias gradient in one pass; dx = dy8 W8 and dW += dy8^T x8 with full
  *    accumulation. override_fprop/dgrad/wgrad move a GEMM to high precision each on its own.
- *  - Automatic fallback (never an error): the whole layer runs in high precision when in_features or
- *    out_features is not a multiple of 16, when x (an FP8 hand-off) or y is not 16-byte aligned, or,
+ *  - A Linear whose in_features or out_features is not a multiple of 16 is left unconverted by
+ *    fp8_convert_model (its report says why; the other layers convert).
+ *  - Automatic fallback (never an error): the whole layer runs in high precision when x (an FP8
+ *    hand-off) or y is not 16-byte aligned, or,
  *    with the recipe's small_layer_fallback on, when tokens x in x out < 2^32 multiply-adds or
  *    in_features or out_features < 2048 (there an H100 runs a training step as fast or faster in
  *    bf16: bench/RESULTS.md, "Linear fallback rule"); only the weight gradient does
@@ -660,7 +662,9 @@ FP8_API void fp8_convert_options_init(fp8_convert_options_t *options);
 
 /**
  * Converts the chosen layers to FP8 under `recipe` (copied; later changes to it have no effect),
- * with fresh scaling states; the others are turned back to high precision. With to_fp8 = 0 every
+ * with fresh scaling states; the others are turned back to high precision. A layer FP8 cannot run
+ * (a Linear with features not multiples of 16) stays in high precision with the reason in its
+ * report (fp8_layer_get_report, fp8_model_report); the others convert. With to_fp8 = 0 every
  * layer returns to high precision (recipe may be NULL). Parameters and gradients are kept either
  * way. Not allowed inside autocast. Synchronous.
  */
@@ -740,7 +744,8 @@ typedef struct fp8_layer_report {
   int32_t wgrad;          /**< the same for the weight gradient (Linear) */
   int64_t fp8_calls;      /**< forwards under FP8 that ran at least one GEMM (or the output) in FP8 */
   int64_t fallback_calls; /**< forwards under FP8 that fell back in whole or in part */
-  char reason[200];       /**< why the latest forward under FP8 fell back; "" if it did not */
+  char reason[200];       /**< why the latest forward under FP8 fell back, or why conversion left the
+                               layer in high precision ("not converted: ..."); "" otherwise */
 } fp8_layer_report_t;
 FP8_API void fp8_layer_report_init(fp8_layer_report_t *report);
 FP8_API fp8_status_t fp8_layer_get_report(const fp8_model_t *model, int32_t layer_id, fp8_layer_report_t *report);

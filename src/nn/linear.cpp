@@ -50,6 +50,15 @@ class Linear final : public Layer {
     s_x_.reset();
     s_w_.reset();
     s_dy_.reset();
+    stats_.reason.clear();
+    if (recipe && (in_ % 16 != 0 || out_ % 16 != 0)) {  // no FP8 GEMM can take this shape: stay as is
+      const bool in_bad = in_ % 16 != 0;
+      char why[200];
+      std::snprintf(why, sizeof why, "not converted: %s = %" PRId64 " is not a multiple of 16, which FP8 GEMMs need",
+                    in_bad ? "in_features" : "out_features", in_bad ? in_ : out_);
+      stats_.reason = why;
+      recipe = nullptr;
+    }
     if (recipe) {
       s_x_ = new_state(*recipe, FP8_ROLE_FORWARD);
       s_w_ = new_state(*recipe, FP8_ROLE_FORWARD);
@@ -295,10 +304,7 @@ class Linear final : public Layer {
     if (!converted_ || !step.fp8) return p;
     char why[200] = "";
     const double macs = static_cast<double>(m) * static_cast<double>(in_) * static_cast<double>(out_);
-    if (in_ % 16 != 0 || out_ % 16 != 0) {
-      std::snprintf(why, sizeof why, "%s = %" PRId64 " is not a multiple of 16, which FP8 GEMMs need",
-                    in_ % 16 != 0 ? "in_features" : "out_features", in_ % 16 != 0 ? in_ : out_);
-    } else if (!aligned) {
+    if (!aligned) {
       std::snprintf(why, sizeof why, "%s's data is not 16-byte aligned, which FP8 GEMMs need", misaligned);
     } else if (recipe_.get(FP8_RECIPE_SMALL_LAYER_FALLBACK) && (macs < kFp8MinMacs || std::min(in_, out_) < kFp8MinFeatures)) {
       if (macs < kFp8MinMacs)
@@ -327,7 +333,7 @@ class Linear final : public Layer {
     stats_.fprop = p.fprop;
     stats_.dgrad = step.training ? p.dgrad : -1;
     stats_.wgrad = step.training ? p.wgrad : -1;
-    if (converted_ && step.fp8) {
+    if (converted_ && step.fp8) {  // (an unconverted layer keeps the reason convert() gave)
       if (p.fprop || (step.training && (p.dgrad || p.wgrad))) ++stats_.fp8_calls;
       if (!p.reason.empty()) ++stats_.fallback_calls;
       stats_.reason = p.reason;

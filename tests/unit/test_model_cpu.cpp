@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fp8_test_util.hpp"
@@ -790,17 +791,31 @@ TEST(LinearFallback, SmallLayerRunsInHighPrecisionWhenTheRuleIsOn) {
       << "a layer that ran in high precision recorded no amax, so its states are left alone";
 }
 
-TEST(LinearFallback, FeaturesNotAMultipleOf16RunInHighPrecision) {
-  {
-    LinearCase c(40, kOut);
+// A shape no FP8 GEMM takes is refused at conversion: the layer stays high precision, says why, and
+// runs exactly as before (its siblings convert).
+TEST(LinearFallback, FeaturesNotAMultipleOf16AreLeftUnconverted) {
+  for (const auto& [in, out, word] : {std::tuple<int64_t, int64_t, const char*>{40, kOut, "in_features = 40"},
+                                      {kIn, 40, "out_features = 40"}}) {
+    LinearCase c(in, out);
     c.convert(fp8_recipe().get());
-    expect_whole_layer_fallback(c, kTokens, "in_features");
-    EXPECT_NE(std::string(c.report().reason).find("40"), std::string::npos);
-  }
-  {
-    LinearCase c(kIn, 40);
-    c.convert(fp8_recipe().get());
-    expect_whole_layer_fallback(c, kTokens, "out_features");
+    int32_t has = 1;
+    FP8_ASSERT_OK(fp8_model_has_fp8_layers(c.model.get(), &has));
+    EXPECT_EQ(has, 0);
+    const auto x = random_x(kTokens, in, 300), dy = random_dy(kTokens, out, 301);
+    const StepOut got = run_step(c, {kTokens, in}, x, dy, true);
+    const StepOut hp = high_precision_twin(c, {kTokens, in}, x, dy);
+    EXPECT_EQ(got.y, hp.y);
+    EXPECT_EQ(got.dx, hp.dx);
+    EXPECT_EQ(got.dw, hp.dw);
+    const fp8_layer_report_t r = c.report();
+    EXPECT_EQ(r.converted, 0);
+    expect_plan(r, {0, 0, 0});
+    EXPECT_NE(std::string(r.reason).find(std::string("not converted: ") + word), std::string::npos) << r.reason;
+    EXPECT_EQ(r.fp8_calls, 0);
+    EXPECT_EQ(r.fallback_calls, 0);
+    fp8_scaling_t* s = nullptr;
+    FP8_ASSERT_OK(fp8_layer_get_scaling(c.model.get(), 0, FP8_SCALING_INPUT, &s));
+    EXPECT_EQ(s, nullptr);
   }
 }
 
