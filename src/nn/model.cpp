@@ -145,6 +145,8 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
   std::copy(x->shape, x->shape + x->ndim, shape);
   shape[x->ndim - 1] = cols.back();
   require_run_tensor(y, "y", act, x->ndim, shape);
+  // The first layer's backward reads x again, after the last layer has written y.
+  require_disjoint_buffers(layer_label(m, 0), x, "x", y, "y");
 
   m.sequential_saved = false;
   const Step step = make_step(m);
