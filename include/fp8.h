@@ -713,13 +713,15 @@ FP8_API fp8_status_t fp8_layer_backward(fp8_model_t *model, int32_t layer_id, co
  * keeps the intermediate activations itself, in memory it reuses while the shapes stay the same.
  * Under FP8, a converted norm or activation whose next layer is a Linear that will run its forward
  * GEMM in FP8 hands its output over in E4M3 (no round trip through the activation dtype).
- * In training mode the activations are kept for fp8_model_backward. Asynchronous.
+ * In training mode the activations are kept for fp8_model_backward; x must stay alive and unchanged
+ * until then (the first layer's backward reads it). x and y must not overlap. Asynchronous.
  */
 FP8_API fp8_status_t fp8_model_forward(fp8_model_t *model, const fp8_tensor_t *x, fp8_tensor_t *y);
 /**
  * Backward of the latest fp8_model_forward, which must have run in training mode with no per-layer
  * call since (FP8_ERR_INVALID_STATE otherwise). [in] dy: y's shape and dtype; [out] dx: x's shape
- * and dtype, or NULL when the input needs no gradient. Parameter gradients accumulate. At its end
+ * and dtype, or NULL when the input needs no gradient; it must not overlap x. Every check runs before
+ * any layer does, so a refusal changes nothing. Parameter gradients accumulate. At its end
  * the gradient scaling states it fed are updated in one batched launch. Asynchronous.
  */
 FP8_API fp8_status_t fp8_model_backward(fp8_model_t *model, const fp8_tensor_t *dy, fp8_tensor_t *dx);

@@ -186,8 +186,8 @@ FP8_API fp8_status_t fp8_model_set_training(fp8_model_t* model, int32_t training
   return guard("fp8_model_set_training", [&] {
     require_arg(model, "model");
     if (training != 0 && training != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "training = ", training, "; expected 0 or 1");
+    if (model->training != (training != 0)) model->sequential_saved = false;  // a real mode change
     model->training = training != 0;
-    model->sequential_saved = false;
   });
 }
 

@@ -170,6 +170,8 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
     m.sequential_dtype = act;
     m.sequential_ndim = x->ndim;
     std::copy(x->shape, x->shape + x->ndim, m.sequential_x_shape);
+    m.sequential_x_data = x->data;
+    m.sequential_x_bytes = x->nbytes();
     std::copy(y->shape, y->shape + y->ndim, m.sequential_y_shape);
   }
 }
@@ -181,7 +183,21 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
   const fp8_dtype_t act = m.sequential_dtype;
   const int32_t ndim = m.sequential_ndim;
   require_run_tensor(dy, "dy", act, ndim, m.sequential_y_shape);
-  if (dx) require_run_tensor(dx, "dx", act, ndim, m.sequential_x_shape);
+  if (dx) {
+    require_run_tensor(dx, "dx", act, ndim, m.sequential_x_shape);
+    // What the first layer's backward would refuse (or get wrong) is checked before any layer runs,
+    // so that a refusal leaves every gradient and scaling state as it was.
+    const Layer& first = *m.layers[0];
+    const char* px = static_cast<const char*>(m.sequential_x_data);
+    const char* pdx = static_cast<const char*>(dx->data);
+    if (dx->nbytes() && m.sequential_x_bytes && pdx < px + m.sequential_x_bytes && px < pdx + dx->nbytes())
+      fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", first.name(),
+           "''s backward reads x while it writes dx");
+    if (first.kind() == FP8_LAYER_LINEAR && first.stats().dgrad == 1 &&
+        reinterpret_cast<uintptr_t>(dx->data) % 16 != 0)  // the plan of the forward being differentiated
+      fail(FP8_ERR_INVALID_ARGUMENT, "dx's data is not 16-byte aligned, which layer '", first.name(),
+           "''s FP8 dgrad needs");
+  }
 
   const Step step = make_step(m);
   const size_t n = m.layers.size();

@@ -40,6 +40,8 @@ struct fp8_model {
   fp8_dtype_t sequential_dtype = FP8_DTYPE_F32;
   int32_t sequential_ndim = 0;
   int64_t sequential_x_shape[FP8_MAX_DIMS] = {}, sequential_y_shape[FP8_MAX_DIMS] = {};
+  const void* sequential_x_data = nullptr;  // the caller's x, which the first layer's backward reads again
+  size_t sequential_x_bytes = 0;
 };
 
 namespace fp8::nn {
