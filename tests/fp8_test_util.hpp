@@ -3,8 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "fp8.h"
@@ -22,10 +25,14 @@ struct ContextDeleter { void operator()(fp8_context_t* p) const { fp8_context_de
 struct RecipeDeleter { void operator()(fp8_recipe_t* p) const { fp8_recipe_destroy(p); } };
 struct TensorDeleter { void operator()(fp8_tensor_t* p) const { fp8_tensor_destroy(p); } };
 struct ScalingDeleter { void operator()(fp8_scaling_t* p) const { fp8_scaling_destroy(p); } };
+struct ModelDeleter { void operator()(fp8_model_t* p) const { fp8_model_destroy(p); } };
+struct OptimizerDeleter { void operator()(fp8_optimizer_t* p) const { fp8_optimizer_destroy(p); } };
 using Context = std::unique_ptr<fp8_context_t, ContextDeleter>;
 using Recipe = std::unique_ptr<fp8_recipe_t, RecipeDeleter>;
 using Tensor = std::unique_ptr<fp8_tensor_t, TensorDeleter>;
 using Scaling = std::unique_ptr<fp8_scaling_t, ScalingDeleter>;
+using Model = std::unique_ptr<fp8_model_t, ModelDeleter>;
+using Optimizer = std::unique_ptr<fp8_optimizer_t, OptimizerDeleter>;
 
 inline Context make_context(int32_t device) {
   fp8_context_t* c = nullptr;
@@ -70,6 +77,38 @@ inline fp8_scaling_info_t info_of(const fp8_scaling_t* s) {
   fp8_scaling_info_init(&info);
   EXPECT_EQ(fp8_scaling_get_info(s, &info), FP8_OK) << fp8_last_error_message();
   return info;
+}
+
+inline Model make_model(fp8_context_t* ctx) {
+  fp8_model_t* m = nullptr;
+  EXPECT_EQ(fp8_model_create(&m, ctx), FP8_OK) << fp8_last_error_message();
+  return Model(m);
+}
+inline Optimizer make_optimizer(fp8_model_t* m, fp8_optimizer_kind_t kind) {
+  fp8_optimizer_t* o = nullptr;
+  EXPECT_EQ(fp8_optimizer_create(&o, m, kind), FP8_OK) << fp8_last_error_message();
+  return Optimizer(o);
+}
+
+// Normal(mean, stddev) floats from a fixed seed.
+inline std::vector<float> randn(size_t n, uint32_t seed, float stddev, float mean = 0.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(mean, stddev);
+  std::vector<float> v(n);
+  for (float& f : v) f = normal(rng);
+  return v;
+}
+
+inline float amax_of(const std::vector<float>& v) {
+  float a = 0.0f;
+  for (float f : v) a = std::max(a, std::fabs(f));
+  return a;
+}
+
+inline int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
 }
 
 inline uint32_t bits_of(float f) {

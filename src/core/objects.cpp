@@ -6,11 +6,6 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 
-namespace {
-// Where the scale_inv of an owned FP8 tensor sits behind its data.
-size_t scale_inv_offset(size_t nbytes) { return (nbytes + 15) / 16 * 16; }
-}  // namespace
-
 fp8_tensor::~fp8_tensor() {
   if (owns_data) backend->release(data);
   backend->release(scale_inv_allocation);
@@ -54,9 +49,9 @@ std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend,
     }
   } else {
     if (nbytes == 0 && !fp8) return t;
-    t->data = backend->allocate(fp8 ? scale_inv_offset(nbytes) + sizeof(float) : nbytes);
+    t->data = backend->allocate(fp8 ? fp8::scale_inv_offset(nbytes) + sizeof(float) : nbytes);
     t->owns_data = true;
-    if (fp8) t->scale_inv = reinterpret_cast<float*>(static_cast<char*>(t->data) + scale_inv_offset(nbytes));
+    if (fp8) t->scale_inv = reinterpret_cast<float*>(static_cast<char*>(t->data) + fp8::scale_inv_offset(nbytes));
   }
   if (fp8) {
     const float one = 1.0f;

@@ -67,6 +67,10 @@ struct fp8_scaling {
 
 namespace fp8 {
 
+// Where the scale_inv of an FP8 tensor that shares its data's allocation sits: the first 16-byte
+// boundary behind nbytes of codes.
+inline size_t scale_inv_offset(size_t nbytes) { return (nbytes + 15) / 16 * 16; }
+
 // Validates dtype, ndim and shape (naming them in the error) and builds a tensor: over the caller's
 // `data` when `borrow` is set, else over a new allocation (`data` ignored).
 std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend, fp8_dtype_t dtype, int32_t ndim,

@@ -93,6 +93,9 @@ class Layer {
   virtual int64_t input_features() const { return 0; }
   virtual int64_t output_features(int64_t in) const { return in; }
   virtual bool takes_fp8_input(const Step&, int64_t /*rows*/) const { return false; }
+  // The checks of a backward's dx that need no dy (dtype, shape, alignment against the saved
+  // forward), so a whole-model backward can make them before any layer runs.
+  virtual void check_dx(const fp8_tensor* /*dx*/) const {}
 
  protected:
   // Adds a parameter with a zeroed gradient, its value filled with `init`.
@@ -122,5 +125,7 @@ void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const ch
 void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim, const int64_t* shape);
 void require_disjoint_buffers(const std::string& layer, const fp8_tensor* a, const char* a_name, const fp8_tensor* b,
                               const char* b_name);
+// Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+bool buffers_overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes);
 
 }  // namespace fp8::nn

@@ -39,11 +39,15 @@ void require_shape(const std::string& layer, const fp8_tensor* t, const char* na
          shape_string(ndim, shape));
 }
 
+bool buffers_overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const char* pa = static_cast<const char*>(a);
+  const char* pb = static_cast<const char*>(b);
+  return a_bytes && b_bytes && pa < pb + b_bytes && pb < pa + a_bytes;
+}
+
 void require_disjoint_buffers(const std::string& layer, const fp8_tensor* a, const char* a_name, const fp8_tensor* b,
                               const char* b_name) {
-  const char* pa = static_cast<const char*>(a->data);
-  const char* pb = static_cast<const char*>(b->data);
-  if (a->nbytes() && b->nbytes() && pa < pb + b->nbytes() && pb < pa + a->nbytes())
+  if (buffers_overlap(a->data, a->nbytes(), b->data, b->nbytes()))
     fail(FP8_ERR_INVALID_ARGUMENT, a_name, " and ", b_name, " overlap in memory; layer '", layer,
          "' needs separate buffers");
 }

@@ -86,6 +86,19 @@ class Linear final : public Layer {
     }
   }
 
+  void check_dx(const fp8_tensor* dx) const override {
+    if (!saved_.valid) return;  // backward() refuses that itself
+    if (dx->dtype != saved_.act)
+      fail(FP8_ERR_DTYPE, "dx has dtype ", dtype_name(dx->dtype), "; layer '", name_, "' expects ",
+           dtype_name(saved_.act));
+    int64_t x_shape[FP8_MAX_DIMS];
+    for (int32_t i = 0; i < saved_.ndim; ++i) x_shape[i] = saved_.y_shape[i];
+    x_shape[saved_.ndim - 1] = in_;
+    require_shape(name_, dx, "dx", saved_.ndim, x_shape);
+    if (saved_.plan.dgrad && !aligned16(dx->data))
+      fail(FP8_ERR_INVALID_ARGUMENT, "dx's data is not 16-byte aligned, which layer '", name_, "''s FP8 dgrad needs");
+  }
+
   int64_t input_features() const override { return in_; }
   int64_t output_features(int64_t) const override { return out_; }
   bool takes_fp8_input(const Step& step, int64_t rows) const override { return decide(step, rows, true).fprop; }
@@ -187,15 +200,8 @@ class Linear final : public Layer {
            " (the forward's y)");
     require_shape(name_, dy, "dy", saved_.ndim, saved_.y_shape);
     if (dx) {
-      if (dx->dtype != act)
-        fail(FP8_ERR_DTYPE, "dx has dtype ", dtype_name(dx->dtype), "; layer '", name_, "' expects ", dtype_name(act));
-      int64_t x_shape[FP8_MAX_DIMS];
-      for (int32_t i = 0; i < saved_.ndim; ++i) x_shape[i] = saved_.y_shape[i];
-      x_shape[saved_.ndim - 1] = in_;
-      require_shape(name_, dx, "dx", saved_.ndim, x_shape);
+      check_dx(dx);
       require_disjoint_buffers(name_, dy, "dy", dx, "dx");
-      if (saved_.plan.dgrad && !aligned16(dx->data))
-        fail(FP8_ERR_INVALID_ARGUMENT, "dx's data is not 16-byte aligned, which layer '", name_, "''s FP8 dgrad needs");
     }
     const Plan& plan = saved_.plan;
     Backend& be = step.backend;

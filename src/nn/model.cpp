@@ -87,8 +87,8 @@ fp8_tensor* ScratchTensor::bind(fp8_dtype_t dtype, int32_t ndim, const int64_t* 
   int64_t numel = 1;
   for (int32_t i = 0; i < ndim; ++i) numel *= shape[i];
   const size_t bytes = static_cast<size_t>(numel) * dtype_size(dtype);
-  const size_t scale_at = (bytes + 15) / 16 * 16;  // FP8: the scale_inv in its own 16-byte slot
-  char* base = storage.ensure<char>(dtype_is_fp8(dtype) ? scale_at + 16 : std::max<size_t>(bytes, 1));
+  const size_t scale_at = scale_inv_offset(bytes);
+  char* base = storage.ensure<char>(dtype_is_fp8(dtype) ? scale_at + sizeof(float) : std::max<size_t>(bytes, 1));
   // The storage owns the memory: the view owns nothing (owns_data stays false).
   view.dtype = dtype;
   view.ndim = ndim;
@@ -188,15 +188,10 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
     // What the first layer's backward would refuse (or get wrong) is checked before any layer runs,
     // so that a refusal leaves every gradient and scaling state as it was.
     const Layer& first = *m.layers[0];
-    const char* px = static_cast<const char*>(m.sequential_x_data);
-    const char* pdx = static_cast<const char*>(dx->data);
-    if (dx->nbytes() && m.sequential_x_bytes && pdx < px + m.sequential_x_bytes && px < pdx + dx->nbytes())
+    if (buffers_overlap(m.sequential_x_data, m.sequential_x_bytes, dx->data, dx->nbytes()))
       fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", first.name(),
            "''s backward reads x while it writes dx");
-    if (first.kind() == FP8_LAYER_LINEAR && first.stats().dgrad == 1 &&
-        reinterpret_cast<uintptr_t>(dx->data) % 16 != 0)  // the plan of the forward being differentiated
-      fail(FP8_ERR_INVALID_ARGUMENT, "dx's data is not 16-byte aligned, which layer '", first.name(),
-           "''s FP8 dgrad needs");
+    first.check_dx(dx);
   }
 
   const Step step = make_step(m);

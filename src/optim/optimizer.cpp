@@ -79,16 +79,12 @@ void build_tables(fp8_optimizer& o) {
   const size_t chunk_offset = (tensor_bytes + 15) / 16 * 16;
   const size_t bytes = chunk_offset + o.chunks.size() * sizeof(OptimChunk);
   if (!o.tables) o.tables = be.allocate(bytes);
+  o.device_tensors = static_cast<const OptimTensor*>(o.tables);
+  o.device_chunks = reinterpret_cast<const OptimChunk*>(static_cast<const char*>(o.tables) + chunk_offset);
   std::vector<unsigned char> host(bytes, 0);
   if (tensor_bytes) std::memcpy(host.data(), o.tensors.data(), tensor_bytes);
   if (!o.chunks.empty()) std::memcpy(host.data() + chunk_offset, o.chunks.data(), o.chunks.size() * sizeof(OptimChunk));
   if (bytes) be.copy_from_host(o.tables, host.data(), bytes);
-}
-
-const OptimTensor* device_tensors(const fp8_optimizer& o) { return static_cast<const OptimTensor*>(o.tables); }
-const OptimChunk* device_chunks(const fp8_optimizer& o) {
-  const size_t tensor_bytes = o.tensors.size() * sizeof(OptimTensor);
-  return reinterpret_cast<const OptimChunk*>(static_cast<const char*>(o.tables) + (tensor_bytes + 15) / 16 * 16);
 }
 
 }  // namespace
@@ -161,7 +157,7 @@ void step(fp8_optimizer& o) {
                o.attrs[FP8_OPTIM_WEIGHT_DECAY],
                o.attrs[FP8_OPTIM_MOMENTUM],
                o.attrs[FP8_OPTIM_MAX_GRAD_NORM]};
-  o.backend->optimizer_step({device_tensors(o), device_chunks(o), static_cast<int64_t>(o.chunks.size()), o.partials,
+  o.backend->optimizer_step({o.device_tensors, o.device_chunks, static_cast<int64_t>(o.chunks.size()), o.partials,
                              o.scalars, h});
   ++m.weights_version;  // the layers remake their FP8 and bf16 weight copies at the next forward
 }

@@ -21,6 +21,8 @@ struct fp8_optimizer {
   std::vector<fp8::OptimTensor> tensors;  // host copies of the device tables
   std::vector<fp8::OptimChunk> chunks;
   void* tables = nullptr;  // device: tensors, then chunks
+  const fp8::OptimTensor* device_tensors = nullptr;  // into tables
+  const fp8::OptimChunk* device_chunks = nullptr;
   float* states = nullptr;  // device: each tensor's m (and v), 16-byte aligned slices
   size_t state_bytes = 0;
   double* partials = nullptr;

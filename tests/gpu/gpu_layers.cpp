@@ -11,16 +11,7 @@ using namespace fp8test;
 
 namespace {
 
-struct ModelDeleter {
-  void operator()(fp8_model_t* m) const { fp8_model_destroy(m); }
-};
-using Model = std::unique_ptr<fp8_model_t, ModelDeleter>;
 
-Model make_model(fp8_context_t* ctx) {
-  fp8_model_t* m = nullptr;
-  EXPECT_EQ(fp8_model_create(&m, ctx), FP8_OK) << fp8_last_error_message();
-  return Model(m);
-}
 
 // The same model on the CPU and on the GPU, with the same parameter values.
 struct Twin {

@@ -34,25 +34,7 @@ using namespace fp8test;
 
 namespace {
 
-struct ModelDeleter {
-  void operator()(fp8_model_t* m) const { fp8_model_destroy(m); }
-};
-struct OptimizerDeleter {
-  void operator()(fp8_optimizer_t* o) const { fp8_optimizer_destroy(o); }
-};
-using Model = std::unique_ptr<fp8_model_t, ModelDeleter>;
-using Optimizer = std::unique_ptr<fp8_optimizer_t, OptimizerDeleter>;
 
-Model make_model(fp8_context_t* ctx) {
-  fp8_model_t* m = nullptr;
-  EXPECT_EQ(fp8_model_create(&m, ctx), FP8_OK) << fp8_last_error_message();
-  return Model(m);
-}
-Optimizer make_optimizer(fp8_model_t* m, fp8_optimizer_kind_t kind) {
-  fp8_optimizer_t* o = nullptr;
-  EXPECT_EQ(fp8_optimizer_create(&o, m, kind), FP8_OK) << fp8_last_error_message();
-  return Optimizer(o);
-}
 
 fp8_optimizer_stats_t stats_of(const fp8_optimizer_t* o) {
   fp8_optimizer_stats_t s;

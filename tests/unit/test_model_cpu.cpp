@@ -26,37 +26,10 @@ namespace {
 
 #define EXPECT_OK(expr) EXPECT_EQ((expr), FP8_OK) << #expr << ": " << fp8_last_error_message()
 
-struct ModelDeleter {
-  void operator()(fp8_model_t* m) const { fp8_model_destroy(m); }
-};
-using Model = std::unique_ptr<fp8_model_t, ModelDeleter>;
 
-Model make_model(fp8_context_t* ctx) {
-  fp8_model_t* m = nullptr;
-  EXPECT_OK(fp8_model_create(&m, ctx));
-  return Model(m);
-}
 
-// Normal(mean, stddev) floats from a fixed seed.
-std::vector<float> randn(size_t n, uint32_t seed, float stddev, float mean = 0.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(mean, stddev);
-  std::vector<float> v(n);
-  for (float& f : v) f = normal(rng);
-  return v;
-}
 
-float amax_of(const std::vector<float>& v) {
-  float a = 0.0f;
-  for (float f : v) a = std::max(a, std::fabs(f));
-  return a;
-}
 
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 std::vector<int64_t> with_last(std::vector<int64_t> shape, int64_t last) {
   shape.back() = last;

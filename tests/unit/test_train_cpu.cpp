@@ -42,46 +42,10 @@ namespace {
     EXPECT_NE(msg_.find(word), std::string::npos) << #call << ": no \"" << (word) << "\" in: " << msg_;      \
   } while (0)
 
-struct ModelDeleter {
-  void operator()(fp8_model_t* m) const { fp8_model_destroy(m); }
-};
-struct OptimizerDeleter {
-  void operator()(fp8_optimizer_t* o) const { fp8_optimizer_destroy(o); }
-};
-using Model = std::unique_ptr<fp8_model_t, ModelDeleter>;
-using Optimizer = std::unique_ptr<fp8_optimizer_t, OptimizerDeleter>;
 
-Model make_model(fp8_context_t* ctx) {
-  fp8_model_t* m = nullptr;
-  EXPECT_OK(fp8_model_create(&m, ctx));
-  return Model(m);
-}
-Optimizer make_optimizer(fp8_model_t* m, fp8_optimizer_kind_t kind) {
-  fp8_optimizer_t* o = nullptr;
-  EXPECT_OK(fp8_optimizer_create(&o, m, kind));
-  return Optimizer(o);
-}
 
-// Normal(mean, stddev) floats from a fixed seed.
-std::vector<float> randn(size_t n, uint32_t seed, float stddev, float mean = 0.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(mean, stddev);
-  std::vector<float> v(n);
-  for (float& f : v) f = normal(rng);
-  return v;
-}
 
-float amax_of(const std::vector<float>& v) {
-  float a = 0.0f;
-  for (float f : v) a = std::max(a, std::fabs(f));
-  return a;
-}
 
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 fp8_tensor_t* param_tensor(fp8_model_t* m, const std::string& name, bool grad = false) {
   fp8_tensor_t* value = nullptr;
