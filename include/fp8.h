@@ -828,6 +828,9 @@ typedef struct fp8_optimizer_stats {
   float last_grad_norm;     /**< ||g|| of the latest step, before clipping (inf/NaN when skipped) */
   int64_t parameters;       /**< number of scalar parameters updated */
   int64_t state_bytes;      /**< device bytes of optimizer state (momentum / Adam m and v) */
+  int32_t opt_level;        /**< 0: te (FP32 states); FP8_OPT_O1..O3: the MS-AMP level in use */
+  int64_t training_bytes;   /**< device bytes of weights, master weights, gradients, m and v, as stored
+                                 (training_bytes / parameters: 16 at te, ~11 at O1, ~6 at O2, ~7 at O3) */
 } fp8_optimizer_stats_t;
 FP8_API void fp8_optimizer_stats_init(fp8_optimizer_stats_t *stats);
 /** Synchronous: waits for the steps queued so far. */

@@ -36,6 +36,7 @@ void bias_grad_finish(const float* partials, int64_t rows, int64_t cols, float* 
 void convert(const ConvertJob& job, const LaunchLimits& lim, cudaStream_t stream);
 void transpose(const TransposeJob& job, const LaunchLimits& lim, cudaStream_t stream);
 void optimizer_step(const OptimizerStepJob& job, cudaStream_t stream);
+void grad_accumulate(const GradAccumulateJob& job, const LaunchLimits& lim, cudaStream_t stream);
 
 // Folds the amax cuBLASLt wrote for an FP8 GEMM output into `state` and sets D's scale_inv.
 void gemm_fp8_output_epilogue(const float* gemm_amax, ScalingHeader* state, float* d_scale_inv, cudaStream_t stream);

@@ -1,8 +1,11 @@
-// The optimizer step on the GPU in three launches and no host round trip:
+// The optimizer step on the GPU in four launches and no host round trip:
 //   1. one block per chunk sums its g^2 in double in core/optim_rule.hpp's order -> partials;
-//   2. one block sums the partials in the same order and runs finish_step (skip, clip, bias
-//      corrections) into the device-resident scalars;
-//   3. one block per chunk updates its elements unless the scalars say skip.
+//   2. one block sums the partials in the same order, runs finish_step (skip, clip, bias
+//      corrections) and, for each compact tensor, finish_compact (the scales of this step's writes);
+//   3. one block per chunk updates its elements unless the scalars say skip: each thread takes 16
+//      consecutive elements with 16-byte loads and stores, whatever the layout;
+//   4. one block runs promote_compact for each compact tensor.
+// And FP8 gradient accumulation (amax of the addend, one requantising pass, grad_sum_finish).
 // Every step follows the CPU reference (src/backend/cpu_optimizer.cpp) bit for bit.
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
@@ -12,6 +15,7 @@ namespace fp8::kernels {
 namespace {
 
 static_assert(kOptimChunk == 16 * kSumThreads, "each thread of a chunk block takes 16 elements");
+constexpr int kPerThread = 16;
 
 // Lane t holds its running sum; the block combines lanes as ordered_sum does.
 __device__ double block_ordered_sum(double acc, double* s) {
@@ -25,14 +29,19 @@ __device__ double block_ordered_sum(double acc, double* s) {
   return s[0];
 }
 
+__device__ __forceinline__ float grad_scale_inv(const OptimTensor& t) {
+  return t.grad_scales ? t.grad_scales->scale_inv : 1.0f;
+}
+
 __global__ void __launch_bounds__(kSumThreads)
     chunk_sumsq_kernel(const OptimTensor* tensors, const OptimChunk* chunks, double* partials) {
   __shared__ double s[kSumThreads];
   const OptimChunk ch = chunks[blockIdx.x];
-  const float* g = tensors[ch.tensor].grad + ch.offset;
+  const OptimTensor t = tensors[ch.tensor];
+  const float si = grad_scale_inv(t);
   double acc = 0.0;
   for (int i = threadIdx.x; i < ch.len; i += kSumThreads) {
-    const double v = g[i];
+    const double v = grad_at(t, ch.offset + i, si);
     acc = __dadd_rn(acc, __dmul_rn(v, v));
   }
   const double total = block_ordered_sum(acc, s);
@@ -40,35 +49,184 @@ __global__ void __launch_bounds__(kSumThreads)
 }
 
 __global__ void __launch_bounds__(kSumThreads)
-    finish_kernel(const double* partials, int64_t count, OptimScalars* scalars, OptimHyper hyper) {
+    finish_kernel(const OptimTensor* tensors, int64_t tensor_count, const double* partials, int64_t count,
+                  OptimScalars* scalars, OptimHyper hyper) {
   __shared__ double s[kSumThreads];
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < count; i += kSumThreads) acc = __dadd_rn(acc, partials[i]);
   const double total = block_ordered_sum(acc, s);
   if (threadIdx.x == 0) finish_step(*scalars, total, hyper);
+  __syncthreads();
+  const OptimScalars st = *scalars;
+  for (int64_t i = threadIdx.x; i < tensor_count; i += kSumThreads) {
+    const OptimTensor& t = tensors[i];
+    if (t.scales) finish_compact(*t.scales, *t.grad_scales, st, hyper, t.layout);
+  }
+}
+
+__global__ void __launch_bounds__(kSumThreads)
+    promote_kernel(const OptimTensor* tensors, int64_t tensor_count, const OptimScalars* scalars) {
+  const OptimScalars st = *scalars;
+  for (int64_t i = threadIdx.x; i < tensor_count; i += kSumThreads) {
+    const OptimTensor& t = tensors[i];
+    if (t.scales) promote_compact(*t.scales, t.w_scale_inv, st, t.layout);
+  }
+}
+
+// Bytes per element of each array of a layout (m and v where the tensor has them).
+template <int LAYOUT>
+struct ElementBytes {
+  static constexpr bool kWideStates = LAYOUT == kLayoutF32 || LAYOUT == kLayoutO1;
+  static constexpr int param = LAYOUT == kLayoutF32 ? 4 : LAYOUT == kLayoutO3 ? 1 : 2;
+  static constexpr int grad = LAYOUT == kLayoutF32 ? 4 : 1;
+  static constexpr int m = kWideStates ? 4 : 1;
+  static constexpr int v = kWideStates ? 4 : 2;
+  static constexpr int master = 2;
+};
+
+// 16 elements of one array, in registers: BYTES x 16 bytes.
+struct Lane16 {
+  uint4 q[4];
+  template <int BYTES>
+  __device__ __forceinline__ void load(const void* base, int64_t first) {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(base) + first * BYTES);
+#pragma unroll
+    for (int k = 0; k < BYTES; ++k) q[k] = src[k];
+  }
+  template <int BYTES>
+  __device__ __forceinline__ void store(void* base, int64_t first) const {
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint8_t*>(base) + first * BYTES);
+#pragma unroll
+    for (int k = 0; k < BYTES; ++k) dst[k] = q[k];
+  }
+};
+
+__device__ __forceinline__ uint32_t block_max(uint32_t v, uint32_t* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = __reduce_max_sync(0xFFFFFFFFu, v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  uint32_t r = 0;
+  for (int w = 0; w < kSumThreads / 32; ++w) r = max(r, scratch[w]);
+  return r;
+}
+
+// The thread's 16 elements in registers, updated through a view of the same layout over them. The
+// layout and the SGD/Adam choice are compile-time constants here, so every access of the view
+// resolves to a register.
+template <int LAYOUT, bool SGD, bool HAS_M>
+__device__ __forceinline__ void update16(const OptimTensor& t, int64_t first, float si, const CompactScales& cs,
+                                         OptimElementArgs a, const OptimScalars& s, CompactMax& mx) {
+  OptimTensor r = t;
+  r.layout = LAYOUT;
+  // adam_update tells Adam from AdamW by decay and weight_decay alone, so a constant kind is exact.
+  a.kind = SGD ? FP8_OPTIMIZER_SGD : FP8_OPTIMIZER_ADAM;
+  using B = ElementBytes<LAYOUT>;
+  constexpr bool kO3 = LAYOUT == kLayoutO3;
+  Lane16 p, g, m, v, master;
+  p.load<B::param>(t.param, first);
+  g.load<B::grad>(t.grad, first);
+  if (HAS_M) m.load<B::m>(t.m, first);
+  if (!SGD) v.load<B::v>(t.v, first);
+  if (kO3) master.load<B::master>(t.master, first);
+  r.param = p.q;
+  r.grad = g.q;
+  r.m = HAS_M ? m.q : nullptr;
+  r.v = SGD ? nullptr : v.q;
+  r.master = kO3 ? reinterpret_cast<uint16_t*>(master.q) : nullptr;
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) update_element(r, k, si, cs, a, s, mx);
+  p.store<B::param>(t.param, first);
+  if (HAS_M) m.store<B::m>(t.m, first);
+  if (!SGD) v.store<B::v>(t.v, first);
+  if (kO3) master.store<B::master>(t.master, first);
+}
+
+template <bool SGD, bool HAS_M>
+__device__ __forceinline__ void update16_any(const OptimTensor& t, int64_t first, float si, const CompactScales& cs,
+                                             const OptimElementArgs& a, const OptimScalars& s, CompactMax& mx) {
+  switch (t.layout) {
+    case kLayoutF32: update16<kLayoutF32, SGD, HAS_M>(t, first, si, cs, a, s, mx); break;
+    case kLayoutO1: update16<kLayoutO1, SGD, HAS_M>(t, first, si, cs, a, s, mx); break;
+    case kLayoutO2: update16<kLayoutO2, SGD, HAS_M>(t, first, si, cs, a, s, mx); break;
+    default: update16<kLayoutO3, SGD, HAS_M>(t, first, si, cs, a, s, mx); break;
+  }
 }
 
 __global__ void __launch_bounds__(kSumThreads)
     update_kernel(const OptimTensor* tensors, const OptimChunk* chunks, const OptimScalars* scalars,
                   OptimElementArgs a) {
+  __shared__ uint32_t scratch[kSumThreads / 32];
   const OptimScalars s = *scalars;
   if (s.skip) return;
   const OptimChunk ch = chunks[blockIdx.x];
   const OptimTensor t = tensors[ch.tensor];
-  const bool momentum = a.momentum > 0.0f;
-  for (int64_t i = ch.offset + threadIdx.x; i < ch.offset + ch.len; i += kSumThreads) {
-    float p = t.param[i];
-    if (a.kind == FP8_OPTIMIZER_SGD) {
-      sgd_update(p, t.grad[i], momentum ? t.m + i : nullptr, a, s);
-    } else {
-      float m = t.m[i], v = t.v[i];
-      adam_update(p, t.grad[i], m, v, a, s);
-      t.m[i] = m;
-      t.v[i] = v;
+  const float si = grad_scale_inv(t);
+  const CompactScales cs = t.scales ? *t.scales : CompactScales{};
+  CompactMax mx;
+  const int64_t first = ch.offset + static_cast<int64_t>(threadIdx.x) * kPerThread;
+  const int64_t end = ch.offset + ch.len;
+  if (first + kPerThread <= end) {  // chunks start at multiples of 16 elements of 16-byte aligned arrays
+    if (a.kind != FP8_OPTIMIZER_SGD) update16_any<false, true>(t, first, si, cs, a, s, mx);
+    else if (t.m) update16_any<true, true>(t, first, si, cs, a, s, mx);
+    else update16_any<true, false>(t, first, si, cs, a, s, mx);
+  } else {
+    for (int64_t i = first; i < end; ++i) update_element(t, i, si, cs, a, s, mx);
+  }
+  if (t.scales) {
+    const uint32_t m_top = block_max(mx.m, scratch);
+    const uint32_t v_top = block_max(mx.v, scratch);
+    const uint32_t p_top = block_max(mx.p, scratch);
+    if (threadIdx.x == 0) {
+      atomicMax(&t.scales->next_m_code, m_top);
+      atomicMax(&t.scales->next_v_code, v_top);
+      atomicMax(&t.scales->next_p_code, p_top);
     }
-    t.param[i] = p;
   }
 }
+
+// ---- FP8 gradient accumulation --------------------------------------------------------------------
+constexpr int kAccThreads = 256;
+
+__global__ void __launch_bounds__(kAccThreads)
+    grad_sum_kernel(uint8_t* codes, bool e5m2, const float* __restrict__ add, int64_t n, bool vec, GradScales* scales) {
+  __shared__ uint32_t scratch[kAccThreads / 32];
+  const GradScales g = *scales;
+  const float scale = grad_sum_scale(g, e5m2);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kAccThreads * 4;
+  uint32_t top = 0;
+  const int64_t n_vec = vec ? n / 4 * 4 : 0;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x) * 4; i < n_vec; i += stride) {
+    const float4 x = *reinterpret_cast<const float4*>(add + i);
+    const uint32_t old = *reinterpret_cast<const uint32_t*>(codes + i);
+    const float xs[4] = {x.x, x.y, x.z, x.w};
+    uint32_t out = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t c = grad_sum_code(static_cast<uint8_t>(old >> (8 * k)), xs[k], g.scale_inv, scale, e5m2);
+      top = max(top, static_cast<uint32_t>(c & 0x7Fu));
+      out |= static_cast<uint32_t>(c) << (8 * k);
+    }
+    *reinterpret_cast<uint32_t*>(codes + i) = out;
+  }
+  for (int64_t i = n_vec + static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kAccThreads) {
+    codes[i] = grad_sum_code(codes[i], add[i], g.scale_inv, scale, e5m2);
+    top = max(top, static_cast<uint32_t>(codes[i] & 0x7Fu));
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  top = __reduce_max_sync(0xFFFFFFFFu, top);
+  if (lane == 0) scratch[warp] = top;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t r = 0;
+    for (int w = 0; w < kAccThreads / 32; ++w) r = max(r, scratch[w]);
+    atomicMax(&scales->next_amax_code, r);
+  }
+}
+
+__global__ void grad_sum_finish_kernel(GradScales* scales, bool e5m2) { grad_sum_finish(*scales, e5m2); }
 
 }  // namespace
 
@@ -77,10 +235,26 @@ void optimizer_step(const OptimizerStepJob& job, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(job.chunk_count);
   chunk_sumsq_kernel<<<blocks, kSumThreads, 0, stream>>>(job.tensors, job.chunks, job.partials);
   cuda_check(cudaGetLastError(), "optimizer norm kernel launch");
-  finish_kernel<<<1, kSumThreads, 0, stream>>>(job.partials, job.chunk_count, job.scalars, job.hyper);
+  finish_kernel<<<1, kSumThreads, 0, stream>>>(job.tensors, job.tensor_count, job.partials, job.chunk_count,
+                                               job.scalars, job.hyper);
   cuda_check(cudaGetLastError(), "optimizer finish kernel launch");
   update_kernel<<<blocks, kSumThreads, 0, stream>>>(job.tensors, job.chunks, job.scalars, element_args(job.hyper));
   cuda_check(cudaGetLastError(), "optimizer update kernel launch");
+  promote_kernel<<<1, kSumThreads, 0, stream>>>(job.tensors, job.tensor_count, job.scalars);
+  cuda_check(cudaGetLastError(), "optimizer promote kernel launch");
+}
+
+void grad_accumulate(const GradAccumulateJob& job, const LaunchLimits& lim, cudaStream_t stream) {
+  amax({job.add, FP8_DTYPE_F32, job.n, &job.scales->add_amax, nullptr}, lim, stream);
+  if (job.n > 0) {
+    const int64_t want = (job.n / 4 + kAccThreads - 1) / kAccThreads + 1;
+    const int grid = static_cast<int>(std::min<int64_t>(want, static_cast<int64_t>(lim.sm_count) * 8));
+    const bool vec = aligned16(job.add) && (reinterpret_cast<uintptr_t>(job.codes) & 3u) == 0;
+    grad_sum_kernel<<<grid, kAccThreads, 0, stream>>>(job.codes, job.e5m2, job.add, job.n, vec, job.scales);
+    cuda_check(cudaGetLastError(), "gradient accumulation kernel launch");
+  }
+  grad_sum_finish_kernel<<<1, 1, 0, stream>>>(job.scales, job.e5m2);
+  cuda_check(cudaGetLastError(), "gradient accumulation finish kernel launch");
 }
 
 }  // namespace fp8::kernels

@@ -42,6 +42,7 @@ class Backend {
   virtual void convert(const ConvertJob& job) = 0;
   virtual void transpose(const TransposeJob& job) = 0;
   virtual void optimizer_step(const OptimizerStepJob& job) = 0;
+  virtual void grad_accumulate(const GradAccumulateJob& job) = 0;
   // Sets `bytes` bytes at p to zero (asynchronously on the GPU).
   virtual void zero(void* p, size_t bytes) = 0;
 };
@@ -49,6 +50,7 @@ class Backend {
 std::unique_ptr<Backend> make_cpu_backend();
 // The CPU reference of Backend::optimizer_step (its own file: src/backend/cpu_optimizer.cpp).
 void cpu_optimizer_step(const OptimizerStepJob& job);
+void cpu_grad_accumulate(const GradAccumulateJob& job);
 // Throws FP8_ERR_NO_DEVICE / FP8_ERR_UNSUPPORTED when `device` cannot run libfp8.
 std::unique_ptr<Backend> make_cuda_backend(int32_t device);
 

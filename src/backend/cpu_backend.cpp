@@ -291,6 +291,7 @@ class CpuBackend final : public Backend {
   }
 
   void optimizer_step(const OptimizerStepJob& j) override { cpu_optimizer_step(j); }
+  void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
 
   void dequantize(const DequantizeJob& j) override {
     const float scale_inv = *j.scale_inv;

@@ -156,6 +156,10 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::optimizer_step(job, stream_);
   }
+  void grad_accumulate(const GradAccumulateJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::grad_accumulate(job, limits_, stream_);
+  }
   void zero(void* p, size_t bytes) override {
     if (!bytes) return;
     DeviceScope scope(limits_.device);

@@ -161,11 +161,24 @@ struct GemmJob {
   bool fast_accumulation;
 };
 
+// Adds `add` (n floats) into an FP8 gradient in one requantising pass (core/optim_rule.hpp,
+// grad_sum_*): scales->add_amax = amax(add); codes = encode((decode(codes) * scale_inv + add) *
+// grad_sum_scale); then grad_sum_finish.
+struct GradAccumulateJob {
+  uint8_t* codes;
+  bool e5m2;
+  const float* add;
+  int64_t n;
+  GradScales* scales;
+};
+
 // One optimizer step over every chunk of every tensor (core/optim_rule.hpp): the squared norm in
 // its fixed order (per-chunk partials, then their sum), finish_step into *scalars, then the
-// element updates unless scalars->skip. tensors and chunks are device memory, built once.
+// element updates unless scalars->skip (compact tensors: finish_compact before, promote_compact after).
+// tensors and chunks are device memory, built once.
 struct OptimizerStepJob {
   const OptimTensor* tensors;
+  int64_t tensor_count;
   const OptimChunk* chunks;
   int64_t chunk_count;
   double* partials;  // chunk_count doubles

@@ -18,7 +18,7 @@ fp8_scaling::~fp8_scaling() { backend->release(state); }
 namespace fp8 {
 
 std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend, fp8_dtype_t dtype, int32_t ndim,
-                                        const int64_t* shape, bool borrow, void* data) {
+                                        const int64_t* shape, bool borrow, void* data, size_t scale_bytes) {
   if (!dtype_valid(dtype))
     fail(FP8_ERR_DTYPE, "dtype ", dtype, " is not a dtype; expected FP8_DTYPE_F32 (0), F16 (1), BF16 (2), E4M3 (3) or E5M2 (4)");
   if (ndim < 0 || ndim > FP8_MAX_DIMS) fail(FP8_ERR_SHAPE, "ndim = ", ndim, "; expected 0..", FP8_MAX_DIMS);
@@ -49,7 +49,7 @@ std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend,
     }
   } else {
     if (nbytes == 0 && !fp8) return t;
-    t->data = backend->allocate(fp8 ? fp8::scale_inv_offset(nbytes) + sizeof(float) : nbytes);
+    t->data = backend->allocate(fp8 ? fp8::scale_inv_offset(nbytes) + scale_bytes : nbytes);
     t->owns_data = true;
     if (fp8) t->scale_inv = reinterpret_cast<float*>(static_cast<char*>(t->data) + fp8::scale_inv_offset(nbytes));
   }

@@ -72,9 +72,11 @@ namespace fp8 {
 inline size_t scale_inv_offset(size_t nbytes) { return (nbytes + 15) / 16 * 16; }
 
 // Validates dtype, ndim and shape (naming them in the error) and builds a tensor: over the caller's
-// `data` when `borrow` is set, else over a new allocation (`data` ignored).
+// `data` when `borrow` is set, else over a new allocation (`data` ignored). An owned FP8 tensor's
+// scale_inv slot holds `scale_bytes` (>= 4; an FP8 gradient keeps its GradScales there).
 std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend, fp8_dtype_t dtype, int32_t ndim,
-                                        const int64_t* shape, bool borrow, void* data);
+                                        const int64_t* shape, bool borrow, void* data,
+                                        size_t scale_bytes = sizeof(float));
 
 // A state with scale 1, scale_inv 1 and a zeroed history.
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,

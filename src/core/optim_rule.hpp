@@ -8,25 +8,69 @@
 //    (no contraction into FMAs the other side would not make).
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
 #include "core/format.hpp"
 #include "fp8.h"
 
+#ifdef __CUDACC__
+#include <cuda_fp8.h>
+#endif
+
 namespace fp8 {
 
 constexpr int kSumThreads = 256;        // threads of a summing block; also the CPU's lanes
 constexpr int64_t kOptimChunk = 4096;   // elements per chunk (16 per thread)
 
-// One parameter: FP32 value and gradient, and its states (m: SGD momentum or Adam's first moment,
-// v: Adam's second moment; nullptr where the kind has none).
+// How one tensor's training state is stored: the opt level's layout for it. Linear weights take
+// their level's layout; biases and norm parameters stay FP32 at every level (as in MS-AMP).
+enum OptimLayout : int32_t {
+  kLayoutF32 = 0,  // F32 value, F32 gradient, F32 m/v                       (te)
+  kLayoutO1 = 1,   // F16 value, FP8 gradient, F32 m/v
+  kLayoutO2 = 2,   // F16 value, FP8 gradient, E4M3 m, scaled F16 v
+  kLayoutO3 = 3,   // E4M3 value + F16 master, FP8 gradient, E4M3 m, scaled F16 v
+};
+inline const char* layout_name(int32_t layout) {
+  return layout == kLayoutO1 ? "O1" : layout == kLayoutO2 ? "O2" : layout == kLayoutO3 ? "O3" : "te";
+}
+
+// An FP8 gradient's scales, in device memory next to its codes (core/grad_rule.hpp has the rule):
+// the stored codes decode as code * scale_inv, and amax is the largest |decoded| value. All zero
+// means "nothing accumulated yet".
+struct GradScales {
+  float scale_inv;
+  float amax;
+  float add_amax;           // amax of the addend of the accumulation in flight
+  uint32_t next_amax_code;  // max |code| written by that accumulation
+};
+
+// The per-tensor scales of a compact (O1..O3) tensor's states, in device memory. A step computes
+// the scales of its writes (m_scale, v_scale, w_scale) in finish_compact from bounds on the new
+// values, so one pass can write them; promote_compact then makes them the stored ones and turns
+// the max codes written into the amaxes the next bounds start from.
+struct CompactScales {
+  float m_scale_inv, v_scale_inv;  // of the stored m (E4M3) and v (F16)
+  float m_amax, v_amax, p_amax;    // largest stored |m|, |v|, |value or master|
+  float m_scale, v_scale, w_scale; // this step's writes
+  uint32_t next_m_code, next_v_code, next_p_code;  // max |code| written this step
+  uint32_t reserved;
+};
+
+// One parameter: its value, gradient and states in its layout's types (nullptr where it has none).
 struct OptimTensor {
-  float* param;
-  const float* grad;
-  float* m;
-  float* v;
+  void* param;          // F32, F16 (O1/O2) or E4M3 codes (O3)
+  const void* grad;     // F32, or FP8 codes with grad_scales
+  void* m;              // F32 (SGD momentum, Adam's m; te and O1) or E4M3 codes (O2/O3)
+  void* v;              // F32 (te, O1) or F16 codes (O2/O3)
+  uint16_t* master;     // O3: F16 master weights
+  GradScales* grad_scales;    // FP8 gradients
+  CompactScales* scales;      // O1..O3
+  float* w_scale_inv;         // O3: the E4M3 value's scale_inv
   int64_t n;
+  int32_t layout;
+  int32_t grad_e5m2;
 };
 
 // A slice of one tensor's elements [offset, offset + len), len <= kOptimChunk.
@@ -58,18 +102,45 @@ struct OptimScalars {
 // Explicitly rounded float operations: the CUDA intrinsics are never fused by the compiler, and the
 // host build keeps -ffp-contract=off for the same reason.
 #ifdef __CUDACC__
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
 __device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 #define FP8_OPTIM_FN __device__ __forceinline__
+__device__ __forceinline__ uint8_t encode_e4m3(float x) {
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);  // = encode_fp8 (gpu_encoder_exhaustive)
+}
+__device__ __forceinline__ uint8_t encode_fp8_rn(float x, bool e5m2) {
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+}
+#define FP8_OPTIM_FN __device__ __forceinline__
 #else
+inline float add_rn(float a, float b) { return a + b; }
 inline float mul_rn(float a, float b) { return a * b; }
 inline float div_rn(float a, float b) { return a / b; }
 inline float sqrt_rn(float a) { return std::sqrt(a); }
 inline float fma_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline uint8_t encode_e4m3(float x) { return encode_fp8(x, false); }
+inline uint8_t encode_fp8_rn(float x, bool e5m2) { return encode_fp8(x, e5m2); }
 #define FP8_OPTIM_FN inline
 #endif
+
+// Double operations both sides round alike: nvcc would otherwise contract a*b+c into an FMA.
+FP8_HD double dmul(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FP8_HD double dadd(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
 
 // base^e by squaring, in double: the same multiplications on both sides (pow() is not bit-exact).
 FP8_HD double pow_uint(double base, uint64_t e) {
@@ -147,6 +218,133 @@ FP8_OPTIM_FN void adam_update(float& p, float g, float& m, float& v, const Optim
   v = fma_rn(a.beta2, v, mul_rn(a.one_minus_beta2, mul_rn(g, g)));
   const float denom = fma_rn(sqrt_rn(v), s.inv_bc2_sqrt, a.eps);
   p = fma_rn(-s.step_size, div_rn(m, denom), p);
+}
+
+// ---- FP8 gradients (O1..O3) --------------------------------------------------------------------
+// A gradient accumulates micro-batch after micro-batch in FP8: each addition requantises the sum in
+// one pass with scale = fp8_max / (amax + add_amax), a bound on |stored + addend| known before the
+// pass, and records the largest code it writes. A non-finite addend poisons the gradient (scale and
+// scale_inv NaN, so every decoded value is NaN and the optimizer skips the step) until it is zeroed.
+FP8_HD float grad_sum_scale(const GradScales& g, bool e5m2) {
+  const float bound = g.amax + g.add_amax;
+  if (!(bound - bound == 0.0f)) return bits_float(0x7FFFFFFFu);
+  if (!(bound > 0.0f)) return 1.0f;
+  const float s = fp8_spec(e5m2).max_value / bound;
+  return s > FLT_MAX ? FLT_MAX : s;
+}
+
+FP8_OPTIM_FN uint8_t grad_sum_code(uint8_t stored, float add, float stored_scale_inv, float scale, bool e5m2) {
+  return encode_fp8_rn(mul_rn(add_rn(dequantize_fp8(stored, e5m2, stored_scale_inv), add), scale), e5m2);
+}
+
+// After the pass: the new scale_inv and amax (from the largest code written); ready for the next.
+FP8_HD void grad_sum_finish(GradScales& g, bool e5m2) {
+  const float scale = grad_sum_scale(g, e5m2);
+  g.scale_inv = 1.0f / scale;
+  g.amax = decode_fp8(static_cast<uint8_t>(g.next_amax_code), e5m2) * g.scale_inv;
+  g.add_amax = 0.0f;
+  g.next_amax_code = 0;
+}
+
+// ---- compact states (O2/O3) ---------------------------------------------------------------------
+// The scale that maps `bound` to `max` (1 when there is nothing to scale).
+FP8_HD float bound_scale(double max, double bound) {
+  if (!(bound > 0.0) || !(bound < HUGE_VAL)) return 1.0f;
+  const double s = max / bound;
+  return s > FLT_MAX ? FLT_MAX : static_cast<float>(s);
+}
+
+constexpr double kF16Max = 65504.0;
+
+// Before the update pass of a step that is applied: the scales of this step's writes, from bounds
+// on the new values (|g'| <= amax(g) clip + wd_L2 amax(p); m' = b1 m + (1-b1) g'; v' = b2 v +
+// (1-b2) g'^2), so nothing saturates beyond rounding. O3's FP8 weight takes the master's amax of the
+// previous step (delayed, as TransformerEngine scales weights): a weight that grew past it this step
+// saturates there until the next step; its F16 master never does.
+FP8_HD void finish_compact(CompactScales& c, const GradScales& g, const OptimScalars& s, const OptimHyper& h,
+                           int32_t layout) {
+  if (s.skip || layout < kLayoutO2) return;
+  const bool adamw = h.kind == FP8_OPTIMIZER_ADAMW;
+  const double l2 = adamw ? 0.0 : static_cast<double>(static_cast<float>(h.weight_decay));
+  const double gp = dadd(dmul(g.amax, s.clip), dmul(l2, c.p_amax));
+  const double b1 = static_cast<float>(h.beta1), b2 = static_cast<float>(h.beta2);
+  const double bm = dadd(dmul(b1, c.m_amax), dmul(static_cast<float>(1.0 - h.beta1), gp));
+  const double bv = dadd(dmul(b2, c.v_amax), dmul(static_cast<float>(1.0 - h.beta2), dmul(gp, gp)));
+  c.m_scale = bound_scale(448.0, bm);
+  c.v_scale = bound_scale(kF16Max, bv);
+  c.w_scale = bound_scale(448.0, c.p_amax);
+}
+
+// After the update pass: this step's write scales become the stored ones, and the largest codes
+// written become the amaxes the next bounds start from.
+FP8_HD void promote_compact(CompactScales& c, float* w_scale_inv, const OptimScalars& s, int32_t layout) {
+  if (s.skip || layout == kLayoutF32) return;
+  if (layout >= kLayoutO2) {
+    c.m_scale_inv = 1.0f / c.m_scale;
+    c.v_scale_inv = 1.0f / c.v_scale;
+    c.m_amax = decode_fp8(static_cast<uint8_t>(c.next_m_code), false) * c.m_scale_inv;
+    c.v_amax = f16_to_float(static_cast<uint16_t>(c.next_v_code)) * c.v_scale_inv;
+  }
+  if (layout == kLayoutO3) *w_scale_inv = 1.0f / c.w_scale;
+  c.p_amax = f16_to_float(static_cast<uint16_t>(c.next_p_code));
+  c.next_m_code = c.next_v_code = c.next_p_code = 0;
+}
+
+// float -> F16 code, round to nearest even (the hardware conversion on the GPU; NaN -> 0x7FFF).
+FP8_OPTIM_FN uint16_t to_f16(float x) {
+#ifdef __CUDA_ARCH__
+  if ((float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
+  return __half_as_ushort(__float2half_rn(x));
+#else
+  return float_to_f16(x);
+#endif
+}
+
+// The largest codes one thread wrote (|code| orders like |value| for finite FP8 and F16 codes).
+struct CompactMax {
+  uint32_t m = 0, v = 0, p = 0;
+};
+
+// The gradient element the optimizer sees (FP8 decoded with its scale_inv, or FP32).
+FP8_OPTIM_FN float grad_at(const OptimTensor& t, int64_t i, float grad_scale_inv) {
+  if (t.layout == kLayoutF32) return static_cast<const float*>(t.grad)[i];
+  return dequantize_fp8(static_cast<const uint8_t*>(t.grad)[i], t.grad_e5m2 != 0, grad_scale_inv);
+}
+
+// One element of any layout: decode value, gradient and states, apply the kind's rule, encode back.
+// SGD uses its momentum buffer where it has one (with momentum 0 that gives the same p as none).
+FP8_OPTIM_FN void update_element(const OptimTensor& t, int64_t i, float grad_scale_inv, const CompactScales& c,
+                                 const OptimElementArgs& a, const OptimScalars& s, CompactMax& mx) {
+  const float g = grad_at(t, i, grad_scale_inv);
+  if (t.layout == kLayoutF32) {
+    float* p = static_cast<float*>(t.param) + i;
+    if (a.kind == FP8_OPTIMIZER_SGD) sgd_update(*p, g, t.m ? static_cast<float*>(t.m) + i : nullptr, a, s);
+    else adam_update(*p, g, static_cast<float*>(t.m)[i], static_cast<float*>(t.v)[i], a, s);
+    return;
+  }
+  uint16_t* p16 = t.layout == kLayoutO3 ? t.master : static_cast<uint16_t*>(t.param);
+  float p = f16_to_float(p16[i]);
+  if (a.kind == FP8_OPTIMIZER_SGD) {
+    sgd_update(p, g, t.m ? static_cast<float*>(t.m) + i : nullptr, a, s);
+  } else if (t.layout == kLayoutO1) {
+    adam_update(p, g, static_cast<float*>(t.m)[i], static_cast<float*>(t.v)[i], a, s);
+  } else {
+    uint8_t* m8 = static_cast<uint8_t*>(t.m);
+    uint16_t* v16 = static_cast<uint16_t*>(t.v);
+    float m = dequantize_fp8(m8[i], false, c.m_scale_inv);
+    float v = mul_rn(f16_to_float(v16[i]), c.v_scale_inv);
+    adam_update(p, g, m, v, a, s);
+    const uint8_t mq = encode_e4m3(mul_rn(m, c.m_scale));
+    const uint16_t vq = to_f16(mul_rn(v, c.v_scale));
+    m8[i] = mq;
+    v16[i] = vq;
+    mx.m = mx.m > (mq & 0x7Fu) ? mx.m : (mq & 0x7Fu);
+    mx.v = mx.v > (vq & 0x7FFFu) ? mx.v : (vq & 0x7FFFu);
+  }
+  const uint16_t pq = to_f16(p);
+  p16[i] = pq;
+  mx.p = mx.p > (pq & 0x7FFFu) ? mx.p : (pq & 0x7FFFu);
+  if (t.layout == kLayoutO3) static_cast<uint8_t*>(t.param)[i] = encode_e4m3(mul_rn(f16_to_float(pq), c.w_scale));
 }
 
 #ifndef __CUDACC__

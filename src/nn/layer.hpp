@@ -48,11 +48,17 @@ struct Step {
   bool fp8;                  // FP8 is on for this call (autocast, and training or FP8 eval allowed)
   bool training;
   uint64_t weights_version;  // grows with fp8_model_weights_changed and optimizer steps
+  DeviceBuffer* wgrad_scratch;  // the model's: a Linear's new FP32 dW before it joins an FP8 gradient
 };
 
+// A parameter's value and gradient. FP32 both, except a Linear weight under an MS-AMP level (the
+// optimizer converts it when it is made): an F16 value (O1/O2) or an E4M3 one (O3, its F16 master
+// kept by the optimizer), and an FP8 gradient whose GradScales sit in grad's scale_inv slot.
 struct Parameter {
   std::string name;  // "<layer>.<weight|bias|gamma|beta>"
   std::unique_ptr<fp8_tensor> value, grad;
+  bool linear_weight = false;  // takes its opt level's layout
+  GradScales* grad_scales() const { return reinterpret_cast<GradScales*>(grad->scale_inv); }  // FP8 grad only
 };
 
 // Precision of one GEMM in the latest forward: -1 not run yet, 0 high precision, 1 FP8.
@@ -72,6 +78,7 @@ class Layer {
   const std::string& name() const { return name_; }
   int32_t kind() const { return kind_; }
   std::vector<Parameter>& parameters() { return params_; }
+  const std::vector<Parameter>& parameters() const { return params_; }
   const LayerStats& stats() const { return stats_; }
   bool converted() const { return converted_; }
 

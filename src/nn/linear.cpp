@@ -38,11 +38,12 @@ class Linear final : public Layer {
  public:
   Linear(std::shared_ptr<Backend> backend, std::string name, int64_t in, int64_t out, bool with_bias)
       : Layer(backend, std::move(name), FP8_LAYER_LINEAR), in_(in), out_(out), bias_(with_bias), qw_(backend),
-        qwt_(backend), w_si_(backend), w_bf16_(backend), b_bf16_(backend), qx_(backend), qxt_(backend),
+        qwt_(backend), w_si_(backend), w_hp_(backend), b_bf16_(backend), qx_(backend), qxt_(backend),
         x_si_(backend), x_hp_(backend), qdy_(backend), qdyt_(backend), dy_si_(backend), partials_(backend) {
     const int64_t w_shape[2] = {out, in};
     // The caller initialises the weights; zeros until then keep a forward defined.
     add_parameter("weight", 2, w_shape, 0.0f);
+    params_.back().linear_weight = true;
     if (with_bias) add_parameter("bias", 1, &out, 0.0f);
   }
 
@@ -168,7 +169,7 @@ class Linear final : public Layer {
     g.d_dtype = act;
     g.alpha = 1.0f;
     if (plan.fprop) {
-      set_fp8_operands(g, qx, FP8_DTYPE_E4M3, qx_si, qw_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
+      set_fp8_operands(g, qx, FP8_DTYPE_E4M3, qx_si, fp8_weight(), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
       g.fast_accumulation = true;
       if (bias_) {
         g.bias = b_bf16_.ensure(0);
@@ -253,14 +254,17 @@ class Linear final : public Layer {
     }
 
     if (m > 0) {  // dW [out, in] += dy^T [out, m] . x [m, in]
+      // An FP8 gradient (O1..O3) takes the new dW from the model's scratch in one requantising pass.
+      fp8_tensor& grad = *params_[0].grad;
+      const bool grad8 = dtype_is_fp8(grad.dtype);
       GemmJob g{};
       g.m = out_;
       g.n = in_;
       g.k = m;
-      g.d = params_[0].grad->data;
+      g.d = grad8 ? step.wgrad_scratch->ensure(static_cast<size_t>(out_ * in_) * sizeof(float)) : grad.data;
       g.d_dtype = FP8_DTYPE_F32;
       g.alpha = 1.0f;
-      g.accumulate = true;
+      g.accumulate = !grad8;
       if (plan.wgrad) {
         set_fp8_operands(g, qdyt, s_dy_->dtype, dy_si + kScaleSlot2, qxt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3,
                          x_si_.ensure<float>(0) + kScaleSlot2);
@@ -272,6 +276,9 @@ class Linear final : public Layer {
         g.b_transposed = true;  // x is [m][in] = [k][n]
       }
       be.gemm(g);
+      if (grad8)
+        be.grad_accumulate({static_cast<uint8_t*>(grad.data), grad.dtype == FP8_DTYPE_E5M2, static_cast<const float*>(g.d),
+                            out_ * in_, params_[0].grad_scales()});
     }
     saved_.valid = false;  // one backward per forward
   }
@@ -346,54 +353,70 @@ class Linear final : public Layer {
     }
   }
 
-  // The FP8 weight (and its transpose) once per weights version; the bf16 weight and bias when
-  // a GEMM takes them.
+  // The FP8 weight (and its transpose) once per weights version; the weight in the activation dtype
+  // and the bf16 bias when a GEMM takes them. The weight is FP32, F16 (O1/O2) or already E4M3 (O3:
+  // only its transpose is made).
   void refresh_copies(const Step& step, const Plan& p, fp8_dtype_t act) {
     const uint64_t version = weights_version(step);
     Backend& be = step.backend;
+    const fp8_tensor& w = *params_[0].value;
+    const int64_t n = out_ * in_;
     const bool w8 = p.fprop || (step.training && p.dgrad);
     if (w8 && fp8_weight_version_ != version) {
       float* si = w_si_.ensure<float>(sizeof(float));
-      QuantizeJob q{};
-      q.in = params_[0].value->data;
-      q.in_dtype = FP8_DTYPE_F32;
-      q.rows = out_;
-      q.cols = in_;
-      q.out = qw_.ensure<uint8_t>(static_cast<size_t>(out_ * in_));
-      q.out_t = qwt_.ensure<uint8_t>(static_cast<size_t>(out_ * in_));
-      q.e5m2 = false;
-      q.state = s_w_->state;
-      s_w_->pending = true;
-      q.out_scale_inv = si;
-      q.out_t_scale_inv = si;
-      be.quantize(q);
+      uint8_t* qwt = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
+      if (w.dtype == FP8_DTYPE_E4M3) {
+        be.transpose({static_cast<const uint8_t*>(w.data), out_, in_, qwt, w.scale_inv, si});
+      } else {
+        QuantizeJob q{};
+        q.in = w.data;
+        q.in_dtype = w.dtype;
+        q.rows = out_;
+        q.cols = in_;
+        q.out = qw_.ensure<uint8_t>(static_cast<size_t>(n));
+        q.out_t = qwt;
+        q.e5m2 = false;
+        q.state = s_w_->state;
+        s_w_->pending = true;
+        q.out_scale_inv = si;
+        q.out_t_scale_inv = si;
+        be.quantize(q);
+      }
       fp8_weight_version_ = version;
     }
-    const bool hp_weight = act == FP8_DTYPE_BF16 && (!p.fprop || (step.training && !p.dgrad));
+    const bool hp_weight = (act != w.dtype) && (!p.fprop || (step.training && !p.dgrad));
+    if (hp_weight && (hp_weight_version_ != version || hp_weight_dtype_ != act)) {
+      void* out = w_hp_.ensure(static_cast<size_t>(n) * dtype_size(act));
+      if (dtype_is_fp8(w.dtype)) be.dequantize({static_cast<const uint8_t*>(w.data), false, w.scale_inv, out, act, n});
+      else be.convert({w.data, w.dtype, out, act, n});
+      hp_weight_version_ = version;
+      hp_weight_dtype_ = act;
+    }
     const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);
-    if ((hp_weight && bf16_weight_version_ != version) || (bf16_bias && bf16_bias_version_ != version)) {
-      if (hp_weight) {
-        be.convert({params_[0].value->data, FP8_DTYPE_F32, w_bf16_.ensure(static_cast<size_t>(out_ * in_) * 2),
-                    FP8_DTYPE_BF16, out_ * in_});
-        bf16_weight_version_ = version;
-      }
-      if (bf16_bias) {
-        be.convert({params_[1].value->data, FP8_DTYPE_F32, b_bf16_.ensure(static_cast<size_t>(out_) * 2), FP8_DTYPE_BF16,
-                    out_});
-        bf16_bias_version_ = version;
-      }
+    if (bf16_bias && bf16_bias_version_ != version) {
+      be.convert({params_[1].value->data, FP8_DTYPE_F32, b_bf16_.ensure(static_cast<size_t>(out_) * 2), FP8_DTYPE_BF16,
+                  out_});
+      bf16_bias_version_ = version;
     }
   }
 
-  const void* weight_in(fp8_dtype_t act) { return act == FP8_DTYPE_F32 ? params_[0].value->data : w_bf16_.ensure(0); }
+  const void* weight_in(fp8_dtype_t act) {
+    const fp8_tensor& w = *params_[0].value;
+    return w.dtype == act ? w.data : w_hp_.ensure(0);
+  }
+  const uint8_t* fp8_weight() {
+    const fp8_tensor& w = *params_[0].value;
+    return w.dtype == FP8_DTYPE_E4M3 ? static_cast<const uint8_t*>(w.data) : qw_.ensure<uint8_t>(0);
+  }
 
   int64_t in_, out_;
   bool bias_;
   Recipe recipe_;
   std::unique_ptr<fp8_scaling> s_x_, s_w_, s_dy_;
   DeviceBuffer qw_, qwt_, w_si_;  // FP8 weight, its transpose, their scale_inv
-  DeviceBuffer w_bf16_, b_bf16_;
-  uint64_t fp8_weight_version_ = kNever, bf16_weight_version_ = kNever, bf16_bias_version_ = kNever;
+  DeviceBuffer w_hp_, b_bf16_;  // the weight in the activation dtype (when the value is not), the bf16 bias
+  uint64_t fp8_weight_version_ = kNever, hp_weight_version_ = kNever, bf16_bias_version_ = kNever;
+  fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;
   DeviceBuffer qx_, qxt_, x_si_, x_hp_;   // forward -> backward
   DeviceBuffer qdy_, qdyt_, dy_si_, partials_;
   Saved saved_;

@@ -47,7 +47,8 @@ const Layer& layer_at(const fp8_model& m, int32_t id) { return layer_at(const_ca
 Step make_step(fp8_model& m) {
   const Recipe* r = m.recipe ? &*m.recipe : nullptr;
   const bool fp8 = r && m.autocast && (m.training || r->get(FP8_RECIPE_USE_AUTOCAST_DURING_EVAL));
-  return Step{*m.backend, r, fp8, m.training, m.weights_version};
+  if (!m.wgrad_scratch) m.wgrad_scratch = std::make_unique<DeviceBuffer>(m.backend);
+  return Step{*m.backend, r, fp8, m.training, m.weights_version, m.wgrad_scratch.get()};
 }
 
 void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
@@ -217,7 +218,10 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
 
 void zero_grad(fp8_model& m) {
   for (auto& l : m.layers)
-    for (Parameter& p : l->parameters()) m.backend->zero(p.grad->data, p.grad->nbytes());
+    for (Parameter& p : l->parameters()) {
+      m.backend->zero(p.grad->data, p.grad->nbytes());
+      if (dtype_is_fp8(p.grad->dtype)) m.backend->zero(p.grad_scales(), sizeof(GradScales));  // "nothing yet"
+    }
 }
 
 Parameter* find_parameter(fp8_model& m, const std::string& full_name) {

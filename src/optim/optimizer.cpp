@@ -1,14 +1,21 @@
 #include "optim/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/error.hpp"
+#include "core/objects.hpp"
 #include "nn/model.hpp"
 
 fp8_optimizer::~fp8_optimizer() {
+  if (model && model->weight_owner == this) model->weight_owner = nullptr;
   backend->release(tables);
   backend->release(states);
+  backend->release(states_m8);
+  backend->release(states_v16);
+  backend->release(masters);
+  backend->release(scales);
   backend->release(partials);
   backend->release(scalars);
 }
@@ -48,33 +55,53 @@ const AttrSpec& spec(fp8_optimizer_attr_t attr) {
   return kAttrs[attr];
 }
 
-constexpr int64_t kStateAlign = 4;  // floats: each tensor's state slice starts 16-byte aligned
+constexpr int64_t kStateAlign = 16;  // elements: every state slice starts 16-byte aligned, whatever its type
 int64_t aligned(int64_t n) { return (n + kStateAlign - 1) / kStateAlign * kStateAlign; }
 
 bool needs_states(const fp8_optimizer& o) {
   return o.kind != FP8_OPTIMIZER_SGD || o.attrs[FP8_OPTIM_MOMENTUM] > 0.0;
 }
 
-// Allocates the states (zeroed) when the kind needs them now, and (re)writes the device tables.
-void build_tables(fp8_optimizer& o) {
+// Allocates m (and v) in each tensor's layout, zeroed, when the kind needs them now.
+void allocate_states(fp8_optimizer& o) {
   Backend& be = *o.backend;
-  if (!o.states && needs_states(o)) {
-    const int per = o.kind == FP8_OPTIMIZER_SGD ? 1 : 2;
-    int64_t floats = 0;
-    for (const OptimTensor& t : o.tensors) floats += per * aligned(t.n);
-    o.state_bytes = static_cast<size_t>(floats) * sizeof(float);
-    o.states = static_cast<float*>(be.allocate(o.state_bytes));
-    be.zero(o.states, o.state_bytes);
-    float* next = o.states;
-    for (OptimTensor& t : o.tensors) {
-      t.m = next;
-      next += aligned(t.n);
-      if (per == 2) {
-        t.v = next;
-        next += aligned(t.n);
-      }
+  const int per = o.kind == FP8_OPTIMIZER_SGD ? 1 : 2;
+  int64_t floats = 0, m8 = 0, v16 = 0;
+  for (const OptimTensor& t : o.tensors) {
+    if (t.layout <= kLayoutO1) floats += per * aligned(t.n);
+    else m8 += aligned(t.n), v16 += aligned(t.n);
+  }
+  o.states = static_cast<float*>(be.allocate(static_cast<size_t>(floats) * sizeof(float)));
+  o.states_m8 = static_cast<uint8_t*>(be.allocate(static_cast<size_t>(m8)));
+  o.states_v16 = static_cast<uint16_t*>(be.allocate(static_cast<size_t>(v16) * sizeof(uint16_t)));
+  be.zero(o.states, static_cast<size_t>(floats) * sizeof(float));
+  be.zero(o.states_m8, static_cast<size_t>(m8));
+  be.zero(o.states_v16, static_cast<size_t>(v16) * sizeof(uint16_t));
+  float* f = o.states;
+  uint8_t* b = o.states_m8;
+  uint16_t* h = o.states_v16;
+  o.state_bytes = 0;
+  for (OptimTensor& t : o.tensors) {
+    if (t.layout <= kLayoutO1) {
+      t.m = f;
+      f += aligned(t.n);
+      if (per == 2) t.v = f, f += aligned(t.n);
+      o.state_bytes += static_cast<size_t>(per * t.n) * sizeof(float);
+    } else {
+      t.m = b;
+      t.v = h;
+      b += aligned(t.n);
+      h += aligned(t.n);
+      o.state_bytes += static_cast<size_t>(t.n) * 3;
     }
   }
+}
+
+bool has_states(const fp8_optimizer& o) { return o.states || o.states_m8; }
+
+// (Re)writes the device tables from the host copies.
+void upload_tables(fp8_optimizer& o) {
+  Backend& be = *o.backend;
   const size_t tensor_bytes = o.tensors.size() * sizeof(OptimTensor);
   const size_t chunk_offset = (tensor_bytes + 15) / 16 * 16;
   const size_t bytes = chunk_offset + o.chunks.size() * sizeof(OptimChunk);
@@ -87,34 +114,167 @@ void build_tables(fp8_optimizer& o) {
   if (bytes) be.copy_from_host(o.tables, host.data(), bytes);
 }
 
+// Values + masters + gradients + m + v of every tensor, as stored.
+size_t training_bytes(const fp8_optimizer& o, const fp8_model& m) {
+  size_t total = o.state_bytes;
+  for (const auto& layer : m.layers)
+    for (const nn::Parameter& p : layer->parameters()) total += p.value->nbytes() + p.grad->nbytes();
+  for (const OptimTensor& t : o.tensors)
+    if (t.master) total += static_cast<size_t>(t.n) * sizeof(uint16_t);
+  return total;
+}
+
+// Moves a Linear weight from FP32 to `layout`: the value to F16 (O1/O2) or E4M3 with an F16 master
+// (O3), the gradient (what it holds so far included) to FP8 in the recipe's gradient format, and
+// the scales' starting amax. `master` is the tensor's slice (O3), `scales` its CompactScales.
+void convert_weight(Backend& be, const std::shared_ptr<Backend>& owner, nn::Parameter& p, int32_t layout,
+                    fp8_dtype_t grad_dtype, uint16_t* master, CompactScales* scales) {
+  const fp8_tensor& old = *p.value;
+  const int64_t n = old.numel;
+  auto grad = make_tensor(owner, grad_dtype, old.ndim, old.shape, false, nullptr, sizeof(GradScales));
+  be.zero(grad->data, scale_inv_offset(grad->nbytes()) + sizeof(GradScales));
+  be.grad_accumulate({static_cast<uint8_t*>(grad->data), grad_dtype == FP8_DTYPE_E5M2,
+                      static_cast<const float*>(p.grad->data), n, reinterpret_cast<GradScales*>(grad->scale_inv)});
+  be.zero(scales, sizeof(CompactScales));
+  std::unique_ptr<fp8_tensor> value;
+  if (layout != kLayoutO3) {
+    value = make_tensor(owner, FP8_DTYPE_F16, old.ndim, old.shape, false, nullptr);
+    be.convert({old.data, FP8_DTYPE_F32, value->data, FP8_DTYPE_F16, n});
+    be.amax({value->data, FP8_DTYPE_F16, n, &scales->p_amax, nullptr});
+  } else {
+    be.convert({old.data, FP8_DTYPE_F32, master, FP8_DTYPE_F16, n});
+    be.amax({master, FP8_DTYPE_F16, n, &scales->p_amax, nullptr});
+    // The first FP8 weight: the master scaled by its own amax, as the later steps do (promote_compact).
+    float p_amax = 0.0f;
+    be.copy_to_host(&p_amax, &scales->p_amax, sizeof p_amax);
+    const float w_scale = bound_scale(448.0, p_amax);
+    struct {
+      ScalingHeader header;
+      float history[4];
+    } state{};
+    state.header.scale = w_scale;
+    state.header.scale_inv = 1.0f / w_scale;
+    void* dev_state = be.allocate(sizeof state);
+    value = make_tensor(owner, FP8_DTYPE_E4M3, old.ndim, old.shape, false, nullptr);
+    try {
+      be.copy_from_host(dev_state, &state, sizeof state);
+      QuantizeJob q{};
+      q.in = master;
+      q.in_dtype = FP8_DTYPE_F16;
+      q.rows = 1;
+      q.cols = n;
+      q.out = static_cast<uint8_t*>(value->data);
+      q.state = static_cast<ScalingHeader*>(dev_state);
+      q.out_scale_inv = value->scale_inv;
+      if (n > 0) be.quantize(q);
+      be.synchronize();
+    } catch (...) {
+      be.release(dev_state);
+      throw;
+    }
+    be.release(dev_state);
+  }
+  be.synchronize();  // the FP32 tensors are released below
+  p.value = std::move(value);
+  p.grad = std::move(grad);
+}
+
 }  // namespace
+
+int32_t resolve_level(const fp8_model& model, fp8_optimizer_kind_t kind) {
+  if (!model.recipe) return 0;
+  const int64_t backend = model.recipe->get(FP8_RECIPE_BACKEND);
+  if (backend == FP8_BACKEND_TE) return 0;
+  const int32_t level = static_cast<int32_t>(model.recipe->get(FP8_RECIPE_OPT_LEVEL));
+  // auto: the highest level up to opt_level the kind can run (SGD has no moments for O2/O3).
+  if (backend == FP8_BACKEND_AUTO && kind == FP8_OPTIMIZER_SGD) return std::min(level, int32_t{kLayoutO1});
+  return level;
+}
 
 std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_kind_t kind) {
   if (kind < FP8_OPTIMIZER_SGD || kind > FP8_OPTIMIZER_ADAMW)
     fail(FP8_ERR_INVALID_ARGUMENT, "kind = ", kind, "; expected FP8_OPTIMIZER_SGD (0), ADAM (1) or ADAMW (2)");
+  const int32_t level = resolve_level(model, kind);
+  if (level >= kLayoutO2 && kind == FP8_OPTIMIZER_SGD)
+    fail(FP8_ERR_UNSUPPORTED, "the model's recipe asks for MS-AMP level ", layout_name(level),
+         ", which keeps Adam's moments in FP8 and F16; SGD has none: use Adam/AdamW, opt_level=O1, backend=auto (O1 for "
+         "SGD) or backend=te");
+  if (model.weight_owner)
+    fail(FP8_ERR_INVALID_STATE, "another optimizer holds this model's Linear weights at ", layout_name(model.weight_level),
+         "; destroy it before creating a new one");
+  if (model.weight_level != 0 && model.weight_level != level)
+    fail(FP8_ERR_INVALID_STATE, "the model's Linear weights are stored at ", layout_name(model.weight_level),
+         " by an earlier optimizer, but its recipe asks for ", layout_name(level),
+         "; create the optimizer with the same backend and opt_level");
   auto o = std::make_unique<fp8_optimizer>();
   o->backend = model.backend;
   o->model = &model;
   o->kind = kind;
+  o->level = level;
   for (int a = 0; a < FP8_OPTIM_ATTR_COUNT; ++a) o->attrs[a] = kAttrs[a].defaults[kind];
-  for (auto& layer : model.layers) {
-    for (nn::Parameter& p : layer->parameters()) {
-      const int32_t index = static_cast<int32_t>(o->tensors.size());
-      o->tensors.push_back({static_cast<float*>(p.value->data), static_cast<const float*>(p.grad->data), nullptr,
-                            nullptr, p.value->numel});
-      for (int64_t off = 0; off < p.value->numel; off += kOptimChunk)
-        o->chunks.push_back({index, static_cast<int32_t>(std::min(kOptimChunk, p.value->numel - off)), off});
-      o->numel += p.value->numel;
-    }
-  }
-  if (o->tensors.empty())
+
+  std::vector<nn::Parameter*> params;
+  for (auto& layer : model.layers)
+    for (nn::Parameter& p : layer->parameters()) params.push_back(&p);
+  if (params.empty())
     fail(FP8_ERR_INVALID_ARGUMENT, "the model has no parameters to optimise; add layers before fp8_optimizer_create");
+  auto layout_of = [&](const nn::Parameter& p) { return p.linear_weight ? level : kLayoutF32; };
+  int64_t compact = 0, master_elems = 0;
+  for (const nn::Parameter* p : params) {
+    if (layout_of(*p) != kLayoutF32) ++compact;
+    if (layout_of(*p) == kLayoutO3) master_elems += aligned(p->value->numel);
+  }
+  Backend& be = *o->backend;
+  o->scales = static_cast<CompactScales*>(be.allocate(static_cast<size_t>(compact) * sizeof(CompactScales)));
+  o->masters = static_cast<uint16_t*>(be.allocate(static_cast<size_t>(master_elems) * sizeof(uint16_t)));
+  const fp8_dtype_t grad_dtype = model.recipe ? model.recipe->dtype_for(FP8_ROLE_BACKWARD) : FP8_DTYPE_E5M2;
+  CompactScales* next_scales = o->scales;
+  uint16_t* next_master = o->masters;
+  for (nn::Parameter* p : params) {
+    const int32_t layout = layout_of(*p);
+    OptimTensor t{};
+    t.n = p->value->numel;
+    t.layout = layout;
+    if (layout != kLayoutF32) {
+      t.scales = next_scales++;
+      if (layout == kLayoutO3) t.master = next_master, next_master += aligned(t.n);
+      if (p->value->dtype == FP8_DTYPE_F32) {
+        convert_weight(be, o->backend, *p, layout, grad_dtype, t.master, t.scales);
+      } else {  // stored at this level by an earlier optimizer: start the states afresh from it
+        be.zero(t.scales, sizeof(CompactScales));
+        if (layout == kLayoutO3) {
+          be.dequantize({static_cast<const uint8_t*>(p->value->data), false, p->value->scale_inv, t.master,
+                         FP8_DTYPE_F16, t.n});
+          be.amax({t.master, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
+        } else {
+          be.amax({p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
+        }
+      }
+      t.grad_scales = p->grad_scales();
+      t.grad_e5m2 = p->grad->dtype == FP8_DTYPE_E5M2;
+      if (layout == kLayoutO3) t.w_scale_inv = p->value->scale_inv;
+    }
+    t.param = p->value->data;
+    t.grad = p->grad->data;
+    const int32_t index = static_cast<int32_t>(o->tensors.size());
+    o->tensors.push_back(t);
+    for (int64_t off = 0; off < t.n; off += kOptimChunk)
+      o->chunks.push_back({index, static_cast<int32_t>(std::min(kOptimChunk, t.n - off)), off});
+    o->numel += t.n;
+  }
+  if (level != 0) {
+    model.weight_level = level;
+    model.weight_owner = o.get();
+    ++model.weights_version;  // the layers remake their weight copies from the new storage
+  }
   o->parameter_count = static_cast<int32_t>(o->tensors.size());
-  build_tables(*o);
-  o->partials = static_cast<double*>(o->backend->allocate(o->chunks.size() * sizeof(double)));
-  o->scalars = static_cast<OptimScalars*>(o->backend->allocate(sizeof(OptimScalars)));
+  if (needs_states(*o)) allocate_states(*o);
+  upload_tables(*o);
+  o->partials = static_cast<double*>(be.allocate(o->chunks.size() * sizeof(double)));
+  o->scalars = static_cast<OptimScalars*>(be.allocate(sizeof(OptimScalars)));
   const OptimScalars zero{};
-  o->backend->copy_from_host(o->scalars, &zero, sizeof zero);
+  be.copy_from_host(o->scalars, &zero, sizeof zero);
+  o->training_bytes = training_bytes(*o, model);
   return o;
 }
 
@@ -148,7 +308,11 @@ void step(fp8_optimizer& o) {
   if (count != static_cast<size_t>(o.parameter_count))
     fail(FP8_ERR_INVALID_STATE, "the model has ", count, " parameters, but had ", o.parameter_count,
          " when the optimizer was made; create a new optimizer after adding layers");
-  if (!o.states && needs_states(o)) build_tables(o);  // SGD's momentum buffer, on first use
+  if (!has_states(o) && needs_states(o)) {  // SGD's momentum buffer, on first use
+    allocate_states(o);
+    upload_tables(o);
+    o.training_bytes = training_bytes(o, m);
+  }
   OptimHyper h{o.kind,
                o.attrs[FP8_OPTIM_LR],
                o.attrs[FP8_OPTIM_BETA1],
@@ -157,7 +321,7 @@ void step(fp8_optimizer& o) {
                o.attrs[FP8_OPTIM_WEIGHT_DECAY],
                o.attrs[FP8_OPTIM_MOMENTUM],
                o.attrs[FP8_OPTIM_MAX_GRAD_NORM]};
-  o.backend->optimizer_step({o.device_tensors, o.device_chunks, static_cast<int64_t>(o.chunks.size()), o.partials,
+  o.backend->optimizer_step({o.device_tensors, static_cast<int64_t>(o.tensors.size()), o.device_chunks, static_cast<int64_t>(o.chunks.size()), o.partials,
                              o.scalars, h});
   ++m.weights_version;  // the layers remake their FP8 and bf16 weight copies at the next forward
 }
@@ -172,6 +336,8 @@ fp8_optimizer_stats_t stats(const fp8_optimizer& o) {
   r.last_grad_norm = s.grad_norm;
   r.parameters = o.numel;
   r.state_bytes = static_cast<int64_t>(o.state_bytes);
+  r.opt_level = o.level;
+  r.training_bytes = static_cast<int64_t>(o.training_bytes);
   return r;
 }
 

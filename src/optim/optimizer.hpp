@@ -1,6 +1,11 @@
 // The optimizer behind fp8_optimizer_t: the hyper-parameters (with their ranges in one table), the
-// device tables that list every parameter in chunks, the states, and the step (core/optim_rule.hpp
-// holds the numerics both backends follow).
+// opt level and the storage it gives each parameter, the device tables that list every parameter
+// in chunks, the states, and the step (core/optim_rule.hpp holds the numerics both backends follow).
+//
+// State layout (ready to be sharded over ranks by ranges of chunks): each kind of state is one flat
+// allocation with a 16-element-aligned slice per tensor — FP32 m/v (te layout, biases and norms at
+// every level, O1's weights), E4M3 m and F16 v (O2/O3), F16 masters (O3) — plus one CompactScales
+// per Linear weight.
 #pragma once
 
 #include <memory>
@@ -15,6 +20,7 @@ struct fp8_optimizer {
   std::shared_ptr<fp8::Backend> backend;
   fp8_model* model = nullptr;
   fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM;
+  int32_t level = 0;  // 0: te (FP32 everything); 1..3: MS-AMP O1..O3 for the Linear weights
   double attrs[FP8_OPTIM_ATTR_COUNT] = {};
   int32_t parameter_count = 0;  // the model's when the optimizer was made
   int64_t numel = 0;
@@ -23,8 +29,14 @@ struct fp8_optimizer {
   void* tables = nullptr;  // device: tensors, then chunks
   const fp8::OptimTensor* device_tensors = nullptr;  // into tables
   const fp8::OptimChunk* device_chunks = nullptr;
-  float* states = nullptr;  // device: each tensor's m (and v), 16-byte aligned slices
-  size_t state_bytes = 0;
+  // The flat state allocations (see above); nullptr where no tensor has that state.
+  float* states = nullptr;      // FP32 m (and v)
+  uint8_t* states_m8 = nullptr;
+  uint16_t* states_v16 = nullptr;
+  uint16_t* masters = nullptr;
+  fp8::CompactScales* scales = nullptr;
+  size_t state_bytes = 0;     // m and v, as stored
+  size_t training_bytes = 0;  // values + masters + gradients + m + v, as stored
   double* partials = nullptr;
   fp8::OptimScalars* scalars = nullptr;
 
@@ -36,6 +48,14 @@ struct fp8_optimizer {
 
 namespace fp8::optim {
 
+// The level a model's recipe gives an optimizer of `kind`: 0 (te) for an unconverted model or
+// backend te; the recipe's opt_level for backend msamp; for auto (which prefers MS-AMP, as
+// Accelerate documents) the same, capped at O1 for SGD, which has no moments to keep in FP8.
+int32_t resolve_level(const fp8_model& model, fp8_optimizer_kind_t kind);
+
+// Makes the optimizer; at O1..O3 converts the model's Linear weights (values and gradients) to the
+// level's storage. Refuses (FP8_ERR_UNSUPPORTED) a level the kind cannot run and a second optimizer
+// over weights another one holds (FP8_ERR_INVALID_STATE).
 std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_kind_t kind);
 // Throws FP8_ERR_INVALID_ARGUMENT naming the attribute and its range.
 void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value);
