@@ -631,9 +631,13 @@ FP8_API fp8_status_t fp8_model_find_layer(const fp8_model_t *model, const char *
 FP8_API fp8_status_t fp8_model_layer_name(const fp8_model_t *model, int32_t layer_id, const char **name);
 
 /** The parameter "<layer>.<param>" ("fc1.weight", "fc1.bias", "ln.gamma", "ln.beta"). [out] value,
- *  grad (either may be NULL): borrowed FP32 tensors, valid while the model lives. Writing a value
- *  with fp8_tensor_copy_from_host is seen by the layer; after writing one any other way (your own
- *  optimizer kernel), call fp8_model_weights_changed. */
+ *  grad (either may be NULL): borrowed tensors, valid while the model lives (until an optimizer at
+ *  O1..O3 converts a Linear weight: fetch them again after fp8_optimizer_create). They are FP32,
+ *  except a Linear weight under an MS-AMP level (see "Optimizer"): value F16 (O1/O2) or E4M3 (O3),
+ *  grad E5M2 (HYBRID) or E4M3 with its scale_inv. Writing a value with fp8_tensor_copy_from_host is
+ *  seen by the layer; after writing one any other way (your own optimizer kernel), call
+ *  fp8_model_weights_changed. At O3 write the weights before creating the optimizer (its F16 master
+ *  is the weight from then on). Add to a gradient with fp8_model_accumulate_grad. */
 FP8_API fp8_status_t fp8_model_parameter(fp8_model_t *model, const char *name, fp8_tensor_t **value,
                                          fp8_tensor_t **grad);
 /** Parameters in a fixed order (layers in order, then weight, bias / gamma, beta): [out] name
@@ -644,6 +648,11 @@ FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t *model, int32_t index, c
 /** Tells the model its weights changed outside libfp8: the FP8 (and bf16) weight copies are remade
  *  at the next forward. */
 FP8_API fp8_status_t fp8_model_weights_changed(fp8_model_t *model);
+/** grad[index] += g, whatever the gradient's storage: an FP32 gradient adds g; an FP8 one (O1..O3)
+ *  requantises the sum in one pass, as the Linear's backward does (for gradients computed outside
+ *  libfp8, or a custom layer's). [in] g: an F32 tensor of the parameter's element count on the
+ *  model's device. Asynchronous. */
+FP8_API fp8_status_t fp8_model_accumulate_grad(fp8_model_t *model, int32_t index, const fp8_tensor_t *g);
 /** Sets every gradient to zero. Asynchronous. */
 FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t *model);
 /** training = 1 (the default) or 0 (eval: no FP8 unless use_autocast_during_eval; a forward keeps
@@ -760,10 +769,43 @@ FP8_API fp8_status_t fp8_model_report(const fp8_model_t *model, char *buf, size_
 /* ---------------------------------------------------------------------------------------------
  * Optimizer
  *
- * Updates every parameter of a model from its gradient, with FP32 master weights (the parameters
- * themselves) and FP32 states: Accelerate's "te" level. One step is a few launches on the
+ * Updates every parameter of a model from its gradient. One step is a few launches on the
  * context's stream and never waits for the GPU: the gradient norm, the clipping factor, the
- * non-finite check, the step count and the bias corrections all stay in device memory.
+ * non-finite check, the step count, the bias corrections and every per-tensor scale stay in device
+ * memory.
+ *
+ * Levels. fp8_optimizer_create reads the model's recipe (fp8_convert_model) and picks how the
+ * Linear weights and their training state are stored (biases and norm parameters are FP32 with
+ * FP32 states at every level, as in MS-AMP):
+ *
+ *   level  chosen by                          weight         master  gradient  Adam m    Adam v       bytes/param
+ *   te     unconverted model, backend=te      FP32           -       FP32      FP32      FP32         16
+ *   O1     backend=msamp (or auto), O1        F16            -       FP8       FP32      FP32         11
+ *   O2     backend=msamp (or auto), O2        F16            -       FP8       E4M3      F16, scaled   6
+ *   O3     backend=msamp (or auto), O3        E4M3           F16     FP8       E4M3      F16, scaled   7
+ *
+ * backend=auto (the default) prefers MS-AMP, as Accelerate documents, capped at O1 for SGD (which
+ * has no moments to keep in FP8); backend=msamp with O2/O3 and SGD is refused (FP8_ERR_UNSUPPORTED).
+ * At O1..O3 the optimizer converts the weights when it is made (the values rounded to F16, an
+ * accumulated gradient carried over): fetch parameter tensors again afterwards. Its numerics:
+ *  - FP8 gradients (E5M2 under HYBRID, E4M3 under E4M3) have one scale per tensor. Each backward
+ *    (micro-batch) adds its dW by requantising the sum in one pass with scale = fp8_max /
+ *    (amax(stored) + amax(dW)), a bound known before the pass; an inf or NaN in dW makes the
+ *    whole gradient decode as NaN until zero_grad, so the step is skipped.
+ *  - m (E4M3) and v (F16) have one scale per tensor, chosen before the update pass from a bound on
+ *    the new values (b1 amax(m) + (1-b1) amax(g'), b2 amax(v) + (1-b2) amax(g')^2), so one pass
+ *    reads and writes every state and nothing saturates; v's scale lifts small values out of F16's
+ *    subnormal range.
+ *  - The update is the formula below on the decoded values, in float, then rounded back to each
+ *    state's type. At O3 the F16 master is updated and the E4M3 weight written in the same pass
+ *    with the scale of the master's amax at the previous step (delayed, as TransformerEngine
+ *    scales weights): a weight that grew past it saturates there for one step; the master never does.
+ *  - The CPU reference and the GPU give the same bits at every level. fp8_optimizer_get_stats
+ *    reports the level and the bytes each level keeps (training_bytes).
+ * The state is laid out for sharding: each kind of state is one flat array with a 16-element
+ * aligned slice per tensor, so a rank can own a range of it.
+ *
+ * The update ("te": the parameters are the FP32 masters):
  *
  *   SGD:   g' = g + wd p;  b = momentum b + g' (b = g' when momentum is 0);  p -= lr b
  *   Adam:  g' = g + wd p;  m = b1 m + (1-b1) g';  v = b2 v + (1-b2) g'^2

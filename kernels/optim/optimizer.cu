@@ -226,6 +226,12 @@ __global__ void __launch_bounds__(kAccThreads)
   }
 }
 
+__global__ void __launch_bounds__(kAccThreads) add_f32_kernel(float* dst, const float* __restrict__ add, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kAccThreads)
+    dst[i] = __fadd_rn(dst[i], add[i]);
+}
+
 __global__ void grad_sum_finish_kernel(GradScales* scales, bool e5m2) { grad_sum_finish(*scales, e5m2); }
 
 }  // namespace
@@ -245,6 +251,13 @@ void optimizer_step(const OptimizerStepJob& job, cudaStream_t stream) {
 }
 
 void grad_accumulate(const GradAccumulateJob& job, const LaunchLimits& lim, cudaStream_t stream) {
+  if (!job.codes) {
+    if (job.n <= 0) return;
+    const int grid = static_cast<int>(std::min<int64_t>((job.n + kAccThreads - 1) / kAccThreads, lim.sm_count * 8LL));
+    add_f32_kernel<<<grid, kAccThreads, 0, stream>>>(job.f32, job.add, job.n);
+    cuda_check(cudaGetLastError(), "gradient add kernel launch");
+    return;
+  }
   amax({job.add, FP8_DTYPE_F32, job.n, &job.scales->add_amax, nullptr}, lim, stream);
   if (job.n > 0) {
     const int64_t want = (job.n / 4 + kAccThreads - 1) / kAccThreads + 1;

@@ -153,18 +153,29 @@ FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t* model, int32_t index, c
                                             fp8_tensor_t** value, fp8_tensor_t** grad) {
   return guard("fp8_model_parameter_at", [&] {
     require_arg(model, "model");
-    int64_t seen = 0;
-    for (auto& l : model->layers) {
-      for (fp8::nn::Parameter& p : l->parameters()) {
-        if (seen++ != index) continue;
-        if (name) *name = p.name.c_str();
-        if (value) *value = p.value.get();
-        if (grad) *grad = p.grad.get();
-        return;
-      }
-    }
-    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "index = ", index, "; expected 0..", seen - 1, " (the model has ", seen,
-              " parameters)");
+    fp8::nn::Parameter& p = fp8::nn::parameter_at(*model, index);
+    if (name) *name = p.name.c_str();
+    if (value) *value = p.value.get();
+    if (grad) *grad = p.grad.get();
+  });
+}
+
+FP8_API fp8_status_t fp8_model_accumulate_grad(fp8_model_t* model, int32_t index, const fp8_tensor_t* g) {
+  return guard("fp8_model_accumulate_grad", [&] {
+    require_arg(model, "model");
+    require_arg(g, "g");
+    fp8::nn::Parameter& p = fp8::nn::parameter_at(*model, index);
+    if (g->backend != model->backend)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "g belongs to another context (device ", g->backend->device(),
+                "); expected the model's (device ", model->backend->device(), ")");
+    if (g->dtype != FP8_DTYPE_F32)
+      fp8::fail(FP8_ERR_DTYPE, "g has dtype ", fp8::dtype_name(g->dtype), "; expected f32");
+    if (g->numel != p.grad->numel)
+      fp8::fail(FP8_ERR_SHAPE, "g has ", g->numel, " elements; parameter '", p.name, "' has ", p.grad->numel);
+    const bool fp8 = fp8::dtype_is_fp8(p.grad->dtype);
+    model->backend->grad_accumulate({fp8 ? static_cast<uint8_t*>(p.grad->data) : nullptr,
+                                     p.grad->dtype == FP8_DTYPE_E5M2, static_cast<const float*>(g->data), g->numel,
+                                     fp8 ? p.grad_scales() : nullptr, fp8 ? nullptr : static_cast<float*>(p.grad->data)});
   });
 }
 

@@ -58,6 +58,10 @@ void cpu_optimizer_step(const OptimizerStepJob& j) {
 }
 
 void cpu_grad_accumulate(const GradAccumulateJob& j) {
+  if (!j.codes) {
+    for (int64_t i = 0; i < j.n; ++i) j.f32[i] = add_rn(j.f32[i], j.add[i]);
+    return;
+  }
   GradScales& g = *j.scales;
   uint32_t add_amax = 0;
   for (int64_t i = 0; i < j.n; ++i) add_amax = std::max(add_amax, abs_bits(j.add[i]));

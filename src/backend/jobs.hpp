@@ -164,12 +164,14 @@ struct GemmJob {
 // Adds `add` (n floats) into an FP8 gradient in one requantising pass (core/optim_rule.hpp,
 // grad_sum_*): scales->add_amax = amax(add); codes = encode((decode(codes) * scale_inv + add) *
 // grad_sum_scale); then grad_sum_finish.
+// With codes == nullptr: f32[i] += add[i] (an FP32 gradient).
 struct GradAccumulateJob {
   uint8_t* codes;
   bool e5m2;
   const float* add;
   int64_t n;
   GradScales* scales;
+  float* f32 = nullptr;
 };
 
 // One optimizer step over every chunk of every tensor (core/optim_rule.hpp): the squared norm in

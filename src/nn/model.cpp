@@ -224,6 +224,14 @@ void zero_grad(fp8_model& m) {
     }
 }
 
+Parameter& parameter_at(fp8_model& m, int32_t index) {
+  int64_t seen = 0;
+  for (auto& l : m.layers)
+    for (Parameter& p : l->parameters())
+      if (seen++ == index) return p;
+  fail(FP8_ERR_INVALID_ARGUMENT, "index = ", index, "; expected 0..", seen - 1, " (the model has ", seen, " parameters)");
+}
+
 Parameter* find_parameter(fp8_model& m, const std::string& full_name) {
   for (auto& l : m.layers)
     for (Parameter& p : l->parameters())

@@ -92,6 +92,9 @@ class AutowrapRegion {
 // Sets every gradient to zero.
 void zero_grad(fp8_model& m);
 
+// The parameter at `index` in the model's order; FP8_ERR_INVALID_ARGUMENT naming the range otherwise.
+Parameter& parameter_at(fp8_model& m, int32_t index);
+
 // "<layer>.<param>" -> the parameter, or nullptr.
 Parameter* find_parameter(fp8_model& m, const std::string& full_name);
 

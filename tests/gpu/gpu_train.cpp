@@ -304,6 +304,128 @@ TEST(GpuOptimizer, NonFiniteGradientsSkipTheStepLikeTheCpuReference) {
 }
 
 // =================================================================================================
+// 2b. The MS-AMP levels: Linear weights in F16 / E4M3 + F16 master, FP8 gradients accumulated from
+// two micro-batches each step (fp8_model_accumulate_grad), FP8/F16 moments. Every stored byte —
+// values, gradient codes, scale_inv — and the stats are identical on the GPU and the CPU.
+// =================================================================================================
+
+// The raw bytes of a tensor (any dtype), and its scale_inv's bits for an FP8 one.
+std::vector<uint8_t> raw_bytes(const fp8_tensor_t* t) {
+  int64_t n = 0;
+  fp8_dtype_t dt = 0;
+  fp8_tensor_numel(t, &n);
+  fp8_tensor_dtype(t, &dt);
+  std::vector<uint8_t> bytes(static_cast<size_t>(n) * fp8_dtype_size(dt));
+  EXPECT_EQ(fp8_tensor_copy_to_host(t, bytes.data(), bytes.size()), FP8_OK) << fp8_last_error_message();
+  if (dt == FP8_DTYPE_E4M3 || dt == FP8_DTYPE_E5M2) {
+    float si = 0;
+    EXPECT_EQ(fp8_tensor_get_scale_inv(t, &si), FP8_OK) << fp8_last_error_message();
+    const uint32_t b = bits_of(si);
+    for (int k = 0; k < 4; ++k) bytes.push_back(static_cast<uint8_t>(b >> (8 * k)));
+  }
+  return bytes;
+}
+
+void expect_stored_identical(fp8_model_t* gpu, fp8_model_t* cpu, bool grads, const std::string& what) {
+  for (int32_t i = 0; i < param_count(gpu); ++i) {
+    const auto g = raw_bytes(param_at(gpu, i, grads)), c = raw_bytes(param_at(cpu, i, grads));
+    ASSERT_EQ(g.size(), c.size()) << what;
+    size_t first = g.size(), count = 0;
+    for (size_t k = 0; k < g.size(); ++k)
+      if (g[k] != c[k]) first = std::min(first, k), ++count;
+    EXPECT_EQ(count, 0u) << what << ": " << param_name(gpu, i) << (grads ? " gradient" : " value")
+                         << " differs in " << count << " of " << g.size() << " bytes, first at " << first;
+  }
+}
+
+struct LevelCase {
+  const char* label;
+  int32_t level;
+  fp8_optimizer_kind_t kind;
+  double momentum;
+};
+const LevelCase kLevelCases[] = {
+    {"O1 SGD momentum 0.9", FP8_OPT_O1, FP8_OPTIMIZER_SGD, 0.9},
+    {"O1 Adam", FP8_OPT_O1, FP8_OPTIMIZER_ADAM, 0.0},
+    {"O2 Adam (L2 weight decay)", FP8_OPT_O2, FP8_OPTIMIZER_ADAM, 0.0},
+    {"O2 AdamW", FP8_OPT_O2, FP8_OPTIMIZER_ADAMW, 0.0},
+    {"O3 AdamW", FP8_OPT_O3, FP8_OPTIMIZER_ADAMW, 0.0},
+};
+
+// Five steps of two micro-batches each, clipping on steps 1 and 3; step 2's second micro-batch has
+// an inf in big.weight's gradient, which poisons it: the step is skipped on both, and zero_grad
+// clears it.
+TEST(GpuOptimizerLevels, StepsAreBitIdenticalToTheCpuReference) {
+  for (const LevelCase& c : kLevelCases) {
+    SCOPED_TRACE(c.label);
+    Context gpu = make_context(0), cpu = make_context(FP8_DEVICE_CPU);
+    ASSERT_NE(gpu.get(), nullptr);
+    Model models[2] = {make_model(gpu.get()), make_model(cpu.get())};
+    Recipe recipe = make_recipe("backend=msamp");
+    FP8_ASSERT_OK(fp8_recipe_set_int(recipe.get(), FP8_RECIPE_OPT_LEVEL, c.level));
+    for (auto& m : models) {
+      ASSERT_NO_FATAL_FAILURE(add_awkward_layers(m.get()));
+      FP8_ASSERT_OK(fp8_convert_model(m.get(), recipe.get(), nullptr));
+    }
+    const int32_t n_params = param_count(models[0].get());
+    std::vector<int64_t> sizes;
+    for (int32_t i = 0; i < n_params; ++i) {
+      int64_t n = 0;
+      fp8_tensor_numel(param_at(models[0].get(), i, false), &n);
+      sizes.push_back(n);
+      const auto v = normal_floats(static_cast<size_t>(n), 700 + static_cast<uint32_t>(i), 0.0f, 0.2f);
+      for (auto& m : models) upload(param_at(m.get(), i, false), v);
+    }
+    std::vector<Optimizer> optims;
+    for (auto& m : models) {
+      optims.push_back(make_optimizer(m.get(), c.kind));
+      ASSERT_NE(optims.back().get(), nullptr);
+      FP8_ASSERT_OK(fp8_optimizer_set_float(optims.back().get(), FP8_OPTIM_WEIGHT_DECAY, 1e-2));
+      FP8_ASSERT_OK(fp8_optimizer_set_float(optims.back().get(), FP8_OPTIM_LR, 2e-3));
+      if (c.kind == FP8_OPTIMIZER_SGD)
+        FP8_ASSERT_OK(fp8_optimizer_set_float(optims.back().get(), FP8_OPTIM_MOMENTUM, c.momentum));
+    }
+    EXPECT_EQ(stats_of(optims[0].get()).opt_level, c.level);
+    fp8_dtype_t wdt = 0;
+    fp8_tensor_dtype(param_at(models[0].get(), 0, false), &wdt);
+    EXPECT_EQ(wdt, c.level == FP8_OPT_O3 ? FP8_DTYPE_E4M3 : FP8_DTYPE_F16);
+    expect_stored_identical(models[0].get(), models[1].get(), false, "after conversion");
+    int64_t applied = 0;
+    for (int s = 0; s < 5; ++s) {
+      const std::string what = std::string(c.label) + ", step " + std::to_string(s);
+      const auto before = raw_bytes(param_at(models[0].get(), 0, false));
+      for (int k = 0; k < 2; ++k) {
+        FP8_ASSERT_OK(fp8_optimizer_zero_grad(optims[k].get()));
+        for (int mb = 0; mb < 2; ++mb) {
+          for (int32_t i = 0; i < n_params; ++i) {
+            auto g = normal_floats(static_cast<size_t>(sizes[static_cast<size_t>(i)]),
+                                   static_cast<uint32_t>(900 + 97 * s + 13 * mb + i), 0.0f, kGradScale[i]);
+            if (s == 2 && mb == 1 && i == 0) g[g.size() / 2] = INFINITY;
+            Tensor t = make_tensor(k == 0 ? gpu.get() : cpu.get(), FP8_DTYPE_F32, {static_cast<int64_t>(g.size())});
+            upload(t.get(), g);
+            FP8_ASSERT_OK(fp8_model_accumulate_grad(models[k].get(), i, t.get()));
+          }
+        }
+        if (s == 1 || s == 3) FP8_ASSERT_OK(fp8_optimizer_set_float(optims[k].get(), FP8_OPTIM_MAX_GRAD_NORM, 1.0));
+        else FP8_ASSERT_OK(fp8_optimizer_set_float(optims[k].get(), FP8_OPTIM_MAX_GRAD_NORM, 0.0));
+        FP8_ASSERT_OK(fp8_optimizer_step(optims[k].get()));
+      }
+      if (s != 2) ++applied;
+      expect_stored_identical(models[0].get(), models[1].get(), true, what + " gradients");
+      expect_stored_identical(models[0].get(), models[1].get(), false, what + " values");
+      const fp8_optimizer_stats_t sg = stats_of(optims[0].get()), sc = stats_of(optims[1].get());
+      expect_stats_identical(sg, sc, what);
+      EXPECT_EQ(sg.steps, applied) << what;
+      EXPECT_EQ(sg.last_skipped, s == 2 ? 1 : 0) << what;
+      EXPECT_EQ(sg.training_bytes, sc.training_bytes) << what;
+      const auto after = raw_bytes(param_at(models[0].get(), 0, false));
+      if (s == 2) EXPECT_TRUE(after == before) << what << ": the skipped step changed big.weight";
+      else EXPECT_FALSE(after == before) << what << ": the step did not change big.weight";
+    }
+  }
+}
+
+// =================================================================================================
 // 3-4. Whole-model training: fc1 Linear(256->256) -> ln LayerNorm(256) -> gelu -> fc2 Linear(256->64).
 // The GELU hands its output to fc2 in E4M3 (fc2 runs FP8), so fc2's input state never records.
 // =================================================================================================
