@@ -37,13 +37,13 @@ if [ "${RUN_EXAMPLE:-1}" = 1 ]; then
   data=/usr/share/datasets/fashion-mnist
   [ -d "$data" ] || data=$PWD/.device/fashion-mnist
   build/device/examples/train_fashion_mnist --data "$data" --max-accuracy-gap 0.5 ${EXAMPLE_ARGS:-} 2>&1 |
-    tee "$OUT/fashion_mnist.log" | tail -22
+    tee "$OUT/fashion_mnist.log" | tail -30
 fi
 
 [ "${RUN_BENCH:-1}" = 1 ] || exit 0
-# BENCHES picks among quantize, gemm and linear (default: all); each has bench_<name>,
+# BENCHES picks among quantize, gemm, linear and optimizer (default: all); each has bench_<name>,
 # peer_<name>.py and report_<name>.py.
-BENCHES=${BENCHES:-quantize gemm linear}
+BENCHES=${BENCHES:-quantize gemm linear optimizer}
 for b in $BENCHES; do build/device/bench/bench_$b "$OUT/bench_$b.json" 2>&1 | tee -a "$OUT/run.log"; done
 [ "${RUN_PEER:-1}" = 1 ] || exit 0
 for b in $BENCHES; do

@@ -1,21 +1,26 @@
-/* Trains an MLP on Fashion-MNIST twice, in bf16 and in FP8, with libfp8 alone, and compares them.
+/* Trains an MLP on Fashion-MNIST in bf16 and in FP8 at each optimizer level, with libfp8 alone, and
+ * compares the runs.
  *
  *   784 -> fc1 -> LayerNorm -> GELU -> fc2 -> LayerNorm -> GELU -> fc3 -> 10 classes
  *
  * The data are the gzip IDX files of Debian's dataset-fashion-mnist package (read with zlib). The
  * loss (softmax cross-entropy) is computed here, on the host; everything else is libfp8: the model,
  * its whole-model forward and backward, the conversion to FP8 (TransformerEngine's delayed scaling,
- * HYBRID formats: E4M3 forward, E5M2 gradients), autocast regions, and AdamW with FP32 master
- * weights. Both runs start from the same weights and see the same batches.
+ * HYBRID formats: E4M3 forward, E5M2 gradients), autocast regions, and AdamW. The FP8 runs differ
+ * in how the optimizer keeps the Linear weights and their state (--levels): te (FP32 weights and
+ * states, 16 bytes per parameter), or MS-AMP's O1 (F16 weights, FP8 gradients), O2 (plus FP8/F16
+ * Adam moments) and O3 (plus FP8 weights with F16 masters). All runs start from the same weights
+ * and see the same batches.
  *
  * On a GPU that can run FP8 (sm_89+) it trains the full set; elsewhere it runs on libfp8's CPU
  * reference backend with a smaller model, batch and epoch count (and says so).
  *
  *   train_fashion_mnist [--data DIR] [--epochs N] [--batch N] [--hidden N] [--lr X] [--seed N]
  *                       [--train-limit N] [--test-limit N] [--cpu] [--max-accuracy-gap PP]
+ *                       [--levels te,O1,O2,O3]
  *
- * --max-accuracy-gap makes the program exit with status 2 when FP8's test accuracy is more than PP
- * percentage points below bf16's (the GPU suite uses it with 0.5). Missing data files make it exit
+ * --levels picks the FP8 runs (default: all four). --max-accuracy-gap makes the program exit with
+ * status 2 when an FP8 run's test accuracy is more than PP percentage points below bf16's (the GPU suite uses it with 0.5). Missing data files make it exit
  * with status 77 (which the test suite reports as skipped).
  */
 #include <fp8.h>
@@ -179,9 +184,21 @@ typedef struct {
 } settings_t;
 
 typedef struct {
-  double test_accuracy, final_loss, seconds_per_epoch, samples_per_second;
+  double test_accuracy, final_loss, seconds_per_epoch, samples_per_second, bytes_per_parameter;
   char report[8192];
 } result_t;
+
+/* The FP8 runs: a name for --levels and the table, and the recipe text that selects it. */
+typedef struct {
+  const char *name, *recipe;
+} level_t;
+static const level_t kLevels[] = {
+    {"te", "backend=te"},
+    {"O1", "backend=msamp, opt_level=O1"},
+    {"O2", "backend=msamp, opt_level=O2"},
+    {"O3", "backend=msamp, opt_level=O3"},
+};
+enum { LEVELS = sizeof kLevels / sizeof kLevels[0] };
 
 static fp8_model_t *build_model(fp8_context_t *ctx, const settings_t *s) {
   fp8_model_t *m = NULL;
@@ -239,9 +256,11 @@ static double evaluate(fp8_context_t *ctx, fp8_model_t *m, const dataset_t *test
   return 100.0 * (double)correct / (double)test->count;
 }
 
+/* One run: bf16 when level is NULL, else FP8 at that level. */
 static result_t train(fp8_context_t *ctx, const settings_t *s, const dataset_t *train_set, const dataset_t *test,
-                      int fp8) {
-  const char *label = fp8 ? "fp8 " : "bf16";
+                      const level_t *level) {
+  const int fp8 = level != NULL;
+  const char *label = fp8 ? level->name : "bf16";
   const int64_t b = s->batch, steps = train_set->count / s->batch; /* the last partial batch is dropped */
   fp8_model_t *m = build_model(ctx, s);
   fp8_optimizer_t *opt = NULL;
@@ -262,6 +281,7 @@ static result_t train(fp8_context_t *ctx, const settings_t *s, const dataset_t *
     fp8_recipe_t *recipe = NULL;
     CHECK(fp8_recipe_create(&recipe));
     CHECK(fp8_recipe_parse(recipe, "fp8_format=HYBRID, small_layer_fallback=0"));
+    CHECK(fp8_recipe_parse(recipe, level->recipe));
     CHECK(fp8_convert_model(m, recipe, NULL)); /* Linear, LayerNorm and activation layers */
     fp8_recipe_destroy(recipe);
   }
@@ -299,7 +319,7 @@ static result_t train(fp8_context_t *ctx, const settings_t *s, const dataset_t *
     accuracy = evaluate(ctx, m, test);
     r.final_loss = loss / (double)(steps * b);
     r.test_accuracy = accuracy;
-    printf("%s  epoch %d/%d  loss %.4f  train acc %5.2f%%  test acc %5.2f%%  %6.2f s  %8.0f samples/s\n", label,
+    printf("%-4s  epoch %d/%d  loss %.4f  train acc %5.2f%%  test acc %5.2f%%  %6.2f s  %8.0f samples/s\n", label,
            epoch, s->epochs, r.final_loss, 100.0 * (double)correct / (double)(steps * b), accuracy, seconds,
            (double)(steps * b) / seconds);
     fflush(stdout);
@@ -311,6 +331,7 @@ static result_t train(fp8_context_t *ctx, const settings_t *s, const dataset_t *
     fp8_optimizer_stats_init(&st);
     CHECK(fp8_optimizer_get_stats(opt, &st));
     if (st.skipped_steps) printf("%s  %lld steps skipped for non-finite gradients\n", label, (long long)st.skipped_steps);
+    r.bytes_per_parameter = (double)st.training_bytes / (double)st.parameters;
   }
   free(xh);
   free(yh);
@@ -347,8 +368,8 @@ int main(int argc, char **argv) {
   fp8_device_info_t info;
   fp8_context_t *ctx = NULL;
   dataset_t train_set, test;
-  result_t bf16, fp8;
-  int on_gpu;
+  result_t bf16, runs[LEVELS];
+  int on_gpu, chosen[LEVELS] = {1, 1, 1, 1}, failed = 0;
 
   for (i = 1; i < argc; ++i)
     if (strcmp(argv[i], "--cpu") == 0) force_cpu = 1;
@@ -374,7 +395,19 @@ int main(int argc, char **argv) {
     else if ((v = option(argc, argv, &i, "--train-limit"))) train_limit = atoll(v);
     else if ((v = option(argc, argv, &i, "--test-limit"))) test_limit = atoll(v);
     else if ((v = option(argc, argv, &i, "--max-accuracy-gap"))) max_gap = atof(v);
-    else {
+    else if ((v = option(argc, argv, &i, "--levels"))) {
+      int k, any = 0;
+      for (k = 0; k < LEVELS; ++k) {
+        const char *at = strstr(v, kLevels[k].name);
+        const size_t len = strlen(kLevels[k].name);
+        chosen[k] = at && (at == v || at[-1] == ',') && (at[len] == '\0' || at[len] == ',');
+        any |= chosen[k];
+      }
+      if (!any) {
+        fprintf(stderr, "--levels %s names no level; expected a comma-separated list of te, O1, O2, O3\n", v);
+        return 1;
+      }
+    } else {
       fprintf(stderr, "unknown argument '%s' (see the comment at the top of train_fashion_mnist.c)\n", argv[i]);
       return 1;
     }
@@ -404,26 +437,47 @@ int main(int argc, char **argv) {
          "batch %d, %d epoch(s), seed %llu\n\n",
          s.hidden, s.hidden, s.lr, s.batch, s.epochs, (unsigned long long)s.seed);
 
-  bf16 = train(ctx, &s, &train_set, &test, 0);
-  fp8 = train(ctx, &s, &train_set, &test, 1);
+  bf16 = train(ctx, &s, &train_set, &test, NULL);
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i]) runs[i] = train(ctx, &s, &train_set, &test, &kLevels[i]);
 
-  printf("\n%-22s %12s %12s\n", "", "bf16", "fp8");
-  printf("%-22s %11.2f%% %11.2f%%\n", "test accuracy", bf16.test_accuracy, fp8.test_accuracy);
-  printf("%-22s %12.4f %12.4f\n", "final training loss", bf16.final_loss, fp8.final_loss);
-  printf("%-22s %12.3f %12.3f\n", "seconds per epoch", bf16.seconds_per_epoch, fp8.seconds_per_epoch);
-  printf("%-22s %12.0f %12.0f\n", "samples per second", bf16.samples_per_second, fp8.samples_per_second);
-  printf("\nFP8 model, per layer, as its last training step ran (evaluation runs in bf16, as Accelerate's "
-         "use_autocast_during_eval = 0 asks):\n%s", fp8.report);
+  printf("\n%-26s %10s", "", "bf16");
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i]) printf(" %10s", kLevels[i].name);
+  printf("\n%-26s %9.2f%%", "test accuracy", bf16.test_accuracy);
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i]) printf(" %9.2f%%", runs[i].test_accuracy);
+  printf("\n%-26s %10.4f", "final training loss", bf16.final_loss);
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i]) printf(" %10.4f", runs[i].final_loss);
+  printf("\n%-26s %10.1f", "training bytes / parameter", bf16.bytes_per_parameter);
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i]) printf(" %10.1f", runs[i].bytes_per_parameter);
+  printf("\n%-26s %10.3f", "seconds per epoch", bf16.seconds_per_epoch);
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i]) printf(" %10.3f", runs[i].seconds_per_epoch);
+  printf("\n%-26s %10.0f", "samples per second", bf16.samples_per_second);
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i]) printf(" %10.0f", runs[i].samples_per_second);
+  printf("\n(bf16: FP32 weights and AdamW states; bytes count weights, masters, gradients and Adam's m and v, "
+         "biases and norms included)\n");
+  for (i = LEVELS - 1; i >= 0; --i)
+    if (chosen[i]) {
+      printf("\nFP8 model at %s, per layer, as its last training step ran (evaluation runs in bf16, as "
+             "Accelerate's use_autocast_during_eval = 0 asks):\n%s", kLevels[i].name, runs[i].report);
+      break;
+    }
 
   free(train_set.pixels);
   free(train_set.labels);
   free(test.pixels);
   free(test.labels);
   fp8_context_destroy(ctx);
-  if (max_gap >= 0.0 && bf16.test_accuracy - fp8.test_accuracy > max_gap) {
-    printf("FAIL: FP8 test accuracy is %.2f points below bf16 (allowed: %.2f)\n", bf16.test_accuracy - fp8.test_accuracy,
-           max_gap);
-    return 2;
-  }
-  return 0;
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i] && max_gap >= 0.0 && bf16.test_accuracy - runs[i].test_accuracy > max_gap) {
+      printf("FAIL: FP8 at %s: test accuracy %.2f points below bf16 (allowed: %.2f)\n", kLevels[i].name,
+             bf16.test_accuracy - runs[i].test_accuracy, max_gap);
+      failed = 1;
+    }
+  return failed ? 2 : 0;
 }

@@ -455,7 +455,9 @@ struct TrainRig {
     mg = make_model(gpu.get());
     mc = make_model(cpu.get());
     mf = make_model(cpu.get());
-    Recipe recipe = make_recipe("small_layer_fallback=0");
+    // backend=te: FP32 weights and gradients, which the lockstep hand-over copies as floats (the
+    // MS-AMP levels' optimizer is pinned by GpuOptimizerLevels, their training by the example).
+    Recipe recipe = make_recipe("small_layer_fallback=0, backend=te");
     for (fp8_model_t* m : all()) {
       ASSERT_NE(m, nullptr);
       FP8_ASSERT_OK(fp8_model_add_linear(m, "fc1", kD, kD, 1, nullptr));
