@@ -636,8 +636,10 @@ FP8_API fp8_status_t fp8_model_layer_name(const fp8_model_t *model, int32_t laye
  *  except a Linear weight under an MS-AMP level (see "Optimizer"): value F16 (O1/O2) or E4M3 (O3),
  *  grad E5M2 (HYBRID) or E4M3 with its scale_inv. Writing a value with fp8_tensor_copy_from_host is
  *  seen by the layer; after writing one any other way (your own optimizer kernel), call
- *  fp8_model_weights_changed. At O3 write the weights before creating the optimizer (its F16 master
- *  is the weight from then on). Add to a gradient with fp8_model_accumulate_grad. */
+ *  fp8_model_weights_changed. An FP8 gradient (which keeps its amax with it) and O3's E4M3 weight
+ *  (a copy of the optimizer's F16 master) refuse fp8_tensor_copy_from_host and
+ *  fp8_tensor_set_scale_inv (FP8_ERR_INVALID_STATE): add to a gradient with
+ *  fp8_model_accumulate_grad; at O3 write the weights before creating the optimizer. */
 FP8_API fp8_status_t fp8_model_parameter(fp8_model_t *model, const char *name, fp8_tensor_t **value,
                                          fp8_tensor_t **grad);
 /** Parameters in a fixed order (layers in order, then weight, bias / gamma, beta): [out] name

@@ -75,6 +75,7 @@ FP8_API fp8_status_t fp8_tensor_data(const fp8_tensor_t* tensor, void** data) {
 FP8_API fp8_status_t fp8_tensor_copy_from_host(fp8_tensor_t* tensor, const void* src, size_t bytes) {
   return guard("fp8_tensor_copy_from_host", [&] {
     require_arg(tensor, "tensor");
+    if (tensor->write_refusal) fp8::fail(FP8_ERR_INVALID_STATE, tensor->write_refusal);
     require_bytes(tensor, bytes);
     if (bytes) require_arg(src, "src");
     tensor->backend->copy_from_host(tensor->data, src, bytes);
@@ -106,6 +107,7 @@ FP8_API fp8_status_t fp8_tensor_set_scale_inv(fp8_tensor_t* tensor, float scale_
   return guard("fp8_tensor_set_scale_inv", [&] {
     require_arg(tensor, "tensor");
     fp8::require_fp8(tensor, "tensor");
+    if (tensor->write_refusal) fp8::fail(FP8_ERR_INVALID_STATE, tensor->write_refusal);
     if (!(std::isfinite(scale_inv) && scale_inv > 0.0f))
       fp8::fail(FP8_ERR_INVALID_ARGUMENT, "scale_inv = ", scale_inv, "; expected a finite value > 0");
     tensor->backend->copy_from_host(tensor->scale_inv, &scale_inv, sizeof scale_inv);

@@ -32,6 +32,9 @@ struct fp8_tensor {
   void* scale_inv_allocation = nullptr;
   // Counts writes through fp8_tensor_copy_from_host, so a layer notices new parameter values.
   uint64_t version = 0;
+  // Set when the library keeps state the tensor's bytes must agree with (an FP8 gradient's amax,
+  // O3's F16 master): fp8_tensor_copy_from_host and fp8_tensor_set_scale_inv refuse with this.
+  const char* write_refusal = nullptr;
 
   fp8_tensor() = default;
   fp8_tensor(const fp8_tensor&) = delete;

@@ -250,6 +250,13 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
           be.amax({p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
         }
       }
+      p->grad->write_refusal =
+          "this FP8 gradient keeps its per-tensor amax with it (MS-AMP level); add to it with "
+          "fp8_model_accumulate_grad, clear it with fp8_model_zero_grad";
+      if (layout == kLayoutO3)
+        p->value->write_refusal =
+            "at O3 the optimizer's F16 master is the weight and this E4M3 tensor its copy; write weights before "
+            "fp8_optimizer_create, or restore them with fp8_checkpoint_load";
       t.grad_scales = p->grad_scales();
       t.grad_e5m2 = p->grad->dtype == FP8_DTYPE_E5M2;
       if (layout == kLayoutO3) t.w_scale_inv = p->value->scale_inv;
