@@ -880,6 +880,55 @@ FP8_API void fp8_optimizer_stats_init(fp8_optimizer_stats_t *stats);
 /** Synchronous: waits for the steps queued so far. */
 FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, fp8_optimizer_stats_t *stats);
 
+/* ---------------------------------------------------------------------------------------------
+ * Checkpoints and safetensors
+ *
+ * fp8_checkpoint_save writes everything needed to resume training exactly: the recipe, every
+ * parameter in its stored type (FP32, F16, E4M3 with its scale), the gradients if asked, every
+ * scaling state (scale, scale_inv, amax history, counters, whether an amax awaits its update), and
+ * the optimizer's kind, level, hyper-parameters, step counters, m and v, F16 masters (O3) and their
+ * per-tensor scales. Train N steps, save, load into a fresh process (the model built and converted
+ * the same way, an optimizer of the same kind), train M more: the bits are those of N + M steps.
+ *
+ * The file is a versioned container: a magic number, a format version, named sections each
+ * deflate-compressed (zlib) with a CRC-32, and a CRC-32 over the whole file. It is written to a
+ * temporary file in the same directory, flushed, and renamed over `path`, so a crash never leaves
+ * a half-written checkpoint under that name (the previous one stays).
+ *
+ * Loading reads and checks the whole file before it changes anything: a truncated, corrupt or
+ * foreign file gives FP8_ERR_CORRUPT, one from a newer format FP8_ERR_VERSION, a model or optimizer
+ * that does not match (other layers, names, sizes, conversion, optimizer kind) FP8_ERR_INVALID_STATE
+ * naming the difference, a file that cannot be read FP8_ERR_IO; in each case the model and the
+ * optimizer are left exactly as they were. Loading into an optimizer of another level converts:
+ * towards te exactly (F16 and FP8 values widen), towards O1..O3 by rounding the weights to F16 and
+ * requantising m and v with fresh per-tensor scales. A checkpoint without gradients loads with the
+ * gradients zeroed. All four calls are synchronous.
+ * --------------------------------------------------------------------------------------------- */
+
+/** Flags of fp8_checkpoint_save. */
+#define FP8_CHECKPOINT_GRADIENTS 1u /**< also save the gradients (e.g. mid-accumulation) */
+
+/** [in] optimizer: may be NULL (the model alone; at O3 the masters are still saved through the
+ *  optimizer that holds them). [in] path: UTF-8 file name; its directory must exist. */
+FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t *model, const fp8_optimizer_t *optimizer,
+                                         const char *path, uint32_t flags);
+/** [in,out] optimizer: may be NULL (the weights and scaling states alone; the optimizer's own
+ *  state is kept); if given, the file must hold optimizer state of the same kind. */
+FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t *model, fp8_optimizer_t *optimizer, const char *path);
+/** The recipe a checkpoint's model was converted with, written into `recipe` (rebuild the model,
+ *  convert it with this, then load). FP8_ERR_INVALID_STATE if the model was not converted. */
+FP8_API fp8_status_t fp8_checkpoint_read_recipe(const char *path, fp8_recipe_t *recipe);
+
+/** Writes the parameters as a Hugging Face safetensors file, named as the parameters ("fc1.weight"):
+ *  FP32 parameters as F32, F16 weights (O1/O2) as F16, O3 weights as their F16 master (F32 from the
+ *  E4M3 copy if no optimizer holds the master any more). Metadata: format=pt, producer=libfp8. */
+FP8_API fp8_status_t fp8_model_export_safetensors(const fp8_model_t *model, const char *path);
+/** Reads every parameter from a safetensors file (F32, F16 or BF16 tensors of the parameters' names
+ *  and shapes; a missing or extra tensor is refused) into the model's storage, rounding where it is
+ *  narrower (at O3 into the optimizer's F16 master and the E4M3 copy). Gradients and optimizer
+ *  moments are kept. All or nothing. */
+FP8_API fp8_status_t fp8_model_import_safetensors(fp8_model_t *model, const char *path);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -37,6 +37,7 @@ NORM_LAYERNORM, NORM_RMSNORM = 0, 1
 LAYER_LINEAR, LAYER_LAYERNORM, LAYER_RMSNORM, LAYER_ACTIVATION = 0, 1, 2, 3
 SCALING_INPUT, SCALING_WEIGHT, SCALING_GRAD_OUTPUT, SCALING_OUTPUT = 0, 1, 2, 3
 OPTIMIZER_SGD, OPTIMIZER_ADAM, OPTIMIZER_ADAMW = 0, 1, 2
+CHECKPOINT_GRADIENTS = 1
 (OPTIM_LR, OPTIM_BETA1, OPTIM_BETA2, OPTIM_EPS, OPTIM_WEIGHT_DECAY, OPTIM_MOMENTUM, OPTIM_MAX_GRAD_NORM,
  OPTIM_ATTR_COUNT) = range(8)
 
@@ -101,6 +102,12 @@ for _name, _args in {
     "fp8_optimizer_step": (_p,),
     "fp8_optimizer_zero_grad": (_p,),
     "fp8_optimizer_get_stats": (_p, _p),
+    "fp8_model_accumulate_grad": (_p, _i32, _p),
+    "fp8_checkpoint_save": (_p, _p, ctypes.c_char_p, ctypes.c_uint32),
+    "fp8_checkpoint_load": (_p, _p, ctypes.c_char_p),
+    "fp8_checkpoint_read_recipe": (ctypes.c_char_p, _p),
+    "fp8_model_export_safetensors": (_p, ctypes.c_char_p),
+    "fp8_model_import_safetensors": (_p, ctypes.c_char_p),
 }.items():
     _declare(_name, _i32, *_args)
 for _name in ["fp8_context_destroy", "fp8_recipe_destroy", "fp8_tensor_destroy", "fp8_scaling_destroy",
@@ -359,6 +366,21 @@ class Model(_Handle):
     def backward(self, layer_id, dy, dx=None):
         _check(_lib.fp8_layer_backward(self.handle, layer_id, dy.handle, dx.handle if dx else None))
 
+    def save_checkpoint(self, path, optimizer=None, gradients=False):
+        """Everything needed to resume (fp8_checkpoint_save), written atomically."""
+        _check(_lib.fp8_checkpoint_save(self.handle, optimizer.handle if optimizer else None, path.encode(),
+                                        CHECKPOINT_GRADIENTS if gradients else 0))
+
+    def load_checkpoint(self, path, optimizer=None):
+        """All or nothing (fp8_checkpoint_load)."""
+        _check(_lib.fp8_checkpoint_load(self.handle, optimizer.handle if optimizer else None, path.encode()))
+
+    def export_safetensors(self, path):
+        _check(_lib.fp8_model_export_safetensors(self.handle, path.encode()))
+
+    def import_safetensors(self, path):
+        _check(_lib.fp8_model_import_safetensors(self.handle, path.encode()))
+
     def run(self, x, y):
         """The whole model, layers in order (fp8_model_forward)."""
         _check(_lib.fp8_model_forward(self.handle, x.handle, y.handle))
@@ -373,7 +395,8 @@ class Model(_Handle):
 
 class OptimizerStats(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("steps", _i64), ("skipped_steps", _i64),
-                ("last_skipped", _i32), ("last_grad_norm", _f32), ("parameters", _i64), ("state_bytes", _i64)]
+                ("last_skipped", _i32), ("last_grad_norm", _f32), ("parameters", _i64), ("state_bytes", _i64),
+                ("opt_level", _i32), ("training_bytes", _i64)]
 
 
 class Optimizer(_Handle):

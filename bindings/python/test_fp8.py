@@ -143,6 +143,58 @@ class BindingTest(unittest.TestCase):
             model.run_backward(dy)  # already differentiated
         self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_STATE")
 
+    def test_checkpoint_resumes_an_o2_run_and_safetensors_round_trip(self):
+        import tempfile
+        def build():
+            ctx = fp8.Context()
+            model = fp8.Model(ctx)
+            model.add_linear("fc", 32, 16, bias=False)
+            w, _ = model.parameter("fc.weight")
+            w.write_floats([0.01 * ((i * 7) % 13 - 6) for i in range(512)])
+            model.convert(fp8.Recipe("backend=msamp, opt_level=O2, small_layer_fallback=0"))
+            return ctx, model, fp8.Optimizer(model, fp8.OPTIMIZER_ADAMW, lr=1e-2)
+
+        def step(ctx, model, opt, k):
+            x, y = fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 32)), fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16))
+            x.write_floats([((i * (k + 3)) % 11 - 5) / 5.0 for i in range(512)])
+            model.run(x, y)
+            dy = fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16))
+            dy.write_floats([((i * (k + 5)) % 7 - 3) / 30.0 for i in range(256)])
+            model.run_backward(dy)
+            opt.step()
+            opt.zero_grad()
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.fp8ckpt")
+            ctx, model, opt = build()
+            for k in range(2):
+                step(ctx, model, opt, k)
+            model.save_checkpoint(path, opt)
+            for k in range(2, 4):
+                step(ctx, model, opt, k)
+            straight = model.parameter("fc.weight")[0].read()
+            ctx2, model2, opt2 = build()
+            model2.load_checkpoint(path, opt2)
+            for k in range(2, 4):
+                step(ctx2, model2, opt2, k)
+            self.assertEqual(model2.parameter("fc.weight")[0].read(), straight)
+            self.assertEqual(opt2.stats().steps, 4)
+            self.assertEqual(opt2.stats().opt_level, 2)
+            with open(path, "r+b") as f:  # one flipped bit: refused, nothing changed
+                f.seek(40)
+                b = f.read(1)
+                f.seek(40)
+                f.write(bytes([b[0] ^ 1]))
+            with self.assertRaises(fp8.Fp8Error) as err:
+                model2.load_checkpoint(path, opt2)
+            self.assertEqual(err.exception.status_name, "FP8_ERR_CORRUPT")
+            self.assertEqual(model2.parameter("fc.weight")[0].read(), straight)
+            st = os.path.join(tmp, "w.safetensors")
+            model2.export_safetensors(st)
+            ctx3, model3, _ = build()
+            model3.import_safetensors(st)
+            self.assertEqual(model3.parameter("fc.weight")[0].read(), straight)
+
 
 if __name__ == "__main__":
     sys.exit(0 if unittest.main(exit=False).result.wasSuccessful() else 1)

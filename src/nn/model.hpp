@@ -37,7 +37,7 @@ struct fp8_model {
   // The level the Linear weights are stored at (0: FP32; 1..3: O1..O3, set by the optimizer that
   // converted them), and that optimizer while it lives.
   int32_t weight_level = 0;
-  const struct fp8_optimizer* weight_owner = nullptr;
+  struct fp8_optimizer* weight_owner = nullptr;
   // Whole-model runs: the output of layer i is acts[i] (the last one is the caller's y); the
   // gradients between layers alternate between two buffers.
   std::vector<std::unique_ptr<fp8::nn::ScratchTensor>> acts;

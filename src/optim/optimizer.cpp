@@ -285,6 +285,13 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   return o;
 }
 
+void ensure_states(fp8_optimizer& o) {
+  if (has_states(o)) return;
+  allocate_states(o);
+  upload_tables(o);
+  o.training_bytes = training_bytes(o, *o.model);
+}
+
 void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value) {
   const AttrSpec& s = spec(attr);
   const bool used = o.kind == FP8_OPTIMIZER_SGD ? s.sgd : s.adam;
@@ -315,11 +322,7 @@ void step(fp8_optimizer& o) {
   if (count != static_cast<size_t>(o.parameter_count))
     fail(FP8_ERR_INVALID_STATE, "the model has ", count, " parameters, but had ", o.parameter_count,
          " when the optimizer was made; create a new optimizer after adding layers");
-  if (!has_states(o) && needs_states(o)) {  // SGD's momentum buffer, on first use
-    allocate_states(o);
-    upload_tables(o);
-    o.training_bytes = training_bytes(o, m);
-  }
+  if (needs_states(o)) ensure_states(o);  // SGD's momentum buffer, on first use
   OptimHyper h{o.kind,
                o.attrs[FP8_OPTIM_LR],
                o.attrs[FP8_OPTIM_BETA1],

@@ -61,6 +61,9 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
 void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value);
 double get_attr(const fp8_optimizer& o, fp8_optimizer_attr_t attr);
 void step(fp8_optimizer& o);
+// Allocates m (and v) now if they do not exist yet (SGD makes its momentum buffer at the first step
+// that needs one); a checkpoint load that brings states calls it.
+void ensure_states(fp8_optimizer& o);
 fp8_optimizer_stats_t stats(const fp8_optimizer& o);
 
 }  // namespace fp8::optim

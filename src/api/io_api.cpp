@@ -1,0 +1,75 @@
+// Checkpoints and safetensors: handle checks here, the work in src/io/checkpoint.cpp.
+#include "api/guard.hpp"
+#include "io/checkpoint.hpp"
+#include "nn/model.hpp"
+#include "optim/optimizer.hpp"
+
+using fp8::guard;
+using fp8::require_arg;
+
+namespace {
+
+void require_flags(uint32_t flags) {
+  if (flags & ~FP8_CHECKPOINT_GRADIENTS)
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags, "; expected 0 or FP8_CHECKPOINT_GRADIENTS (1)");
+}
+
+void require_model_optimizer(const fp8_model* model, const fp8_optimizer* optimizer) {
+  if (optimizer && optimizer->model != model)
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "optimizer was made for another model; pass that model's optimizer or NULL");
+  if (model->autocast)
+    fp8::fail(FP8_ERR_INVALID_STATE, "inside fp8_autocast_begin/end: checkpoints are taken between steps");
+}
+
+}  // namespace
+
+extern "C" {
+
+FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_optimizer_t* optimizer, const char* path,
+                                         uint32_t flags) {
+  return guard("fp8_checkpoint_save", [&] {
+    require_arg(model, "model");
+    require_arg(path, "path");
+    require_flags(flags);
+    require_model_optimizer(model, optimizer);
+    fp8::io::save_checkpoint(*model, optimizer, path, (flags & FP8_CHECKPOINT_GRADIENTS) != 0);
+  });
+}
+
+FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t* model, fp8_optimizer_t* optimizer, const char* path) {
+  return guard("fp8_checkpoint_load", [&] {
+    require_arg(model, "model");
+    require_arg(path, "path");
+    require_model_optimizer(model, optimizer);
+    fp8::io::load_checkpoint(*model, optimizer, path);
+  });
+}
+
+FP8_API fp8_status_t fp8_checkpoint_read_recipe(const char* path, fp8_recipe_t* recipe) {
+  return guard("fp8_checkpoint_read_recipe", [&] {
+    require_arg(path, "path");
+    require_arg(recipe, "recipe");
+    fp8::Recipe r;
+    r.parse(fp8::io::checkpoint_recipe(path));
+    recipe->recipe = r;
+  });
+}
+
+FP8_API fp8_status_t fp8_model_export_safetensors(const fp8_model_t* model, const char* path) {
+  return guard("fp8_model_export_safetensors", [&] {
+    require_arg(model, "model");
+    require_arg(path, "path");
+    fp8::io::export_safetensors(*model, path);
+  });
+}
+
+FP8_API fp8_status_t fp8_model_import_safetensors(fp8_model_t* model, const char* path) {
+  return guard("fp8_model_import_safetensors", [&] {
+    require_arg(model, "model");
+    require_arg(path, "path");
+    if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside fp8_autocast_begin/end; import between steps");
+    fp8::io::import_safetensors(*model, path);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,31 @@
+// Checkpoints and safetensors files of a model (and its optimizer), on top of the container and
+// safetensors codecs. Loading parses and checks everything on the host before it writes a byte of
+// device memory, so a file that fails leaves the model and the optimizer as they were.
+#pragma once
+
+#include <string>
+
+#include "fp8.h"
+
+struct fp8_model;
+struct fp8_optimizer;
+
+namespace fp8::io {
+
+// Writes model (and optimizer, which may be null) to `path` atomically: recipe, parameters in their
+// stored types (gradients if `gradients`), every scaling state, the optimizer's hyper-parameters,
+// counters, states, masters and scales.
+void save_checkpoint(const fp8_model& model, const fp8_optimizer* optimizer, const std::string& path, bool gradients);
+// Restores what save_checkpoint wrote into a model of the same layers (and conversion), converting
+// the storage when the optimizer's level differs from the file's. Throws FP8_ERR_IO, FP8_ERR_CORRUPT,
+// FP8_ERR_VERSION or FP8_ERR_INVALID_STATE (naming what does not match) before changing anything.
+void load_checkpoint(fp8_model& model, fp8_optimizer* optimizer, const std::string& path);
+// The recipe a checkpoint was saved with (FP8_ERR_INVALID_STATE if its model was not converted).
+std::string checkpoint_recipe(const std::string& path);
+
+// Parameters as a Hugging Face safetensors file: FP32 parameters as F32, F16 weights as F16, O3
+// weights as their F16 master. Import takes F32, F16 or BF16 tensors named like the parameters.
+void export_safetensors(const fp8_model& model, const std::string& path);
+void import_safetensors(fp8_model& model, const std::string& path);
+
+}  // namespace fp8::io
