@@ -338,6 +338,16 @@ void expect_stored_identical(fp8_model_t* gpu, fp8_model_t* cpu, bool grads, con
   }
 }
 
+std::vector<char> file_bytes(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  std::vector<char> out;
+  if (!f) return out;
+  char buf[65536];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.insert(out.end(), buf, buf + n);
+  std::fclose(f);
+  return out;
+}
+
 struct LevelCase {
   const char* label;
   int32_t level;
@@ -422,6 +432,36 @@ TEST(GpuOptimizerLevels, StepsAreBitIdenticalToTheCpuReference) {
       if (s == 2) EXPECT_TRUE(after == before) << what << ": the skipped step changed big.weight";
       else EXPECT_FALSE(after == before) << what << ": the step did not change big.weight";
     }
+
+    // Checkpoints: the GPU's and the CPU's state give the same file, byte for byte; a fresh GPU
+    // model loaded from the CPU's file then steps exactly like the original.
+    const std::string dir = ::testing::TempDir();
+    const std::string fg = dir + "/gpu_levels.fp8ckpt", fc = dir + "/cpu_levels.fp8ckpt";
+    FP8_ASSERT_OK(fp8_checkpoint_save(models[0].get(), optims[0].get(), fg.c_str(), FP8_CHECKPOINT_GRADIENTS));
+    FP8_ASSERT_OK(fp8_checkpoint_save(models[1].get(), optims[1].get(), fc.c_str(), FP8_CHECKPOINT_GRADIENTS));
+    EXPECT_TRUE(file_bytes(fg) == file_bytes(fc)) << c.label << ": the GPU's and the CPU's checkpoints differ";
+    Model fresh = make_model(gpu.get());
+    ASSERT_NO_FATAL_FAILURE(add_awkward_layers(fresh.get()));
+    FP8_ASSERT_OK(fp8_convert_model(fresh.get(), recipe.get(), nullptr));
+    Optimizer fresh_opt = make_optimizer(fresh.get(), c.kind);
+    ASSERT_NE(fresh_opt.get(), nullptr);
+    FP8_ASSERT_OK(fp8_checkpoint_load(fresh.get(), fresh_opt.get(), fc.c_str()));
+    expect_stored_identical(models[0].get(), fresh.get(), false, std::string(c.label) + ", loaded values");
+    expect_stored_identical(models[0].get(), fresh.get(), true, std::string(c.label) + ", loaded gradients");
+    for (auto [m, o] : {std::pair{models[0].get(), optims[0].get()}, std::pair{fresh.get(), fresh_opt.get()}}) {
+      for (int32_t i = 0; i < n_params; ++i) {
+        auto g = normal_floats(static_cast<size_t>(sizes[static_cast<size_t>(i)]), 5000 + static_cast<uint32_t>(i),
+                               0.0f, kGradScale[i]);
+        Tensor t = make_tensor(gpu.get(), FP8_DTYPE_F32, {static_cast<int64_t>(g.size())});
+        upload(t.get(), g);
+        FP8_ASSERT_OK(fp8_model_accumulate_grad(m, i, t.get()));
+      }
+      FP8_ASSERT_OK(fp8_optimizer_step(o));
+    }
+    expect_stored_identical(models[0].get(), fresh.get(), false, std::string(c.label) + ", a step after loading");
+    expect_stats_identical(stats_of(optims[0].get()), stats_of(fresh_opt.get()), std::string(c.label) + ", after loading");
+    std::remove(fg.c_str());
+    std::remove(fc.c_str());
   }
 }
 
