@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "io/checkpoint_format.hpp"
 #include "io/container.hpp"
 #include "io/safetensors.hpp"
 
@@ -41,6 +42,50 @@ int main(int argc, char** argv) {
   put("checkpoint", fp8::io::encode_container({{"model.fc1.weight", counting(300)},
                                                {"optimizer.m", counting(100)},
                                                {"optimizer.v", bytes_of("vvvvvvvvvvvvvvvvvvvvvvvvvvv")}}));
+
+  // A libfp8 checkpoint's sections: a te bias, an O2 weight with its FP8 gradient and moments, an
+  // O3 weight with its master, two scaling states, an Adam optimizer.
+  {
+    using fp8::io::ParamState;
+    ParamState bias;
+    bias.name = "fc.bias";
+    bias.n = 4;
+    bias.value = counting(16);
+    bias.m = counting(16);
+    bias.v = counting(16);
+    ParamState o2;
+    o2.name = "fc.weight";
+    o2.layout = fp8::kLayoutO2;
+    o2.value_dtype = FP8_DTYPE_F16;
+    o2.n = 16;
+    o2.value = counting(32);
+    o2.has_grad = true;
+    o2.grad_dtype = FP8_DTYPE_E5M2;
+    o2.grad = counting(16);
+    o2.grad_scales = {0.5f, 3.0f, 0.0f, 0};
+    o2.m = counting(16);
+    o2.v = counting(32);
+    o2.scales.m_scale_inv = o2.scales.v_scale_inv = 0.25f;
+    ParamState o3 = o2;
+    o3.name = "out.weight";
+    o3.layout = fp8::kLayoutO3;
+    o3.value_dtype = FP8_DTYPE_E4M3;
+    o3.value = counting(16);
+    o3.value_scale_inv = 0.125f;
+    o3.master = counting(32);
+    const std::vector<ParamState> params = {bias, o2, o3};
+    fp8::io::ScalingRecord x{"fc", 2, FP8_DTYPE_E4M3, true, {}, {1.5f, 2.0f}};
+    fp8::io::ScalingRecord dy{"fc", 1, FP8_DTYPE_E5M2, false, {}, {0.25f}};
+    fp8::io::OptimRecord opt;
+    opt.level = 2;
+    opt.attrs[0] = 1e-3;
+    opt.scalars.steps = 3;
+    put("checkpoint", fp8::io::encode_container({{"libfp8", counting(9)},
+                                                 {"recipe", bytes_of("backend=msamp, opt_level=O2")},
+                                                 {"params", fp8::io::encode_params(params)},
+                                                 {"scaling", fp8::io::encode_scaling({x, dy})},
+                                                 {"optimizer", fp8::io::encode_optimizer(opt, params)}}));
+  }
 
   put("safetensors", fp8::io::encode_safetensors({}, {}));
   put("safetensors", fp8::io::encode_safetensors({{"w", "F32", {2, 2}, counting(16)}}, {{"format", "pt"}}));

@@ -24,7 +24,9 @@ if ! "$cxx" -fsanitize=fuzzer,address,undefined "$work/probe.cpp" -o "$work/prob
   exit 77
 fi
 
-io_sources=("$src/src/io/bytes.cpp" "$src/src/io/container.cpp" "$src/src/io/safetensors.cpp" "$src/src/core/error.cpp")
+io_sources=("$src/src/io/bytes.cpp" "$src/src/io/container.cpp" "$src/src/io/safetensors.cpp"
+  "$src/src/io/checkpoint_format.cpp" "$src/src/backend/cpu_optimizer.cpp" "$src/src/core/dtype.cpp"
+  "$src/src/core/error.cpp")
 includes=(-I"$src/src" -I"$src/include")
 fuzz_flags=(-std=c++17 -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
   -fno-sanitize-recover=undefined)
