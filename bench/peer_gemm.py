@@ -3,18 +3,10 @@
 # (median of 20 CUDA-event-timed calls after 3 warm-ups). Usage: python3 peer_gemm.py out.json
 import json, sys
 import torch
+from peer_util import median_ms  # bench/ is the script's directory, so on sys.path
 
 dev = torch.device("cuda")
 
-def median_ms(fn, warm=3, reps=20):
-    for _ in range(warm): fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort(); return ts[len(ts) // 2]
 
 rows = []
 one = torch.tensor(1.0 / 16, device=dev)

@@ -4,20 +4,12 @@
 # 3 warm-ups, random bf16 data. Usage: python3 peer_linear.py out.json
 import json, sys
 import torch
+from peer_util import median_ms  # bench/ is the script's directory, so on sys.path
 import torch.nn as nn
 
 dev = torch.device("cuda")
 bf16, e4m3, e5m2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 
-def median_ms(fn, warm=3, reps=20):
-    for _ in range(warm): fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort(); return ts[len(ts) // 2]
 
 def to_fp8(t, dtype, fmax):
     """Current (just-in-time) per-tensor scaling: returns the fp8 tensor and the dequant scale 1/scale."""

@@ -8,20 +8,12 @@
 # Usage: python3 peer_optimizer.py out.json
 import json, sys
 import torch
+from peer_util import median_ms  # bench/ is the script's directory, so on sys.path
 
 dev = torch.device("cuda")
 LAYERS, DIM = 16, 8192
 N = LAYERS * DIM * DIM  # 2^30
 
-def median_ms(fn, warm=3, reps=20):
-    for _ in range(warm): fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort(); return ts[len(ts) // 2]
 
 def check_fused():
     g = torch.Generator(device=dev).manual_seed(0)

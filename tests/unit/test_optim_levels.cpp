@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/format.hpp"  // the numerics contract: E4M3/E5M2/F16 encode and decode
+#include "clusters_util.hpp"
 #include "fp8_test_util.hpp"
 
 using namespace fp8test;
@@ -1207,46 +1208,14 @@ TEST(OptimLevelSgd, MomentumAtO1MatchesFloat64WithinF16Rounding) {
 // 6. Whole-model training at each level
 // =================================================================================================
 
-constexpr int kClasses = 16, kFeatures = 32, kBatch = 64, kTrainSteps = 150;
+using fp8test::clusters::kClasses;
+using fp8test::clusters::kFeatures;
+constexpr int kBatch = 64, kTrainSteps = 150;
 
 // Gaussian clusters (test_train_cpu's EndToEnd task): class c has mean mu_c ~ N(0, 1) per feature,
 // samples are mu_c + N(0, 1); a good classifier is right almost always.
-struct Clusters {
-  std::vector<float> means = randn(kClasses * kFeatures, 2024, 1.0f);
-  void sample(size_t n, uint32_t seed, std::vector<float>& x, std::vector<int>& label) const {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::uniform_int_distribution<int> cls(0, kClasses - 1);
-    x.resize(n * kFeatures);
-    label.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      label[i] = cls(rng);
-      for (int f = 0; f < kFeatures; ++f) x[i * kFeatures + f] = means[static_cast<size_t>(label[i] * kFeatures + f)] + normal(rng);
-    }
-  }
-};
-
-double cross_entropy(const std::vector<float>& logits, const std::vector<int>& label, std::vector<float>* dlogits,
-                     int* correct) {
-  const size_t n = label.size();
-  double loss = 0.0;
-  int right = 0;
-  if (dlogits) dlogits->assign(n * kClasses, 0.0f);
-  for (size_t i = 0; i < n; ++i) {
-    const float* z = &logits[i * kClasses];
-    const double zmax = *std::max_element(z, z + kClasses);
-    double sum = 0.0;
-    for (int c = 0; c < kClasses; ++c) sum += std::exp(z[c] - zmax);
-    loss += std::log(sum) - (z[label[i]] - zmax);
-    right += static_cast<int>(std::max_element(z, z + kClasses) - z) == label[i];
-    if (dlogits)
-      for (int c = 0; c < kClasses; ++c)
-        (*dlogits)[i * kClasses + static_cast<size_t>(c)] =
-            static_cast<float>((std::exp(z[c] - zmax) / sum - (c == label[i])) / static_cast<double>(n));
-  }
-  if (correct) *correct = right;
-  return loss / static_cast<double>(n);
-}
+using fp8test::clusters::Clusters;
+using fp8test::clusters::cross_entropy;
 
 struct TrainResult {
   double initial_loss = 0.0, final_loss = 0.0, accuracy = 0.0;
