@@ -25,6 +25,7 @@
  */
 #include <fp8.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -347,6 +348,19 @@ static result_t train(fp8_context_t *ctx, const settings_t *s, const dataset_t *
 
 /* ---- main ------------------------------------------------------------------------------------ */
 
+/* One line of the side-by-side table: the field at `offset` of bf16 and of each chosen run. */
+static void print_row(const char *label, const char *format, size_t offset, const result_t *bf16,
+                      const result_t *runs, const int *chosen) {
+  int i;
+  printf("\n%-26s ", label);
+  printf(format, *(const double *)((const char *)bf16 + offset));
+  for (i = 0; i < LEVELS; ++i)
+    if (chosen[i]) {
+      printf(" ");
+      printf(format, *(const double *)((const char *)&runs[i] + offset));
+    }
+}
+
 static const char *option(int argc, char **argv, int *i, const char *name) {
   const size_t len = strlen(name);
   if (strncmp(argv[*i], name, len) != 0) return NULL;
@@ -444,21 +458,11 @@ int main(int argc, char **argv) {
   printf("\n%-26s %10s", "", "bf16");
   for (i = 0; i < LEVELS; ++i)
     if (chosen[i]) printf(" %10s", kLevels[i].name);
-  printf("\n%-26s %9.2f%%", "test accuracy", bf16.test_accuracy);
-  for (i = 0; i < LEVELS; ++i)
-    if (chosen[i]) printf(" %9.2f%%", runs[i].test_accuracy);
-  printf("\n%-26s %10.4f", "final training loss", bf16.final_loss);
-  for (i = 0; i < LEVELS; ++i)
-    if (chosen[i]) printf(" %10.4f", runs[i].final_loss);
-  printf("\n%-26s %10.1f", "training bytes / parameter", bf16.bytes_per_parameter);
-  for (i = 0; i < LEVELS; ++i)
-    if (chosen[i]) printf(" %10.1f", runs[i].bytes_per_parameter);
-  printf("\n%-26s %10.3f", "seconds per epoch", bf16.seconds_per_epoch);
-  for (i = 0; i < LEVELS; ++i)
-    if (chosen[i]) printf(" %10.3f", runs[i].seconds_per_epoch);
-  printf("\n%-26s %10.0f", "samples per second", bf16.samples_per_second);
-  for (i = 0; i < LEVELS; ++i)
-    if (chosen[i]) printf(" %10.0f", runs[i].samples_per_second);
+  print_row("test accuracy (%)", "%10.2f", offsetof(result_t, test_accuracy), &bf16, runs, chosen);
+  print_row("final training loss", "%10.4f", offsetof(result_t, final_loss), &bf16, runs, chosen);
+  print_row("training bytes / parameter", "%10.1f", offsetof(result_t, bytes_per_parameter), &bf16, runs, chosen);
+  print_row("seconds per epoch", "%10.3f", offsetof(result_t, seconds_per_epoch), &bf16, runs, chosen);
+  print_row("samples per second", "%10.0f", offsetof(result_t, samples_per_second), &bf16, runs, chosen);
   printf("\n(bf16: FP32 weights and AdamW states; bytes count weights, masters, gradients and Adam's m and v, "
          "biases and norms included)\n");
   for (i = LEVELS - 1; i >= 0; --i)

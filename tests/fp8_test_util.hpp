@@ -18,6 +18,7 @@
     ASSERT_EQ(fp8_assert_status_, FP8_OK) << #expr << " -> " << fp8_status_string(fp8_assert_status_) \
                                           << ": " << fp8_last_error_message();                     \
   } while (0)
+#define EXPECT_OK(expr) EXPECT_EQ((expr), FP8_OK) << #expr << ": " << fp8_last_error_message()
 
 namespace fp8test {
 
@@ -115,6 +116,27 @@ inline uint32_t bits_of(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
+}
+
+// An optimizer's hyper-parameters, as the tests set them, and the calls that set them.
+struct Hyper {
+  fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM;
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, momentum = 0.0,
+         max_grad_norm = 0.0;
+};
+
+// Sets every hyper-parameter the kind uses.
+inline void apply(fp8_optimizer_t* o, const Hyper& h) {
+  EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_LR, h.lr));
+  EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_WEIGHT_DECAY, h.weight_decay));
+  EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MAX_GRAD_NORM, h.max_grad_norm));
+  if (h.kind == FP8_OPTIMIZER_SGD) {
+    EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MOMENTUM, h.momentum));
+  } else {
+    EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_BETA1, h.beta1));
+    EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_BETA2, h.beta2));
+    EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_EPS, h.eps));
+  }
 }
 
 }  // namespace fp8test

@@ -24,7 +24,6 @@ namespace {
 // Handles, host data and small readers
 // =================================================================================================
 
-#define EXPECT_OK(expr) EXPECT_EQ((expr), FP8_OK) << #expr << ": " << fp8_last_error_message()
 
 
 
