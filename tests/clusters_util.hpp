@@ -31,8 +31,8 @@ struct Clusters {
 
 // Softmax cross-entropy of logits [n, kClasses] in float64: the mean loss, dlogits = (p - onehot)/n,
 // and the number of correct argmaxes.
-inline double cross_entropy(const std::vector<float>& logits, const std::vector<int>& label, std::vector<float>* dlogits,
-                            int* correct) {
+inline double cross_entropy(const std::vector<float>& logits, const std::vector<int>& label,
+                            std::vector<float>* dlogits, int* correct) {
   const size_t n = label.size();
   double loss = 0.0;
   int right = 0;

@@ -57,7 +57,9 @@ std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer*
       s.name = p.name;
       s.value_dtype = p.value->dtype;
       s.n = p.value->numel;
-      s.layout = p.value->dtype == FP8_DTYPE_F32 ? kLayoutF32 : p.value->dtype == FP8_DTYPE_E4M3 ? kLayoutO3 : model.weight_level;
+      s.layout = p.value->dtype == FP8_DTYPE_F32    ? kLayoutF32
+                 : p.value->dtype == FP8_DTYPE_E4M3 ? kLayoutO3
+                                                    : model.weight_level;
       s.value = download(be, p.value->data, p.value->nbytes());
       if (dtype_is_fp8(p.value->dtype)) be.copy_to_host(&s.value_scale_inv, p.value->scale_inv, sizeof(float));
       if (gradients) {
@@ -252,7 +254,8 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   const std::vector<fp8_scaling*> states = model_states(model);
   for (size_t i = 0; i < states.size(); ++i) {
     be.copy_from_host(states[i]->state, &scaling[i].header, sizeof(ScalingHeader));
-    be.copy_from_host(scaling_history(states[i]->state), scaling[i].history.data(), scaling[i].history.size() * sizeof(float));
+    be.copy_from_host(scaling_history(states[i]->state), scaling[i].history.data(),
+                      scaling[i].history.size() * sizeof(float));
     states[i]->pending = scaling[i].pending;
   }
   if (o) {
@@ -310,8 +313,9 @@ void import_safetensors(fp8_model& model, const std::string& path) {
     if (it == st.tensors.end()) fail(FP8_ERR_INVALID_STATE, "the file has no tensor '", t.name, "'");
     const std::vector<int64_t> shape(t.value->shape, t.value->shape + t.value->ndim);
     if (it->shape != shape)
-      fail(FP8_ERR_SHAPE, "tensor '", t.name, "' has shape ", shape_string(static_cast<int32_t>(it->shape.size()),
-           it->shape.data()), " in the file, ", shape_string(t.value->ndim, t.value->shape), " in the model");
+      fail(FP8_ERR_SHAPE, "tensor '", t.name, "' has shape ",
+           shape_string(static_cast<int32_t>(it->shape.size()), it->shape.data()), " in the file, ",
+           shape_string(t.value->ndim, t.value->shape), " in the model");
     ParamState p;
     p.name = t.name;
     p.n = t.value->numel;

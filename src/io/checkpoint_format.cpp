@@ -44,7 +44,9 @@ void put_blob(ByteWriter& w, const std::vector<uint8_t>& b) {
   w.put_u64(b.size());
   w.put_bytes(b);
 }
-std::vector<uint8_t> get_blob(ByteReader& r, const char* what) { return r.get_bytes(r.get_u64(what), what); }
+std::vector<uint8_t> get_blob(ByteReader& r, const char* what) {
+  return r.get_bytes(r.get_u64(what), what);
+}
 
 fp8_dtype_t get_dtype(ByteReader& r, const char* what) {
   const uint32_t d = r.get_u32(what);
@@ -112,14 +114,18 @@ std::vector<uint8_t> encode_params(const std::vector<ParamState>& params) {
 std::vector<ParamState> decode_params(const std::vector<uint8_t>& data) {
   ByteReader r(data.data(), data.size());
   const uint32_t count = r.get_u32("parameter count");
-  if (count > data.size()) fail(FP8_ERR_CORRUPT, "params: ", count, " parameters cannot fit in ", data.size(), " bytes");
+  if (count > data.size())
+    fail(FP8_ERR_CORRUPT, "params: ", count, " parameters cannot fit in ", data.size(), " bytes");
   std::vector<ParamState> out(count);
   for (ParamState& p : out) {
     p.name = r.get_string("parameter name");
     p.layout = static_cast<int32_t>(r.get_u32("parameter layout"));
-    if (p.layout < kLayoutF32 || p.layout > kLayoutO3) fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' has layout ", p.layout);
+    if (p.layout < kLayoutF32 || p.layout > kLayoutO3)
+      fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' has layout ", p.layout);
     p.value_dtype = get_dtype(r, "parameter value");
-    const fp8_dtype_t stored = p.layout == kLayoutF32 ? FP8_DTYPE_F32 : p.layout == kLayoutO3 ? FP8_DTYPE_E4M3 : FP8_DTYPE_F16;
+    const fp8_dtype_t stored = p.layout == kLayoutF32  ? FP8_DTYPE_F32
+                               : p.layout == kLayoutO3 ? FP8_DTYPE_E4M3
+                                                       : FP8_DTYPE_F16;
     if (p.value_dtype != stored)
       fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' is ", dtype_name(p.value_dtype), " at ", layout_name(p.layout),
            ", which stores ", dtype_name(stored));
@@ -173,7 +179,8 @@ std::vector<ScalingRecord> decode_scaling(const std::vector<uint8_t>& data) {
     s.layer = r.get_string("scaling state layer");
     s.history_len = static_cast<int32_t>(r.get_u32("amax history length"));
     s.dtype = get_dtype(r, "scaling state");
-    if (s.history_len < 1 || static_cast<size_t>(s.history_len) > r.remaining() / sizeof(float) || !dtype_is_fp8(s.dtype))
+    if (s.history_len < 1 || static_cast<size_t>(s.history_len) > r.remaining() / sizeof(float) ||
+        !dtype_is_fp8(s.dtype))
       fail(FP8_ERR_CORRUPT, "scaling state of layer '", s.layer, "' has history length ", s.history_len, " and dtype ",
            dtype_name(s.dtype));
     s.pending = get_flag(r, "pending flag");
@@ -253,7 +260,8 @@ OptimRecord decode_optimizer(const std::vector<uint8_t>& data, std::vector<Param
     p.scales = get_compact_scales(r);
     const bool moments = rec.kind != FP8_OPTIMIZER_SGD;
     const bool m_ok = p.m.empty() || p.m.size() == bytes_of(p.n, m_size(p.layout));
-    const bool v_ok = moments ? p.v.size() == bytes_of(p.n, v_size(p.layout)) || (p.v.empty() && p.m.empty()) : p.v.empty();
+    const bool v_ok =
+        moments ? p.v.size() == bytes_of(p.n, v_size(p.layout)) || (p.v.empty() && p.m.empty()) : p.v.empty();
     const bool master_ok = p.layout == kLayoutO3 ? p.master.size() == bytes_of(p.n, 2) : p.master.empty();
     if (!m_ok || !v_ok || !master_ok)
       fail(FP8_ERR_CORRUPT, "optimizer state of '", p.name, "' has ", p.m.size(), "/", p.v.size(), "/", p.master.size(),
@@ -360,8 +368,10 @@ void convert_grad(ParamState& p, fp8_dtype_t dtype) {
   if (!p.has_grad || p.grad_dtype == dtype) return;
   std::vector<float> g(static_cast<size_t>(p.n));
   for (size_t k = 0; k < g.size(); ++k) {
-    if (p.grad_dtype == FP8_DTYPE_F32) std::memcpy(&g[k], p.grad.data() + 4 * k, 4);
-    else g[k] = dequantize_fp8(p.grad[k], p.grad_dtype == FP8_DTYPE_E5M2, p.grad_scales.scale_inv);
+    if (p.grad_dtype == FP8_DTYPE_F32)
+      std::memcpy(&g[k], p.grad.data() + 4 * k, 4);
+    else
+      g[k] = dequantize_fp8(p.grad[k], p.grad_dtype == FP8_DTYPE_E5M2, p.grad_scales.scale_inv);
   }
   p.grad_dtype = dtype;
   p.grad_scales = GradScales{};

@@ -33,8 +33,6 @@ struct ParamState {
   CompactScales scales{};
 };
 
-
-
 // One scaling state: the layer that owns it, its format, and its device contents.
 struct ScalingRecord {
   std::string layer;
@@ -53,10 +51,16 @@ struct OptimRecord {
   OptimScalars scalars{};
 };
 
-inline size_t bytes_of(int64_t n, size_t element) { return static_cast<size_t>(n) * element; }
+inline size_t bytes_of(int64_t n, size_t element) {
+  return static_cast<size_t>(n) * element;
+}
 // Element sizes of m and v in a layout (F32 for te and O1, E4M3 and F16 for O2/O3).
-inline size_t m_size(int32_t layout) { return layout >= kLayoutO2 ? 1 : 4; }
-inline size_t v_size(int32_t layout) { return layout >= kLayoutO2 ? 2 : 4; }
+inline size_t m_size(int32_t layout) {
+  return layout >= kLayoutO2 ? 1 : 4;
+}
+inline size_t v_size(int32_t layout) {
+  return layout >= kLayoutO2 ? 2 : 4;
+}
 
 class ByteReader;
 // A u8 that must be 0 or 1 (FP8_ERR_CORRUPT naming `what` otherwise).
