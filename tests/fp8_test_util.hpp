@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "fp8.h"
@@ -19,6 +21,18 @@
                                           << ": " << fp8_last_error_message();                     \
   } while (0)
 #define EXPECT_OK(expr) EXPECT_EQ((expr), FP8_OK) << #expr << ": " << fp8_last_error_message()
+
+// `call` returns `status`, and fp8_last_error_message() starts with "fn:" and contains every word.
+#define EXPECT_REFUSED_WORDS(call, status, fn, ...)                                                           \
+  do {                                                                                                       \
+    const fp8_status_t st_ = (call);                                                                         \
+    EXPECT_EQ(st_, status) << #call << " -> " << fp8_status_string(st_) << ": " << fp8_last_error_message(); \
+    const std::string msg_ = fp8_last_error_message();                                                       \
+    EXPECT_EQ(msg_.rfind(std::string(fn) + ":", 0), 0u) << #call << ": " << msg_;                            \
+    for (const std::string& w_ : std::initializer_list<std::string>{__VA_ARGS__})                            \
+      EXPECT_NE(msg_.find(w_), std::string::npos) << #call << ": no \"" << w_ << "\" in: " << msg_;          \
+  } while (0)
+#define EXPECT_REFUSED(call, status, fn, word) EXPECT_REFUSED_WORDS(call, status, fn, word)
 
 namespace fp8test {
 
@@ -117,6 +131,33 @@ inline uint32_t bits_of(float f) {
   std::memcpy(&u, &f, 4);
   return u;
 }
+
+// A model's parameter "<layer>.<param>" (its gradient with grad), and what tensors hold.
+inline fp8_tensor_t* param_tensor(fp8_model_t* m, const std::string& name, bool grad = false) {
+  fp8_tensor_t* value = nullptr;
+  fp8_tensor_t* g = nullptr;
+  EXPECT_OK(fp8_model_parameter(m, name.c_str(), &value, &g));
+  return grad ? g : value;
+}
+inline void set_param(fp8_model_t* m, const std::string& name, const std::vector<float>& v) {
+  upload(param_tensor(m, name), v);
+}
+inline fp8_dtype_t dtype_of(const fp8_tensor_t* t) {
+  fp8_dtype_t dt = -1;
+  EXPECT_OK(fp8_tensor_dtype(t, &dt));
+  return dt;
+}
+// The stored bytes, whatever the dtype.
+inline std::vector<uint8_t> tensor_bytes(const fp8_tensor_t* t) {
+  int64_t n = 0;
+  EXPECT_OK(fp8_tensor_numel(t, &n));
+  std::vector<uint8_t> b(static_cast<size_t>(n) * fp8_dtype_size(dtype_of(t)));
+  EXPECT_OK(fp8_tensor_copy_to_host(t, b.data(), b.size()));
+  return b;
+}
+// The optimizer level's name (0 te, 1..3 O1..O3).
+inline const char* level_name(int level) { return level == 0 ? "te" : level == 1 ? "O1" : level == 2 ? "O2" : "O3"; }
+
 
 // An optimizer's hyper-parameters, as the tests set them, and the calls that set them.
 struct Hyper {

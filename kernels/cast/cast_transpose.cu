@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
                                uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool rows_aligned,
                                bool cols_aligned,
                                ScalingHeader* state, float* out_scale_inv, float* out_t_scale_inv,
-                               float* __restrict__ dbias_partials) {
+                               float* out_scale, float* __restrict__ dbias_partials) {
   __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
   __shared__ float col_part[DBIAS ? kThreads / 32 * kTile : 1];
   const float scale = state->scale;
@@ -141,6 +141,7 @@ __global__ void __launch_bounds__(kThreads)
   if (blockIdx.x == 0 && tid == 0) {
     *out_scale_inv = state->scale_inv;
     *out_t_scale_inv = state->scale_inv;
+    if (out_scale) *out_scale = scale;
   }
   block_amax_accumulate(amax, scaling_history(state), nullptr);
 }
@@ -159,7 +160,7 @@ void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t 
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
                                           j.out_t, j.rows, j.cols, rows_aligned, cols_aligned, j.state, j.out_scale_inv,
-                                          j.out_t_scale_inv, j.dbias_partials);
+                                          j.out_t_scale_inv, j.out_scale, j.dbias_partials);
   };
   dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
     if (j.dbias) launch(dt, e5m2, std::true_type{});

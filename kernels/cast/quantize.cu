@@ -12,7 +12,8 @@ constexpr int kThreads = 256;
 template <fp8_dtype_t DT, bool E5M2>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in,
                                                             uint8_t* __restrict__ out, int64_t n, bool vec,
-                                                            ScalingHeader* state, float* out_scale_inv) {
+                                                            ScalingHeader* state, float* out_scale_inv,
+                                                            float* out_scale) {
   const float scale = state->scale;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -43,7 +44,10 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const typename Wide<
     amax = max(amax, abs_bits(x));
     out[i] = cast1<E5M2>(x * scale);
   }
-  if (tid == 0) *out_scale_inv = state->scale_inv;
+  if (tid == 0) {
+    *out_scale_inv = state->scale_inv;
+    if (out_scale) *out_scale = scale;
+  }
   block_amax_accumulate(amax, scaling_history(state), nullptr);
 }
 
@@ -57,7 +61,7 @@ void quantize(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, (n / 16 + kThreads - 1) / kThreads + 1,
                                lim.sm_count);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out, n,
-                                          vec, j.state, j.out_scale_inv);
+                                          vec, j.state, j.out_scale_inv, j.out_scale);
   });
   cuda_check(cudaGetLastError(), "quantize kernel launch");
 }

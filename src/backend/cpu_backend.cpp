@@ -271,6 +271,7 @@ class CpuBackend final : public Backend {
     max_into(scaling_history(j.state), amax);
     *j.out_scale_inv = j.state->scale_inv;
     if (j.out_t_scale_inv) *j.out_t_scale_inv = j.state->scale_inv;
+    if (j.out_scale) *j.out_scale = j.state->scale;
     if (j.dbias) add_column_sums(j.in, j.in_dtype, j.rows, j.cols, j.dbias);
   }
 

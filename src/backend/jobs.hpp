@@ -31,6 +31,7 @@ struct QuantizeJob {
   ScalingHeader* state;
   float* out_scale_inv;
   float* out_t_scale_inv;  // set exactly when a transposed copy is requested
+  float* out_scale = nullptr;       // if set, receives state.scale (the scale the codes were made with)
   float* dbias = nullptr;           // cols floats, accumulated into; nullptr: no column sums
   float* dbias_partials = nullptr;  // bias_grad_partials(rows, cols) floats when dbias is set
 };

@@ -5,11 +5,14 @@
 //   "libfp8"     u32 library version, u32 checkpoint layout version, u8 training flag
 //   "recipe"     the recipe's text form (absent for an unconverted model)
 //   "params"     per parameter, in the model's order: its name, layout (te/O1/O2/O3), value (dtype,
-//                count, bytes, scale_inv for E4M3), and the gradient (dtype, bytes, its scales) if saved
+//                count, bytes, scale_inv for E4M3), the gradient (dtype, bytes, its scales) if saved,
+//                O3's F16 master and the per-tensor scales (both through the optimizer holding them)
 //   "scaling"    per layer, its scaling states in order: history length, dtype, pending flag,
 //                scale, scale_inv, counters, history
-//   "optimizer"  kind, level, hyper-parameters, step scalars, and per parameter its m, v, F16 master
-//                and per-tensor scales in the parameter's layout
+//   "weight_copies" (saved between micro-batches) the scale of each Linear's FP8 weight copy, which
+//                the next micro-batch reuses: after a load the copy is remade with it
+//   "optimizer"  kind, level, hyper-parameters, step scalars, and per parameter its m and v in the
+//                parameter's layout
 // Loading decodes all of it on the host, checks it against the model, and converts each
 // parameter to the optimizer's layout when the file's differs, before any device memory is written.
 #include "io/checkpoint.hpp"
@@ -73,7 +76,10 @@ std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer*
         if (t->master) s.master = download(be, t->master, bytes_of(s.n, 2));
         if (o && t->m) s.m = download(be, t->m, bytes_of(s.n, m_size(t->layout)));
         if (o && t->v) s.v = download(be, t->v, bytes_of(s.n, v_size(t->layout)));
-        if (t->scales) be.copy_to_host(&s.scales, t->scales, sizeof(CompactScales));
+        if (t->scales) {
+          s.has_scales = true;
+          be.copy_to_host(&s.scales, t->scales, sizeof(CompactScales));
+        }
       }
       out.push_back(std::move(s));
       ++index;
@@ -164,6 +170,12 @@ void save_checkpoint(const fp8_model& model, const fp8_optimizer* o, const std::
   }
   sections.push_back({"params", encode_params(params)});
   sections.push_back({"scaling", encode_scaling(read_scaling(model))});
+  WeightCopies copies;
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    float scale = 0.0f;
+    if (model.layers[i]->weight_copy_scale(model.weights_version, &scale)) copies.emplace_back(static_cast<uint32_t>(i), scale);
+  }
+  if (!copies.empty()) sections.push_back({"weight_copies", encode_weight_copies(copies)});
   if (o) sections.push_back({"optimizer", encode_optimizer(read_optimizer(*o), params)});
   write_file_atomic(path, encode_container(sections));
 }
@@ -184,14 +196,20 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   std::vector<ParamState> params = decode_params(require_section(sections, "params").data);
   const std::vector<ScalingRecord> scaling = decode_scaling(require_section(sections, "scaling").data);
   check_scaling(scaling, model);
+  WeightCopies copies;
+  if (const Section* s = find_section(sections, "weight_copies")) copies = decode_weight_copies(s->data);
+  for (const auto& [layer, scale] : copies)
+    if (layer >= model.layers.size() || model.layers[layer]->kind() != FP8_LAYER_LINEAR || !model.layers[layer]->converted())
+      fail(FP8_ERR_INVALID_STATE, "the checkpoint holds an FP8 weight copy of layer ", layer,
+           ", which is no converted Linear of this model");
   const Section* optim_section = find_section(sections, "optimizer");
   OptimRecord optim{};
   if (optim_section) optim = decode_optimizer(optim_section->data, params);
   if (o && !optim_section)
     fail(FP8_ERR_INVALID_STATE, "the checkpoint holds no optimizer state; pass optimizer = NULL, or save with one");
   if (o && optim.kind != o->kind)
-    fail(FP8_ERR_INVALID_STATE, "the checkpoint's optimizer is kind ", optim.kind, ", this one ", o->kind,
-         "; create the optimizer with the saved kind");
+    fail(FP8_ERR_INVALID_STATE, "the checkpoint's optimizer is ", optim::kind_name(optim.kind), ", this one ",
+         optim::kind_name(o->kind), "; create the optimizer with the saved kind");
 
   std::vector<nn::Parameter*> targets;
   for (auto& layer : model.layers)
@@ -214,12 +232,11 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
       p.v.clear();
     }
     convert_layout(p, layout);
-    if (!o && ot && ot->scales) {  // keep the live optimizer's moment scales, take the weight's amax
-      CompactScales live{};
-      model.backend->copy_to_host(&live, ot->scales, sizeof live);
-      live.p_amax = p.scales.p_amax;
-      p.scales = live;
+    if (!o && ot && ot->scales) {  // the weights alone: keep the live optimizer's moment scales
+      model.backend->copy_to_host(&p.scales, ot->scales, sizeof p.scales);
+      p.has_scales = true;
     }
+    if (p.has_scales) p.scales.p_amax = stored_weight_amax(p);  // the bound's start, from what is stored
     convert_grad(p, t.grad->dtype);
     if (p.value.size() != t.value->nbytes() || (p.has_grad && p.grad.size() != t.grad->nbytes()))
       fail(FP8_ERR_INTERNAL, "'", t.name, "' converted to ", p.value.size(), " value bytes for a tensor of ",
@@ -263,7 +280,8 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
     be.copy_from_host(o->scalars, &optim.scalars, sizeof optim.scalars);
   }
   model.training = training;
-  ++model.weights_version;  // the layers remake their weight copies
+  ++model.weights_version;  // the layers remake their weight copies, with the saved scales where
+  for (const auto& [layer, scale] : copies) model.layers[layer]->pin_weight_copy_scale(scale);  // mid-step
   be.synchronize();
 }
 
@@ -338,10 +356,8 @@ void import_safetensors(fp8_model& model, const std::string& path) {
       fail(FP8_ERR_INVALID_STATE, "'", t.name, "' is stored at O3 but no optimizer holds its master; create one first");
     convert_layout(p, layout);
     if (ot && ot->scales) {  // the optimizer's moment scales stay; the weight's amax is the new one
-      CompactScales live{};
-      model.backend->copy_to_host(&live, ot->scales, sizeof live);
-      live.p_amax = p.scales.p_amax;
-      p.scales = live;
+      model.backend->copy_to_host(&p.scales, ot->scales, sizeof p.scales);
+      p.scales.p_amax = stored_weight_amax(p);
     }
     params.push_back(std::move(p));
   }

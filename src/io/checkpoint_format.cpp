@@ -2,6 +2,7 @@
 #include "io/checkpoint_format.hpp"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 
@@ -107,6 +108,9 @@ std::vector<uint8_t> encode_params(const std::vector<ParamState>& params) {
       put_blob(w, p.grad);
       put_grad_scales(w, p.grad_scales);
     }
+    put_blob(w, p.master);
+    w.put_u8(p.has_scales ? 1 : 0);
+    if (p.has_scales) put_compact_scales(w, p.scales);
   }
   return out;
 }
@@ -145,6 +149,12 @@ std::vector<ParamState> decode_params(const std::vector<uint8_t>& data) {
       if (p.grad.size() != bytes_of(p.n, dtype_size(p.grad_dtype)))
         fail(FP8_ERR_CORRUPT, "gradient of '", p.name, "' holds ", p.grad.size(), " bytes for ", p.n, " elements");
     }
+    p.master = get_blob(r, "master");
+    if (!p.master.empty() && (p.layout != kLayoutO3 || p.master.size() != bytes_of(p.n, 2)))
+      fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' has ", p.master.size(), " bytes of master at ",
+           layout_name(p.layout), " for ", p.n, " elements");
+    p.has_scales = get_flag(r, "scales flag");
+    if (p.has_scales) p.scales = get_compact_scales(r);
   }
   r.expect_done("params");
   return out;
@@ -235,8 +245,6 @@ std::vector<uint8_t> encode_optimizer(const OptimRecord& o, const std::vector<Pa
   for (const ParamState& p : params) {
     put_blob(w, p.m);
     put_blob(w, p.v);
-    put_blob(w, p.master);
-    put_compact_scales(w, p.scales);
   }
   return out;
 }
@@ -256,19 +264,45 @@ OptimRecord decode_optimizer(const std::vector<uint8_t>& data, std::vector<Param
   for (ParamState& p : params) {
     p.m = get_blob(r, "optimizer m");
     p.v = get_blob(r, "optimizer v");
-    p.master = get_blob(r, "optimizer master");
-    p.scales = get_compact_scales(r);
     const bool moments = rec.kind != FP8_OPTIMIZER_SGD;
     const bool m_ok = p.m.empty() || p.m.size() == bytes_of(p.n, m_size(p.layout));
     const bool v_ok =
         moments ? p.v.size() == bytes_of(p.n, v_size(p.layout)) || (p.v.empty() && p.m.empty()) : p.v.empty();
-    const bool master_ok = p.layout == kLayoutO3 ? p.master.size() == bytes_of(p.n, 2) : p.master.empty();
-    if (!m_ok || !v_ok || !master_ok)
-      fail(FP8_ERR_CORRUPT, "optimizer state of '", p.name, "' has ", p.m.size(), "/", p.v.size(), "/", p.master.size(),
-           " bytes of m/v/master for ", p.n, " elements at ", layout_name(p.layout));
+    if (!m_ok || !v_ok)
+      fail(FP8_ERR_CORRUPT, "optimizer state of '", p.name, "' has ", p.m.size(), "/", p.v.size(), " bytes of m/v for ",
+           p.n, " elements at ", layout_name(p.layout));
   }
   r.expect_done("optimizer");
   return rec;
+}
+
+// ---- weight copies -----------------------------------------------------------------------------------
+
+std::vector<uint8_t> encode_weight_copies(const WeightCopies& copies) {
+  std::vector<uint8_t> out;
+  ByteWriter w(out);
+  w.put_u32(static_cast<uint32_t>(copies.size()));
+  for (const auto& [layer, scale] : copies) {
+    w.put_u32(layer);
+    w.put_f32(scale);
+  }
+  return out;
+}
+
+WeightCopies decode_weight_copies(const std::vector<uint8_t>& data) {
+  ByteReader r(data.data(), data.size());
+  const uint32_t count = r.get_u32("weight copy count");
+  if (count > data.size() / 8) fail(FP8_ERR_CORRUPT, "weight_copies: ", count, " entries in ", data.size(), " bytes");
+  WeightCopies out;
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint32_t layer = r.get_u32("weight copy layer");
+    const float scale = r.get_f32("weight copy scale");
+    if (!(scale > 0.0f && scale <= FLT_MAX) || (!out.empty() && layer <= out.back().first))
+      fail(FP8_ERR_CORRUPT, "weight copy of layer ", layer, " has scale ", scale, " or is out of order");
+    out.emplace_back(layer, scale);
+  }
+  r.expect_done("weight_copies");
+  return out;
 }
 
 // ---- conversion between layouts ----------------------------------------------------------------------
@@ -301,10 +335,18 @@ std::vector<uint8_t> floats_bytes(const std::vector<float>& f) {
   return out;
 }
 
+float stored_weight_amax(const ParamState& p) {
+  const std::vector<uint8_t>& f16 = p.master.empty() ? p.value : p.master;
+  uint32_t top = 0;
+  for (size_t k = 0; k + 1 < f16.size(); k += 2) top = std::max<uint32_t>(top, (f16[k] | (f16[k + 1] << 8)) & 0x7FFFu);
+  return f16_to_float(static_cast<uint16_t>(top));
+}
+
 // Re-encodes a parameter saved at `p.layout` into `layout` (weights, m, v, master, scales): exact
 // widening towards te, rounding (and fresh per-tensor scales from the values' amax) towards O1..O3.
 void convert_layout(ParamState& p, int32_t layout) {
   if (p.layout == layout && !(layout == kLayoutO3 && p.master.empty())) return;  // (O3 needs its master)
+  p.has_scales = layout != kLayoutF32;
   const std::vector<float> w = weight_floats(p);
   const std::vector<float> m = state_floats(p.m, p.layout, true, p.scales, p.n);
   const std::vector<float> v = state_floats(p.v, p.layout, false, p.scales, p.n);

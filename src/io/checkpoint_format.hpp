@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/optim_rule.hpp"
@@ -29,8 +30,10 @@ struct ParamState {
   std::vector<uint8_t> grad;
   GradScales grad_scales{};
   // Optimizer state (when the file or the target has an optimizer).
-  std::vector<uint8_t> m, v, master;  // empty where the layout or kind has none
+  std::vector<uint8_t> master;  // O3: the F16 master (the weight itself; with the parameter)
+  bool has_scales = false;      // O1..O3 with an optimizer: its per-tensor scales
   CompactScales scales{};
+  std::vector<uint8_t> m, v;  // the optimizer's moments; empty where the layout or kind has none
 };
 
 // One scaling state: the layer that owns it, its format, and its device contents.
@@ -75,9 +78,17 @@ std::vector<ScalingRecord> decode_scaling(const std::vector<uint8_t>& data);
 std::vector<uint8_t> encode_optimizer(const OptimRecord& o, const std::vector<ParamState>& params);
 OptimRecord decode_optimizer(const std::vector<uint8_t>& data, std::vector<ParamState>& params);
 
+// The scales of the FP8 weight copies the Linears hold between micro-batches: (layer index, scale).
+using WeightCopies = std::vector<std::pair<uint32_t, float>>;
+std::vector<uint8_t> encode_weight_copies(const WeightCopies& copies);
+WeightCopies decode_weight_copies(const std::vector<uint8_t>& data);
+
 // The weight as floats: the F16 master at O3 when there is one, else the stored value.
 std::vector<float> weight_floats(const ParamState& p);
 std::vector<uint8_t> floats_bytes(const std::vector<float>& f);
+// Largest |weight| as stored at O1..O3 (the F16 value or master): the amax the optimizer's bounds
+// start from (CompactScales::p_amax), as fp8_optimizer_create and each step compute it.
+float stored_weight_amax(const ParamState& p);
 // Re-encodes a parameter into `layout` (weights, m, v, master, scales): exact widening towards te,
 // rounding (and fresh per-tensor scales from the values' amax) towards O1..O3.
 void convert_layout(ParamState& p, int32_t layout);

@@ -34,6 +34,10 @@ class DeviceBuffer {
     }
     return static_cast<T*>(data_);
   }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
 
  private:
   std::shared_ptr<Backend> backend_;
@@ -104,11 +108,18 @@ class Layer {
   // forward), so a whole-model backward can make them before any layer runs.
   virtual void check_dx(const fp8_tensor* /*dx*/) const {}
 
+  // Checkpoints taken between micro-batches: the scale of the FP8 weight copy the layer holds for
+  // the model's weights version (false when it holds none), and, after a load, the scale its next
+  // copy is made with, recording no amax (the original copy's was recorded already).
+  virtual bool weight_copy_scale(uint64_t /*model_version*/, float* /*scale*/) const { return false; }
+  virtual void pin_weight_copy_scale(float /*scale*/) {}
+
  protected:
   // Adds a parameter with a zeroed gradient, its value filled with `init`.
   fp8_tensor* add_parameter(const char* name, int32_t ndim, const int64_t* shape, float init);
   // The layer's parameter values change when the model's version or a parameter's own grows.
-  uint64_t weights_version(const Step& step) const;
+  uint64_t weights_version(const Step& step) const { return weights_version(step.weights_version); }
+  uint64_t weights_version(uint64_t model_version) const;
   std::unique_ptr<fp8_scaling> new_state(const Recipe& recipe, fp8_role_t role) const {
     return make_scaling(backend_, recipe, role);
   }

@@ -19,8 +19,8 @@ fp8_tensor* Layer::add_parameter(const char* name, int32_t ndim, const int64_t* 
   return params_.back().value.get();
 }
 
-uint64_t Layer::weights_version(const Step& step) const {
-  uint64_t v = step.weights_version;
+uint64_t Layer::weights_version(uint64_t model_version) const {
+  uint64_t v = model_version;
   for (const Parameter& p : params_) v += p.value->version;
   return v;
 }

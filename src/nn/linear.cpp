@@ -38,7 +38,7 @@ class Linear final : public Layer {
  public:
   Linear(std::shared_ptr<Backend> backend, std::string name, int64_t in, int64_t out, bool with_bias)
       : Layer(backend, std::move(name), FP8_LAYER_LINEAR), in_(in), out_(out), bias_(with_bias), qw_(backend),
-        qwt_(backend), w_si_(backend), w_hp_(backend), b_bf16_(backend), qx_(backend), qxt_(backend),
+        qwt_(backend), w_si_(backend), pinned_state_(backend), w_hp_(backend), b_bf16_(backend), qx_(backend), qxt_(backend),
         x_si_(backend), x_hp_(backend), qdy_(backend), qdyt_(backend), dy_si_(backend), partials_(backend) {
     const int64_t w_shape[2] = {out, in};
     // The caller initialises the weights; zeros until then keep a forward defined.
@@ -68,6 +68,7 @@ class Linear final : public Layer {
     }
     converted_ = recipe != nullptr;
     fp8_weight_version_ = kNever;
+    pinned_ = false;
     saved_ = Saved{};
   }
 
@@ -363,7 +364,7 @@ class Linear final : public Layer {
     const int64_t n = out_ * in_;
     const bool w8 = p.fprop || (step.training && p.dgrad);
     if (w8 && fp8_weight_version_ != version) {
-      float* si = w_si_.ensure<float>(sizeof(float));
+      float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale
       uint8_t* qwt = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
       if (w.dtype == FP8_DTYPE_E4M3) {
         be.transpose({static_cast<const uint8_t*>(w.data), out_, in_, qwt, w.scale_inv, si});
@@ -376,11 +377,13 @@ class Linear final : public Layer {
         q.out = qw_.ensure<uint8_t>(static_cast<size_t>(n));
         q.out_t = qwt;
         q.e5m2 = false;
-        q.state = s_w_->state;
-        s_w_->pending = true;
+        q.state = pinned_ ? pinned_state_.ensure<ScalingHeader>(0) : s_w_->state;
+        if (!pinned_) s_w_->pending = true;
         q.out_scale_inv = si;
         q.out_t_scale_inv = si;
+        q.out_scale = si + kScaleSlot2;
         be.quantize(q);
+        pinned_ = false;
       }
       fp8_weight_version_ = version;
     }
@@ -400,6 +403,24 @@ class Linear final : public Layer {
     }
   }
 
+  bool weight_copy_scale(uint64_t model_version, float* scale) const override {
+    if (!converted_ || params_[0].value->dtype == FP8_DTYPE_E4M3 || fp8_weight_version_ != weights_version(model_version))
+      return false;
+    backend_->copy_to_host(scale, w_si_.get<float>() + kScaleSlot2, sizeof(float));
+    return true;
+  }
+
+  void pin_weight_copy_scale(float scale) override {
+    struct {
+      ScalingHeader header;
+      float history[4];
+    } state{};
+    state.header.scale = scale;
+    state.header.scale_inv = 1.0f / scale;  // as the scaling update and fp8_scaling_set_scale set it
+    backend_->copy_from_host(pinned_state_.ensure(sizeof state), &state, sizeof state);
+    pinned_ = true;
+  }
+
   const void* weight_in(fp8_dtype_t act) {
     const fp8_tensor& w = *params_[0].value;
     return w.dtype == act ? w.data : w_hp_.ensure(0);
@@ -413,7 +434,9 @@ class Linear final : public Layer {
   bool bias_;
   Recipe recipe_;
   std::unique_ptr<fp8_scaling> s_x_, s_w_, s_dy_;
-  DeviceBuffer qw_, qwt_, w_si_;  // FP8 weight, its transpose, their scale_inv
+  DeviceBuffer qw_, qwt_, w_si_;  // FP8 weight, its transpose, their scale_inv (and the scale)
+  DeviceBuffer pinned_state_;      // the scale the next weight copy takes after a checkpoint load
+  bool pinned_ = false;
   DeviceBuffer w_hp_, b_bf16_;  // the weight in the activation dtype (when the value is not), the bf16 bias
   uint64_t fp8_weight_version_ = kNever, hp_weight_version_ = kNever, bf16_bias_version_ = kNever;
   fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;

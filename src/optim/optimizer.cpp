@@ -44,10 +44,6 @@ const AttrSpec kAttrs[FP8_OPTIM_ATTR_COUNT] = {
     {"FP8_OPTIM_MAX_GRAD_NORM", 0.0, kInf, false, true, true, true, {0.0, 0.0, 0.0}},
 };
 
-const char* kind_name(fp8_optimizer_kind_t k) {
-  return k == FP8_OPTIMIZER_SGD ? "SGD" : k == FP8_OPTIMIZER_ADAM ? "Adam" : "AdamW";
-}
-
 const AttrSpec& spec(fp8_optimizer_attr_t attr) {
   if (attr < 0 || attr >= FP8_OPTIM_ATTR_COUNT)
     fail(FP8_ERR_INVALID_ARGUMENT, "attr = ", attr, "; expected FP8_OPTIM_LR (0) .. FP8_OPTIM_MAX_GRAD_NORM (",
@@ -180,6 +176,10 @@ void convert_weight(Backend& be, const std::shared_ptr<Backend>& owner, nn::Para
 }
 
 }  // namespace
+
+const char* kind_name(fp8_optimizer_kind_t k) {
+  return k == FP8_OPTIMIZER_SGD ? "SGD" : k == FP8_OPTIMIZER_ADAM ? "Adam" : "AdamW";
+}
 
 int32_t resolve_level(const fp8_model& model, fp8_optimizer_kind_t kind) {
   if (!model.recipe) return 0;

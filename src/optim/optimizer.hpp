@@ -52,6 +52,7 @@ namespace fp8::optim {
 // backend te; the recipe's opt_level for backend msamp; for auto (which prefers MS-AMP, as
 // Accelerate documents) the same, capped at O1 for SGD, which has no moments to keep in FP8.
 int32_t resolve_level(const fp8_model& model, fp8_optimizer_kind_t kind);
+const char* kind_name(fp8_optimizer_kind_t kind);  // "SGD", "Adam", "AdamW"
 
 // Makes the optimizer; at O1..O3 converts the model's Linear weights (values and gradients) to the
 // level's storage. Refuses (FP8_ERR_UNSUPPORTED) a level the kind cannot run and a second optimizer

@@ -25,6 +25,9 @@ void check_sections(const std::vector<fp8::io::Section>& sections) {
       const std::vector<ScalingRecord> states = decode_scaling(s->data);
       if (encode_scaling(states) != s->data) std::abort();
     }
+    if (const Section* s = find_section(sections, "weight_copies")) {
+      if (encode_weight_copies(decode_weight_copies(s->data)) != s->data) std::abort();
+    }
     if (const Section* s = find_section(sections, "optimizer")) {
       const OptimRecord o = decode_optimizer(s->data, params);
       if (encode_optimizer(o, params) != s->data) std::abort();

@@ -47,15 +47,6 @@ Tensor f32_tensor(fp8_context_t* ctx, const std::vector<int64_t>& shape, const s
   return tensor_of(ctx, FP8_DTYPE_F32, shape, values);
 }
 
-fp8_tensor_t* param_tensor(fp8_model_t* m, const std::string& name, bool grad = false) {
-  fp8_tensor_t* value = nullptr;
-  fp8_tensor_t* g = nullptr;
-  EXPECT_OK(fp8_model_parameter(m, name.c_str(), &value, &g));
-  return grad ? g : value;
-}
-void set_param(fp8_model_t* m, const std::string& name, const std::vector<float>& v) {
-  upload(param_tensor(m, name), v);
-}
 std::vector<float> param_value(fp8_model_t* m, const std::string& name) {
   return download<float>(param_tensor(m, name));
 }
@@ -1120,15 +1111,6 @@ TEST(Conversion, LinearZeroConvertsOnlyNormsAndActivations) {
 // 11. Misuse: exact status, a message naming the function and the culprit, nothing changed
 // =================================================================================================
 
-// `call` returns `status`; the message starts with "fn:" and contains `word`.
-#define EXPECT_REFUSED(call, status, fn, word)                                                               \
-  do {                                                                                                       \
-    const fp8_status_t st_ = (call);                                                                         \
-    EXPECT_EQ(st_, status) << #call << " -> " << fp8_status_string(st_) << ": " << fp8_last_error_message(); \
-    const std::string msg_ = fp8_last_error_message();                                                       \
-    EXPECT_EQ(msg_.rfind(std::string(fn) + ":", 0), 0u) << #call << ": " << msg_;                            \
-    EXPECT_NE(msg_.find(word), std::string::npos) << #call << ": no \"" << (word) << "\" in: " << msg_;      \
-  } while (0)
 
 constexpr float kSentinel = -12345.0f;
 

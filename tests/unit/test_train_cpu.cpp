@@ -32,30 +32,12 @@ namespace {
 // =================================================================================================
 
 
-// `call` returns `status`; the message starts with "fn:" and contains `word`.
-#define EXPECT_REFUSED(call, status, fn, word)                                                               \
-  do {                                                                                                       \
-    const fp8_status_t st_ = (call);                                                                         \
-    EXPECT_EQ(st_, status) << #call << " -> " << fp8_status_string(st_) << ": " << fp8_last_error_message(); \
-    const std::string msg_ = fp8_last_error_message();                                                       \
-    EXPECT_EQ(msg_.rfind(std::string(fn) + ":", 0), 0u) << #call << ": " << msg_;                            \
-    EXPECT_NE(msg_.find(word), std::string::npos) << #call << ": no \"" << (word) << "\" in: " << msg_;      \
-  } while (0)
 
 
 
 
 
 
-fp8_tensor_t* param_tensor(fp8_model_t* m, const std::string& name, bool grad = false) {
-  fp8_tensor_t* value = nullptr;
-  fp8_tensor_t* g = nullptr;
-  EXPECT_OK(fp8_model_parameter(m, name.c_str(), &value, &g));
-  return grad ? g : value;
-}
-void set_param(fp8_model_t* m, const std::string& name, const std::vector<float>& v) {
-  upload(param_tensor(m, name), v);
-}
 
 // Every parameter's value or gradient, in the model's parameter order.
 std::vector<std::vector<float>> all_params(fp8_model_t* m, bool grads = false) {
