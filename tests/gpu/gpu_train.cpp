@@ -465,6 +465,69 @@ TEST(GpuOptimizerLevels, StepsAreBitIdenticalToTheCpuReference) {
   }
 }
 
+// The Linear's backward at an MS-AMP level on the GPU: each micro-batch's dW goes through the
+// model's FP32 scratch into the FP8 gradient (one requantising pass). GPU and CPU run the same FP8
+// GEMMs in another accumulation order, so the gradients are compared as values: against each other
+// and against a float64 dy^T x (with the forward's E4M3 x and the E5M2 dy the error is the formats'
+// own). An inf in a later (high-precision) micro-batch's dy poisons the GPU's gradient too, and the
+// step is skipped.
+TEST(GpuOptimizerLevels, LinearBackwardAccumulatesFp8GradientsLikeTheCpuReference) {
+  constexpr int64_t kTokens = 128, kIn = 256, kOutF = 128;
+  Context gpu = make_context(0), cpu = make_context(FP8_DEVICE_CPU);
+  ASSERT_NE(gpu.get(), nullptr);
+  Recipe recipe = make_recipe("backend=msamp, opt_level=O2, small_layer_fallback=0");
+  Model models[2] = {make_model(gpu.get()), make_model(cpu.get())};
+  std::vector<Optimizer> optims;
+  const auto w = normal_floats(static_cast<size_t>(kIn * kOutF), 31, 0.0f, 0.05f);
+  for (auto& m : models) {
+    FP8_ASSERT_OK(fp8_model_add_linear(m.get(), "fc", kIn, kOutF, 0, nullptr));
+    upload(param_at(m.get(), 0, false), w);
+    FP8_ASSERT_OK(fp8_convert_model(m.get(), recipe.get(), nullptr));
+    optims.push_back(make_optimizer(m.get(), FP8_OPTIMIZER_ADAMW));
+    ASSERT_NE(optims.back().get(), nullptr);
+  }
+  std::vector<double> want(static_cast<size_t>(kIn * kOutF), 0.0);
+  for (int mb = 0; mb < 3; ++mb) {
+    const auto x = normal_floats(static_cast<size_t>(kTokens * kIn), 40 + mb);
+    auto dy = normal_floats(static_cast<size_t>(kTokens * kOutF), 50 + mb, 0.0f, 1e-2f);
+    if (mb == 2) dy[77] = INFINITY;
+    for (size_t k = 0; k < 2; ++k) {
+      fp8_context_t* ctx = k == 0 ? gpu.get() : cpu.get();
+      Tensor xt = make_tensor(ctx, FP8_DTYPE_F32, {kTokens, kIn}), yt = make_tensor(ctx, FP8_DTYPE_F32, {kTokens, kOutF});
+      Tensor dyt = make_tensor(ctx, FP8_DTYPE_F32, {kTokens, kOutF});
+      upload(xt.get(), x);
+      upload(dyt.get(), dy);
+      // The poisoned micro-batch runs in high precision: an FP8 cast saturates an inf in dy (the dy
+      // state counts it), a high-precision wgrad carries it into the gradient.
+      if (mb != 2) FP8_ASSERT_OK(fp8_autocast_begin(models[k].get()));
+      FP8_ASSERT_OK(fp8_layer_forward(models[k].get(), 0, xt.get(), yt.get()));
+      if (mb != 2) FP8_ASSERT_OK(fp8_autocast_end(models[k].get()));
+      FP8_ASSERT_OK(fp8_layer_backward(models[k].get(), 0, dyt.get(), nullptr));
+    }
+    const std::vector<double> g = values(param_at(models[0].get(), 0, true)), c = values(param_at(models[1].get(), 0, true));
+    if (mb == 2) {  // poisoned: every element decodes as NaN on both
+      EXPECT_TRUE(std::all_of(g.begin(), g.end(), [](double v) { return std::isnan(v); })) << "GPU gradient not poisoned";
+      EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](double v) { return std::isnan(v); })) << "CPU gradient not poisoned";
+      break;
+    }
+    for (int64_t o = 0; o < kOutF; ++o)
+      for (int64_t i = 0; i < kIn; ++i) {
+        double sum = 0;
+        for (int64_t t = 0; t < kTokens; ++t) sum += static_cast<double>(dy[t * kOutF + o]) * x[t * kIn + i];
+        want[static_cast<size_t>(o * kIn + i)] += sum;
+      }
+    const double gpu_vs_cpu = relative_error(g, c), gpu_vs_f64 = relative_error(g, want);
+    std::printf("micro-batch %d: FP8 gradient GPU vs CPU %.2e, GPU vs float64 %.2e\n", mb, gpu_vs_cpu, gpu_vs_f64);
+    EXPECT_LT(gpu_vs_cpu, 2e-2) << "micro-batch " << mb;  // a code apart here and there
+    EXPECT_LT(gpu_vs_f64, 0.1) << "micro-batch " << mb;   // E5M2 dy and gradient: 2 mantissa bits
+    EXPECT_GT(norm2(g), 0.0);
+  }
+  const auto before = raw_bytes(param_at(models[0].get(), 0, false));
+  FP8_ASSERT_OK(fp8_optimizer_step(optims[0].get()));
+  EXPECT_EQ(stats_of(optims[0].get()).last_skipped, 1);
+  EXPECT_TRUE(raw_bytes(param_at(models[0].get(), 0, false)) == before) << "a poisoned step changed the weight";
+}
+
 // =================================================================================================
 // 3-4. Whole-model training: fc1 Linear(256->256) -> ln LayerNorm(256) -> gelu -> fc2 Linear(256->64).
 // The GELU hands its output to fc2 in E4M3 (fc2 runs FP8), so fc2's input state never records.
