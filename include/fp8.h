@@ -889,6 +889,8 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  * the optimizer's kind, level, hyper-parameters, step counters, m and v, F16 masters (O3) and their
  * per-tensor scales. Train N steps, save, load into a fresh process (the model built and converted
  * the same way, an optimizer of the same kind), train M more: the bits are those of N + M steps.
+ * Saved between micro-batches with FP8_CHECKPOINT_GRADIENTS, it also keeps the scale of each
+ * Linear's FP8 weight copy, so the remaining micro-batches and the step give the same bits too.
  *
  * The file is a versioned container: a magic number, a format version, named sections each
  * deflate-compressed (zlib) with a CRC-32, and a CRC-32 over the whole file. It is written to a
