@@ -5,7 +5,12 @@
 //    ordered_sum_order's pattern, which a 256-thread block follows on the GPU;
 //  - the per-step scalars (clip factor, bias corrections, skip flag) come from finish_step;
 //  - each element is updated by sgd_update / adam_update with explicitly rounded float operations
-//    (no contraction into FMAs the other side would not make).
+//    (no contraction into FMAs the other side would not make);
+//  - at the MS-AMP levels (OptimLayout) update_element decodes the stored value, FP8 gradient and
+//    moments, runs the same rule and encodes them back; the per-tensor scales of the writes come
+//    from finish_compact before the pass and become the stored ones in promote_compact after it, and
+//    FP8 gradients accumulate through grad_sum_*. The GPU decodes with the conversion instructions
+//    and encodes with the hardware FP8 cast, both equal to format.hpp's functions.
 #pragma once
 
 #include <cfloat>
