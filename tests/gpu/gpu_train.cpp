@@ -519,7 +519,9 @@ TEST(GpuOptimizerLevels, LinearBackwardAccumulatesFp8GradientsLikeTheCpuReferenc
     const double gpu_vs_cpu = relative_error(g, c), gpu_vs_f64 = relative_error(g, want);
     std::printf("micro-batch %d: FP8 gradient GPU vs CPU %.2e, GPU vs float64 %.2e\n", mb, gpu_vs_cpu, gpu_vs_f64);
     EXPECT_LT(gpu_vs_cpu, 2e-2) << "micro-batch " << mb;  // a code apart here and there
-    EXPECT_LT(gpu_vs_f64, 0.1) << "micro-batch " << mb;   // E5M2 dy and gradient: 2 mantissa bits
+    // E5M2 dy and gradient (2 mantissa bits) and E4M3 x: ~8% normwise on an H100 (2026-11-25); a
+    // lost scale or a dropped micro-batch gives 30% and more.
+    EXPECT_LT(gpu_vs_f64, 0.15) << "micro-batch " << mb;
     EXPECT_GT(norm2(g), 0.0);
   }
   const auto before = raw_bytes(param_at(models[0].get(), 0, false));
