@@ -120,11 +120,18 @@ size_t training_bytes(const fp8_optimizer& o, const fp8_model& m) {
   return total;
 }
 
-// Moves a Linear weight from FP32 to `layout`: the value to F16 (O1/O2) or E4M3 with an F16 master
-// (O3), the gradient (what it holds so far included) to FP8 in the recipe's gradient format, and
-// the scales' starting amax. `master` is the tensor's slice (O3), `scales` its CompactScales.
-void convert_weight(Backend& be, const std::shared_ptr<Backend>& owner, nn::Parameter& p, int32_t layout,
-                    fp8_dtype_t grad_dtype, uint16_t* master, CompactScales* scales) {
+// A Linear weight's FP32 value and gradient in `layout`'s storage, as new tensors (the parameter
+// keeps its own until make_optimizer commits them all): the value in F16 (O1/O2) or E4M3 with an
+// F16 master (O3), the gradient (what it holds so far included) in FP8 in the recipe's gradient
+// format, and the scales' starting amax. `master` is the tensor's slice (O3), `scales` its
+// CompactScales.
+struct ConvertedWeight {
+  nn::Parameter* param;
+  std::unique_ptr<fp8_tensor> value, grad;
+};
+
+ConvertedWeight convert_weight(Backend& be, const std::shared_ptr<Backend>& owner, nn::Parameter& p, int32_t layout,
+                               fp8_dtype_t grad_dtype, uint16_t* master, CompactScales* scales) {
   const fp8_tensor& old = *p.value;
   const int64_t n = old.numel;
   auto grad = make_tensor(owner, grad_dtype, old.ndim, old.shape, false, nullptr, sizeof(GradScales));
@@ -170,9 +177,7 @@ void convert_weight(Backend& be, const std::shared_ptr<Backend>& owner, nn::Para
     }
     be.release(dev_state);
   }
-  be.synchronize();  // the FP32 tensors are released below
-  p.value = std::move(value);
-  p.grad = std::move(grad);
+  return {&p, std::move(value), std::move(grad)};
 }
 
 }  // namespace
@@ -230,16 +235,23 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   const fp8_dtype_t grad_dtype = model.recipe ? model.recipe->dtype_for(FP8_ROLE_BACKWARD) : FP8_DTYPE_E5M2;
   CompactScales* next_scales = o->scales;
   uint16_t* next_master = o->masters;
+  // Nothing of the model changes until every allocation has succeeded: new storage is made aside
+  // and committed at the end.
+  std::vector<ConvertedWeight> converted;
   for (nn::Parameter* p : params) {
     const int32_t layout = layout_of(*p);
     OptimTensor t{};
     t.n = p->value->numel;
     t.layout = layout;
+    const fp8_tensor* value = p->value.get();
+    const fp8_tensor* grad = p->grad.get();
     if (layout != kLayoutF32) {
       t.scales = next_scales++;
       if (layout == kLayoutO3) t.master = next_master, next_master += aligned(t.n);
       if (p->value->dtype == FP8_DTYPE_F32) {
-        convert_weight(be, o->backend, *p, layout, grad_dtype, t.master, t.scales);
+        converted.push_back(convert_weight(be, o->backend, *p, layout, grad_dtype, t.master, t.scales));
+        value = converted.back().value.get();
+        grad = converted.back().grad.get();
       } else {  // stored at this level by an earlier optimizer: start the states afresh from it
         be.zero(t.scales, sizeof(CompactScales));
         if (layout == kLayoutO3) {
@@ -250,29 +262,17 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
           be.amax({p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
         }
       }
-      p->grad->write_refusal =
-          "this FP8 gradient keeps its per-tensor amax with it (MS-AMP level); add to it with "
-          "fp8_model_accumulate_grad, clear it with fp8_model_zero_grad";
-      if (layout == kLayoutO3)
-        p->value->write_refusal =
-            "at O3 the optimizer's F16 master is the weight and this E4M3 tensor its copy; write weights before "
-            "fp8_optimizer_create, or restore them with fp8_checkpoint_load";
-      t.grad_scales = p->grad_scales();
-      t.grad_e5m2 = p->grad->dtype == FP8_DTYPE_E5M2;
-      if (layout == kLayoutO3) t.w_scale_inv = p->value->scale_inv;
+      t.grad_scales = reinterpret_cast<GradScales*>(grad->scale_inv);
+      t.grad_e5m2 = grad->dtype == FP8_DTYPE_E5M2;
+      if (layout == kLayoutO3) t.w_scale_inv = value->scale_inv;
     }
-    t.param = p->value->data;
-    t.grad = p->grad->data;
+    t.param = value->data;
+    t.grad = grad->data;
     const int32_t index = static_cast<int32_t>(o->tensors.size());
     o->tensors.push_back(t);
     for (int64_t off = 0; off < t.n; off += kOptimChunk)
       o->chunks.push_back({index, static_cast<int32_t>(std::min(kOptimChunk, t.n - off)), off});
     o->numel += t.n;
-  }
-  if (level != 0) {
-    model.weight_level = level;
-    model.weight_owner = o.get();
-    ++model.weights_version;  // the layers remake their weight copies from the new storage
   }
   o->parameter_count = static_cast<int32_t>(o->tensors.size());
   if (needs_states(*o)) allocate_states(*o);
@@ -281,6 +281,28 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   o->scalars = static_cast<OptimScalars*>(be.allocate(sizeof(OptimScalars)));
   const OptimScalars zero{};
   be.copy_from_host(o->scalars, &zero, sizeof zero);
+  be.synchronize();  // the conversions have read the FP32 tensors released below
+
+  // Commit (nothing here throws).
+  for (ConvertedWeight& c : converted) {
+    c.param->value = std::move(c.value);
+    c.param->grad = std::move(c.grad);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (o->tensors[i].layout == kLayoutF32) continue;
+    params[i]->grad->write_refusal =
+        "this FP8 gradient keeps its per-tensor amax with it (MS-AMP level); add to it with "
+        "fp8_model_accumulate_grad, clear it with fp8_model_zero_grad";
+    if (o->tensors[i].layout == kLayoutO3)
+      params[i]->value->write_refusal =
+          "at O3 the optimizer's F16 master is the weight and this E4M3 tensor its copy; write weights before "
+          "fp8_optimizer_create, or restore them with fp8_checkpoint_load";
+  }
+  if (level != 0) {
+    model.weight_level = level;
+    model.weight_owner = o.get();
+    ++model.weights_version;  // the layers remake their weight copies from the new storage
+  }
   o->training_bytes = training_bytes(*o, model);
   return o;
 }
