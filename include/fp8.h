@@ -789,7 +789,10 @@ FP8_API fp8_status_t fp8_model_report(const fp8_model_t *model, char *buf, size_
  * backend=auto (the default) prefers MS-AMP, as Accelerate documents, capped at O1 for SGD (which
  * has no moments to keep in FP8); backend=msamp with O2/O3 and SGD is refused (FP8_ERR_UNSUPPORTED).
  * At O1..O3 the optimizer converts the weights when it is made (the values rounded to F16, an
- * accumulated gradient carried over): fetch parameter tensors again afterwards. Its numerics:
+ * accumulated gradient carried over): fetch parameter tensors again afterwards. It must then be the
+ * model's only optimizer (others are refused, FP8_ERR_INVALID_STATE, both ways). A later optimizer
+ * of the same level takes the stored weights over; at O3 its F16 master is rebuilt from the E4M3
+ * weights (restore the old master from a checkpoint). Its numerics:
  *  - FP8 gradients (E5M2 under HYBRID, E4M3 under E4M3) have one scale per tensor. Each backward
  *    (micro-batch) adds its dW by requantising the sum in one pass with scale = fp8_max /
  *    (amax(stored) + amax(dW)), a bound known before the pass; an inf or NaN in dW makes the
@@ -915,7 +918,9 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
 FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t *model, const fp8_optimizer_t *optimizer,
                                          const char *path, uint32_t flags);
 /** [in,out] optimizer: may be NULL (the weights and scaling states alone; the optimizer's own
- *  state is kept); if given, the file must hold optimizer state of the same kind. */
+ *  state is kept); if given, the file must hold optimizer state of the same kind. The model must
+ *  be converted with the saved recipe (backend and opt_level may differ); its training mode is set
+ *  to the saved one. */
 FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t *model, fp8_optimizer_t *optimizer, const char *path);
 /** The recipe a checkpoint's model was converted with, written into `recipe` (rebuild the model,
  *  convert it with this, then load). FP8_ERR_INVALID_STATE if the model was not converted. */

@@ -15,6 +15,7 @@ void require_flags(uint32_t flags) {
 }
 
 void require_model_optimizer(const fp8_model* model, const fp8_optimizer* optimizer) {
+  if (optimizer) fp8::optim::model_of(*optimizer);  // refuses an optimizer whose model is gone
   if (optimizer && optimizer->model != model)
     fp8::fail(FP8_ERR_INVALID_ARGUMENT, "optimizer was made for another model; pass that model's optimizer or NULL");
   if (model->autocast)

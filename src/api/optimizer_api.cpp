@@ -46,7 +46,7 @@ FP8_API fp8_status_t fp8_optimizer_step(fp8_optimizer_t* optimizer) {
 FP8_API fp8_status_t fp8_optimizer_zero_grad(fp8_optimizer_t* optimizer) {
   return guard("fp8_optimizer_zero_grad", [&] {
     require_arg(optimizer, "optimizer");
-    fp8::nn::zero_grad(*optimizer->model);
+    fp8::nn::zero_grad(fp8::optim::model_of(*optimizer));
   });
 }
 

@@ -72,7 +72,7 @@ void cpu_grad_accumulate(const GradAccumulateJob& j) {
     j.codes[i] = grad_sum_code(j.codes[i], j.add[i], g.scale_inv, scale, j.e5m2);
     top = std::max<uint32_t>(top, j.codes[i] & 0x7Fu);
   }
-  g.next_amax_code = top;
+  g.next_amax_code = std::max(g.next_amax_code, top);  // as the GPU's atomicMax
   grad_sum_finish(g, j.e5m2);
 }
 

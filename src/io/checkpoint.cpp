@@ -136,6 +136,27 @@ void check_scaling(const std::vector<ScalingRecord>& records, const fp8_model& m
   }
 }
 
+// The file's recipe must be the model's, but for the backend and opt_level (loading converts
+// between levels): another margin, interval, format or override would not resume the same run.
+void check_recipe(const Section* section, const fp8_model& model) {
+  if (!section != !model.recipe)
+    fail(FP8_ERR_INVALID_STATE, "the checkpoint's model was ", section ? "" : "not ",
+         "converted to FP8, this one is", model.recipe ? "" : " not",
+         "; convert it as the saved one was (fp8_checkpoint_read_recipe gives the recipe)");
+  if (!section) return;
+  Recipe saved;
+  try {
+    saved.parse(std::string(section->data.begin(), section->data.end()));
+  } catch (const Error& e) {
+    fail(FP8_ERR_CORRUPT, "the checkpoint's recipe does not parse: ", e.what());
+  }
+  Recipe mine = *model.recipe;
+  for (fp8_recipe_attr_t a : {FP8_RECIPE_BACKEND, FP8_RECIPE_OPT_LEVEL}) mine.set(a, saved.get(a));
+  if (mine.values != saved.values)
+    fail(FP8_ERR_INVALID_STATE, "the checkpoint's recipe is \"", saved.to_string(), "\", the model's \"",
+         model.recipe->to_string(), "\"; only backend and opt_level may differ (fp8_checkpoint_read_recipe gives it)");
+}
+
 OptimRecord read_optimizer(const fp8_optimizer& o) {
   OptimRecord r;
   r.kind = o.kind;
@@ -193,6 +214,7 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
     fail(FP8_ERR_VERSION, "the checkpoint's layout version is ", layout_version, "; this libfp8 reads up to ",
          kCheckpointLayoutVersion);
   const bool training = get_flag(head, "training flag");
+  check_recipe(find_section(sections, "recipe"), model);
   std::vector<ParamState> params = decode_params(require_section(sections, "params").data);
   const std::vector<ScalingRecord> scaling = decode_scaling(require_section(sections, "scaling").data);
   check_scaling(scaling, model);
@@ -207,6 +229,12 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   if (optim_section) optim = decode_optimizer(optim_section->data, params);
   if (o && !optim_section)
     fail(FP8_ERR_INVALID_STATE, "the checkpoint holds no optimizer state; pass optimizer = NULL, or save with one");
+  if (optim_section)
+    for (int a = 0; a < FP8_OPTIM_ATTR_COUNT; ++a) try {
+        optim::check_attr(a, optim.attrs[a]);
+      } catch (const Error& e) {
+        fail(FP8_ERR_CORRUPT, "the checkpoint's optimizer has ", e.what());
+      }
   if (o && optim.kind != o->kind)
     fail(FP8_ERR_INVALID_STATE, "the checkpoint's optimizer is ", optim::kind_name(optim.kind), ", this one ",
          optim::kind_name(o->kind), "; create the optimizer with the saved kind");
@@ -281,6 +309,7 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   }
   model.training = training;
   ++model.weights_version;  // the layers remake their weight copies, with the saved scales where
+  for (auto& layer : model.layers) layer->pin_weight_copy_scale(0.0f);  // an earlier load's pins go
   for (const auto& [layer, scale] : copies) model.layers[layer]->pin_weight_copy_scale(scale);  // mid-step
   be.synchronize();
 }

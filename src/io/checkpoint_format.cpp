@@ -83,6 +83,10 @@ std::vector<float> state_floats(const std::vector<uint8_t>& raw, int32_t layout,
 
 }  // namespace
 
+namespace {
+bool positive_finite(float f) { return f > 0.0f && f <= FLT_MAX; }
+}  // namespace
+
 bool get_flag(ByteReader& r, const char* what) {
   const uint8_t v = r.get_u8(what);
   if (v > 1) fail(FP8_ERR_CORRUPT, what, " is ", static_cast<int>(v), "; expected 0 or 1");
@@ -118,7 +122,8 @@ std::vector<uint8_t> encode_params(const std::vector<ParamState>& params) {
 std::vector<ParamState> decode_params(const std::vector<uint8_t>& data) {
   ByteReader r(data.data(), data.size());
   const uint32_t count = r.get_u32("parameter count");
-  if (count > data.size())
+  constexpr size_t kMinRecord = 4 + 4 + 4 + 8 + 8 + 4 + 1 + 8 + 1;  // an empty name and blobs
+  if (count > data.size() / kMinRecord)
     fail(FP8_ERR_CORRUPT, "params: ", count, " parameters cannot fit in ", data.size(), " bytes");
   std::vector<ParamState> out(count);
   for (ParamState& p : out) {
@@ -139,6 +144,8 @@ std::vector<ParamState> decode_params(const std::vector<uint8_t>& data) {
       fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' holds ", p.value.size(), " bytes for ", p.n, " ",
            dtype_name(p.value_dtype), " elements");
     p.value_scale_inv = r.get_f32("parameter scale_inv");
+    if (p.layout == kLayoutO3 && !positive_finite(p.value_scale_inv))
+      fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' has scale_inv ", p.value_scale_inv, "; expected a finite value > 0");
     p.has_grad = get_flag(r, "gradient flag");
     if (p.has_grad) {
       p.grad_dtype = get_dtype(r, "gradient");
@@ -146,6 +153,13 @@ std::vector<ParamState> decode_params(const std::vector<uint8_t>& data) {
         fail(FP8_ERR_CORRUPT, "gradient of '", p.name, "' is ", dtype_name(p.grad_dtype), "; gradients are f32 or FP8");
       p.grad = get_blob(r, "gradient");
       p.grad_scales = get_grad_scales(r);
+      // Between accumulations the in-flight fields are 0; scale_inv and amax are >= 0, or NaN when
+      // a non-finite addend poisoned the gradient.
+      const GradScales& g = p.grad_scales;
+      if (g.add_amax != 0.0f || g.next_amax_code != 0 || !(std::isnan(g.scale_inv) || g.scale_inv >= 0.0f) ||
+          !(std::isnan(g.amax) || g.amax >= 0.0f))
+        fail(FP8_ERR_CORRUPT, "gradient of '", p.name, "' has scales (", g.scale_inv, ", ", g.amax, ", ", g.add_amax,
+             ", ", g.next_amax_code, ") no accumulation leaves");
       if (p.grad.size() != bytes_of(p.n, dtype_size(p.grad_dtype)))
         fail(FP8_ERR_CORRUPT, "gradient of '", p.name, "' holds ", p.grad.size(), " bytes for ", p.n, " elements");
     }
@@ -154,7 +168,16 @@ std::vector<ParamState> decode_params(const std::vector<uint8_t>& data) {
       fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' has ", p.master.size(), " bytes of master at ",
            layout_name(p.layout), " for ", p.n, " elements");
     p.has_scales = get_flag(r, "scales flag");
-    if (p.has_scales) p.scales = get_compact_scales(r);
+    if (p.has_scales && p.layout == kLayoutF32)
+      fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' has per-tensor scales at te");
+    if (p.has_scales) {
+      p.scales = get_compact_scales(r);
+      const CompactScales& c = p.scales;
+      bool ok = c.next_m_code == 0 && c.next_v_code == 0 && c.next_p_code == 0;
+      for (float f : {c.m_scale_inv, c.v_scale_inv, c.m_amax, c.v_amax, c.p_amax, c.m_scale, c.v_scale, c.w_scale})
+        ok = ok && f >= 0.0f && f <= FLT_MAX;
+      if (!ok) fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' has per-tensor scales no step leaves");
+    }
   }
   r.expect_done("params");
   return out;
@@ -183,7 +206,9 @@ std::vector<uint8_t> encode_scaling(const std::vector<ScalingRecord>& states) {
 std::vector<ScalingRecord> decode_scaling(const std::vector<uint8_t>& data) {
   ByteReader r(data.data(), data.size());
   const uint32_t count = r.get_u32("scaling state count");
-  if (count > data.size()) fail(FP8_ERR_CORRUPT, "scaling: ", count, " states cannot fit in ", data.size(), " bytes");
+  constexpr size_t kMinRecord = 4 + 4 + 4 + 1 + 4 + 4 + 8 + 8 + 4;  // an empty name, one history slot
+  if (count > data.size() / kMinRecord)
+    fail(FP8_ERR_CORRUPT, "scaling: ", count, " states cannot fit in ", data.size(), " bytes");
   std::vector<ScalingRecord> out(count);
   for (ScalingRecord& s : out) {
     s.layer = r.get_string("scaling state layer");
@@ -196,6 +221,9 @@ std::vector<ScalingRecord> decode_scaling(const std::vector<uint8_t>& data) {
     s.pending = get_flag(r, "pending flag");
     s.header.scale = r.get_f32("scale");
     s.header.scale_inv = r.get_f32("scale_inv");
+    if (!positive_finite(s.header.scale) || !positive_finite(s.header.scale_inv))
+      fail(FP8_ERR_CORRUPT, "scaling state of layer '", s.layer, "' has scale ", s.header.scale, " and scale_inv ",
+           s.header.scale_inv, "; expected finite values > 0");
     s.header.nonfinite_count = r.get_u64("nonfinite count");
     s.header.update_count = r.get_u64("update count");
     s.history.resize(static_cast<size_t>(s.history_len));

@@ -6,6 +6,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -311,8 +312,12 @@ const Section& require_section(const std::vector<Section>& sections, const std::
 }
 
 void write_file_atomic(const std::string& path, const std::vector<uint8_t>& bytes) {
-  const std::string tmp = path + ".tmp." + std::to_string(static_cast<long long>(::getpid()));
-  const int fd = ::open(tmp.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
+  // One name per process and call (two threads saving to one path do not share a temporary), and
+  // O_EXCL: never truncate or follow something already there.
+  static std::atomic<uint64_t> serial{0};
+  const std::string tmp = path + ".tmp." + std::to_string(static_cast<long long>(::getpid())) + "." +
+                          std::to_string(static_cast<unsigned long long>(serial++));
+  const int fd = ::open(tmp.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
   if (fd < 0) fail_io("create", tmp, errno);
   if (const int err = write_all(fd, bytes.data(), bytes.size()); err != 0) {
     ::close(fd);

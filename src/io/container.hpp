@@ -51,10 +51,11 @@ std::vector<Section> decode_container(const uint8_t* data, size_t size);
 const Section* find_section(const std::vector<Section>& sections, const std::string& name);
 const Section& require_section(const std::vector<Section>& sections, const std::string& name);
 
-// Writes `<path>.tmp.<pid>`, fsyncs it, renames it over `path` and fsyncs the directory: a crash at
-// any point leaves either the old file or the new one under `path`, never a partial one. On failure
-// the temporary file is removed and FP8_ERR_IO names the path and the system's reason. Two threads
-// of one process must not write the same path at once (they would share the temporary name).
+// Writes `<path>.tmp.<pid>.<serial>` (created exclusively), fsyncs it, renames it over `path` and
+// fsyncs the directory: a crash at any point leaves either the old file or the new one under `path`,
+// never a partial one. On failure the temporary file is removed and FP8_ERR_IO names the path and
+// the system's reason. Concurrent writers of one path each use their own temporary; the last
+// rename wins.
 void write_file_atomic(const std::string& path, const std::vector<uint8_t>& bytes);
 
 // The whole file; FP8_ERR_IO naming the path and the reason (a directory included).

@@ -110,7 +110,7 @@ class Layer {
 
   // Checkpoints taken between micro-batches: the scale of the FP8 weight copy the layer holds for
   // the model's weights version (false when it holds none), and, after a load, the scale its next
-  // copy is made with, recording no amax (the original copy's was recorded already).
+  // copy is made with, recording no amax (the original copy's was recorded already); 0 unpins.
   virtual bool weight_copy_scale(uint64_t /*model_version*/, float* /*scale*/) const { return false; }
   virtual void pin_weight_copy_scale(float /*scale*/) {}
 

@@ -411,6 +411,8 @@ class Linear final : public Layer {
   }
 
   void pin_weight_copy_scale(float scale) override {
+    pinned_ = false;
+    if (!(scale > 0.0f)) return;  // unpin
     struct {
       ScalingHeader header;
       float history[4];

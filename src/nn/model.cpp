@@ -9,6 +9,10 @@
 #include "core/error.hpp"
 #include "core/objects.hpp"
 
+fp8_model::~fp8_model() {
+  for (fp8_model** link : optimizer_links) *link = nullptr;
+}
+
 namespace fp8::nn {
 
 namespace {

@@ -38,6 +38,14 @@ struct fp8_model {
   // converted them), and that optimizer while it lives.
   int32_t weight_level = 0;
   struct fp8_optimizer* weight_owner = nullptr;
+  // The `model` field of every live optimizer made on this model: the destructor clears them, so
+  // an optimizer that outlives its model refuses to run instead of touching freed memory.
+  std::vector<fp8_model**> optimizer_links;
+
+  fp8_model() = default;
+  fp8_model(const fp8_model&) = delete;
+  fp8_model& operator=(const fp8_model&) = delete;
+  ~fp8_model();
   // Whole-model runs: the output of layer i is acts[i] (the last one is the caller's y); the
   // gradients between layers alternate between two buffers.
   std::vector<std::unique_ptr<fp8::nn::ScratchTensor>> acts;

@@ -9,7 +9,11 @@
 #include "nn/model.hpp"
 
 fp8_optimizer::~fp8_optimizer() {
-  if (model && model->weight_owner == this) model->weight_owner = nullptr;
+  if (model) {
+    if (model->weight_owner == this) model->weight_owner = nullptr;
+    auto& links = model->optimizer_links;
+    links.erase(std::remove(links.begin(), links.end(), &model), links.end());
+  }
   backend->release(tables);
   backend->release(states);
   backend->release(states_m8);
@@ -58,7 +62,8 @@ bool needs_states(const fp8_optimizer& o) {
   return o.kind != FP8_OPTIMIZER_SGD || o.attrs[FP8_OPTIM_MOMENTUM] > 0.0;
 }
 
-// Allocates m (and v) in each tensor's layout, zeroed, when the kind needs them now.
+// Allocates m (and v) in each tensor's layout, zeroed, when the kind needs them now. All or
+// nothing: the optimizer takes the allocations only once all three exist.
 void allocate_states(fp8_optimizer& o) {
   Backend& be = *o.backend;
   const int per = o.kind == FP8_OPTIMIZER_SGD ? 1 : 2;
@@ -67,12 +72,21 @@ void allocate_states(fp8_optimizer& o) {
     if (t.layout <= kLayoutO1) floats += per * aligned(t.n);
     else m8 += aligned(t.n), v16 += aligned(t.n);
   }
-  o.states = static_cast<float*>(be.allocate(static_cast<size_t>(floats) * sizeof(float)));
-  o.states_m8 = static_cast<uint8_t*>(be.allocate(static_cast<size_t>(m8)));
-  o.states_v16 = static_cast<uint16_t*>(be.allocate(static_cast<size_t>(v16) * sizeof(uint16_t)));
-  be.zero(o.states, static_cast<size_t>(floats) * sizeof(float));
-  be.zero(o.states_m8, static_cast<size_t>(m8));
-  be.zero(o.states_v16, static_cast<size_t>(v16) * sizeof(uint16_t));
+  const size_t sizes[3] = {static_cast<size_t>(floats) * sizeof(float), static_cast<size_t>(m8),
+                           static_cast<size_t>(v16) * sizeof(uint16_t)};
+  void* blocks[3] = {};
+  try {
+    for (int k = 0; k < 3; ++k) {
+      blocks[k] = be.allocate(sizes[k]);
+      be.zero(blocks[k], sizes[k]);
+    }
+  } catch (...) {
+    for (void* b : blocks) be.release(b);
+    throw;
+  }
+  o.states = static_cast<float*>(blocks[0]);
+  o.states_m8 = static_cast<uint8_t*>(blocks[1]);
+  o.states_v16 = static_cast<uint16_t*>(blocks[2]);
   float* f = o.states;
   uint8_t* b = o.states_m8;
   uint16_t* h = o.states_v16;
@@ -93,7 +107,7 @@ void allocate_states(fp8_optimizer& o) {
   }
 }
 
-bool has_states(const fp8_optimizer& o) { return o.states || o.states_m8; }
+bool has_states(const fp8_optimizer& o) { return o.states || o.states_m8 || o.states_v16; }
 
 // (Re)writes the device tables from the host copies.
 void upload_tables(fp8_optimizer& o) {
@@ -157,8 +171,8 @@ ConvertedWeight convert_weight(Backend& be, const std::shared_ptr<Backend>& owne
     } state{};
     state.header.scale = w_scale;
     state.header.scale_inv = 1.0f / w_scale;
-    void* dev_state = be.allocate(sizeof state);
     value = make_tensor(owner, FP8_DTYPE_E4M3, old.ndim, old.shape, false, nullptr);
+    void* dev_state = be.allocate(sizeof state);
     try {
       be.copy_from_host(dev_state, &state, sizeof state);
       QuantizeJob q{};
@@ -207,6 +221,9 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   if (model.weight_owner)
     fail(FP8_ERR_INVALID_STATE, "another optimizer holds this model's Linear weights at ", layout_name(model.weight_level),
          "; destroy it before creating a new one");
+  if (level != 0 && !model.optimizer_links.empty())
+    fail(FP8_ERR_INVALID_STATE, "MS-AMP level ", layout_name(level), " moves the Linear weights to new storage, but ",
+         model.optimizer_links.size(), " other optimizer(s) of this model point at the current one; destroy them first");
   if (model.weight_level != 0 && model.weight_level != level)
     fail(FP8_ERR_INVALID_STATE, "the model's Linear weights are stored at ", layout_name(model.weight_level),
          " by an earlier optimizer, but its recipe asks for ", layout_name(level),
@@ -283,11 +300,18 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   be.copy_from_host(o->scalars, &zero, sizeof zero);
   be.synchronize();  // the conversions have read the FP32 tensors released below
 
+  for (size_t i = 0; i < params.size(); ++i) o->value_versions.push_back(params[i]->value->version);
+  model.optimizer_links.push_back(&o->model);  // (the destructor takes it out again on a failure)
+
   // Commit (nothing here throws).
   for (ConvertedWeight& c : converted) {
+    // The new value's version continues the old one's, so the layer's weights version (the model's
+    // plus its parameters') grows with the model's bump below and its copies are remade.
+    c.value->version = c.param->value->version;
     c.param->value = std::move(c.value);
     c.param->grad = std::move(c.grad);
   }
+
   for (size_t i = 0; i < params.size(); ++i) {
     if (o->tensors[i].layout == kLayoutF32) continue;
     params[i]->grad->write_refusal =
@@ -320,6 +344,12 @@ void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value) {
   if (!used)
     fail(FP8_ERR_INVALID_ARGUMENT, s.name, " does not apply to ", kind_name(o.kind), "; it is for ",
          s.sgd ? "SGD" : "Adam and AdamW");
+  check_attr(attr, value);
+  o.attrs[attr] = value;
+}
+
+void check_attr(fp8_optimizer_attr_t attr, double value) {
+  const AttrSpec& s = spec(attr);
   const bool below = s.min_open ? !(value > s.min) : !(value >= s.min);
   const bool above = s.max_open ? !(value < s.max) : !(value <= s.max);
   if (below || above) {
@@ -328,7 +358,6 @@ void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value) {
       fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", value, "; expected a finite value ", s.min_open ? "> " : ">= ", s.min);
     fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", value, "; expected ", s.min_open ? "(" : "[", s.min, ", ", s.max, hi);
   }
-  o.attrs[attr] = value;
 }
 
 double get_attr(const fp8_optimizer& o, fp8_optimizer_attr_t attr) {
@@ -336,15 +365,30 @@ double get_attr(const fp8_optimizer& o, fp8_optimizer_attr_t attr) {
   return o.attrs[attr];
 }
 
+fp8_model& model_of(const fp8_optimizer& o) {
+  if (!o.model) fail(FP8_ERR_INVALID_STATE, "the optimizer's model was destroyed; destroy the optimizer first");
+  return *o.model;
+}
+
 void step(fp8_optimizer& o) {
-  fp8_model& m = *o.model;
+  fp8_model& m = model_of(o);
   if (m.autocast) fail(FP8_ERR_INVALID_STATE, "an optimizer step inside fp8_autocast_begin/end; end the region first");
-  size_t count = 0;
-  for (auto& layer : m.layers) count += layer->parameters().size();
-  if (count != static_cast<size_t>(o.parameter_count))
-    fail(FP8_ERR_INVALID_STATE, "the model has ", count, " parameters, but had ", o.parameter_count,
+  std::vector<nn::Parameter*> params;
+  for (auto& layer : m.layers)
+    for (nn::Parameter& p : layer->parameters()) params.push_back(&p);
+  if (params.size() != static_cast<size_t>(o.parameter_count))
+    fail(FP8_ERR_INVALID_STATE, "the model has ", params.size(), " parameters, but had ", o.parameter_count,
          " when the optimizer was made; create a new optimizer after adding layers");
   if (needs_states(o)) ensure_states(o);  // SGD's momentum buffer, on first use
+  // An F16 weight written since the last step (fp8_tensor_copy_from_host): its amax, where the
+  // moments' bounds start, is taken again.
+  for (size_t i = 0; i < params.size(); ++i) {
+    const OptimTensor& t = o.tensors[i];
+    if ((t.layout == kLayoutO1 || t.layout == kLayoutO2) && params[i]->value->version != o.value_versions[i]) {
+      o.backend->amax({t.param, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
+      o.value_versions[i] = params[i]->value->version;
+    }
+  }
   OptimHyper h{o.kind,
                o.attrs[FP8_OPTIM_LR],
                o.attrs[FP8_OPTIM_BETA1],

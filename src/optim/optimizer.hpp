@@ -37,6 +37,7 @@ struct fp8_optimizer {
   fp8::CompactScales* scales = nullptr;
   size_t state_bytes = 0;     // m and v, as stored
   size_t training_bytes = 0;  // values + masters + gradients + m + v, as stored
+  std::vector<uint64_t> value_versions;  // each parameter value's version at the last step
   double* partials = nullptr;
   fp8::OptimScalars* scalars = nullptr;
 
@@ -60,8 +61,12 @@ const char* kind_name(fp8_optimizer_kind_t kind);  // "SGD", "Adam", "AdamW"
 std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_kind_t kind);
 // Throws FP8_ERR_INVALID_ARGUMENT naming the attribute and its range.
 void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value);
+// The range check alone (FP8_ERR_INVALID_ARGUMENT naming the attribute and its range).
+void check_attr(fp8_optimizer_attr_t attr, double value);
 double get_attr(const fp8_optimizer& o, fp8_optimizer_attr_t attr);
 void step(fp8_optimizer& o);
+// The optimizer's model; FP8_ERR_INVALID_STATE once the model is destroyed.
+fp8_model& model_of(const fp8_optimizer& o);
 // Allocates m (and v) now if they do not exist yet (SGD makes its momentum buffer at the first step
 // that needs one); a checkpoint load that brings states calls it.
 void ensure_states(fp8_optimizer& o);

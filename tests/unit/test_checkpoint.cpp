@@ -127,7 +127,7 @@ void put_u32le(Bytes& b, size_t at, uint32_t v) {
 
 constexpr int64_t kBatch = 32, kIn = 64, kHidden = 64, kOut = 32;
 
-enum class Variant { Standard, NoNorm, Renamed, SmallerFc2, Unconverted, ShortHistory };
+enum class Variant { Standard, NoNorm, Renamed, SmallerFc2, Unconverted, ShortHistory, OtherMargin };
 
 std::string recipe_text(int level, Variant v = Variant::Standard) {
   const char* base = level == 0   ? "backend=te"
@@ -135,7 +135,7 @@ std::string recipe_text(int level, Variant v = Variant::Standard) {
                      : level == 2 ? "backend=msamp, opt_level=O2"
                                   : "backend=msamp, opt_level=O3";
   return std::string(base) + ", small_layer_fallback=0, amax_compute_algo=max, amax_history_len=" +
-         (v == Variant::ShortHistory ? "8" : "16");
+         (v == Variant::ShortHistory ? "8" : "16") + (v == Variant::OtherMargin ? ", margin=2" : "");
 }
 const char* kind_name(fp8_optimizer_kind_t k) {
   return k == FP8_OPTIMIZER_SGD ? "SGD" : k == FP8_OPTIMIZER_ADAM ? "Adam" : "AdamW";
@@ -670,6 +670,8 @@ TEST(CheckpointLoadFailure, MismatchedModelsAndOptimizersAreRefusedAndChangeNoth
       {"other names (fc1 is inp)", 3, FP8_OPTIMIZER_ADAM, Variant::Renamed, "with_opt", true, "inp"},
       {"other sizes (fc2 64 -> 16)", 3, FP8_OPTIMIZER_ADAM, Variant::SmallerFc2, "with_opt", true, "fc2.weight"},
       {"other amax history length", 3, FP8_OPTIMIZER_ADAM, Variant::ShortHistory, "with_opt", true, "history"},
+      {"other margin (same states, another rule)", 3, FP8_OPTIMIZER_ADAM, Variant::OtherMargin, "with_opt", true,
+       "margin=2"},
       {"unconverted model", 0, FP8_OPTIMIZER_ADAM, Variant::Unconverted, "with_opt", true, "converted"},
       {"unconverted model, no optimizer", 0, FP8_OPTIMIZER_ADAM, Variant::Unconverted, "model_only", false, "converted"},
       {"optimizer of another kind", 3, FP8_OPTIMIZER_ADAMW, Variant::Standard, "with_opt", true, "kind"},

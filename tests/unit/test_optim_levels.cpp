@@ -361,6 +361,56 @@ TEST(OptimLevelSelection, TeLevelAllowsSeveralOptimizers) {
   EXPECT_NE(b, nullptr);
 }
 
+// An MS-AMP optimizer moves the weights to new storage: the other optimizers of the model (which
+// point at the old) must be gone first; one that outlives its model refuses to run.
+TEST(OptimLevelSelection, ACompactLevelNeedsTheOnlyOptimizerAndNoneOutlivesItsModel) {
+  TwoLinears t(nullptr);
+  Optimizer te = make_optimizer(t.model.get(), FP8_OPTIMIZER_ADAM);  // unconverted: te
+  Recipe r = make_recipe(recipe_for_level(2));
+  EXPECT_OK(fp8_convert_model(t.model.get(), r.get(), nullptr));
+  fp8_optimizer_t* o = nullptr;
+  EXPECT_REFUSED_WORDS(fp8_optimizer_create(&o, t.model.get(), FP8_OPTIMIZER_ADAM), FP8_ERR_INVALID_STATE,
+                       "fp8_optimizer_create", "O2", "destroy them");
+  EXPECT_EQ(o, nullptr);
+  EXPECT_EQ(dtype_of(t.weight(0)), FP8_DTYPE_F32);
+  te.reset();
+  t.create(FP8_OPTIMIZER_ADAM);
+  ASSERT_NE(t.opt, nullptr);
+  EXPECT_EQ(dtype_of(t.weight(0)), FP8_DTYPE_F16);
+  t.model.reset();  // destroyed before its optimizer
+  EXPECT_REFUSED_WORDS(fp8_optimizer_step(t.opt.get()), FP8_ERR_INVALID_STATE, "fp8_optimizer_step", "destroyed");
+  EXPECT_REFUSED_WORDS(fp8_optimizer_zero_grad(t.opt.get()), FP8_ERR_INVALID_STATE, "fp8_optimizer_zero_grad",
+                       "destroyed");
+}
+
+// The layers notice the new storage: an FP8 forward right after the optimizer is made (before any
+// step) gives what the forward before it gave, within the weights' rounding to F16 or E4M3.
+TEST(OptimLevelSelection, AForwardRightAfterTheConversionUsesTheNewStorage) {
+  for (int level : {1, 2, 3}) {
+    SCOPED_TRACE(level_name(level));
+    TwoLinears t(recipe_for_level(level));
+    Tensor x = make_tensor(t.ctx.get(), FP8_DTYPE_F32, {kRows, kIn[0]});
+    Tensor y = make_tensor(t.ctx.get(), FP8_DTYPE_F32, {kRows, kOut[0]});
+    upload(x.get(), randn(static_cast<size_t>(kRows * kIn[0]), 77, 1.0f));
+    auto forward = [&] {
+      EXPECT_OK(fp8_autocast_begin(t.model.get()));
+      EXPECT_OK(fp8_layer_forward(t.model.get(), 0, x.get(), y.get()));
+      EXPECT_OK(fp8_autocast_end(t.model.get()));
+      return download<float>(y.get());
+    };
+    const std::vector<float> before = forward();
+    t.create(FP8_OPTIMIZER_ADAM);
+    const std::vector<float> after = forward();
+    double num = 0, den = 0;
+    for (size_t i = 0; i < before.size(); ++i) {
+      num += (after[i] - before[i]) * (after[i] - before[i]);
+      den += before[i] * before[i];
+    }
+    // E4M3 x and weight: ~3% normwise per operand; a stale scale is off by orders of magnitude.
+    EXPECT_LT(std::sqrt(num / den), 0.1) << "the forward after fp8_optimizer_create differs";
+  }
+}
+
 // =================================================================================================
 // 2. Each level's update against float64, with a per-element budget derived from the storage
 // =================================================================================================
