@@ -66,21 +66,35 @@ __device__ __forceinline__ uint32_t cast4(float a, float b, float c, float d) {
   return lo | (hi << 16);
 }
 
-// Reduces each thread's amax bits over the block and max-accumulates the result into *dst (which
-// holds non-negative float bits, so an unsigned atomicMax is a float max). Every thread must call it.
-__device__ __forceinline__ void block_amax_accumulate(uint32_t v, float* dst0, float* dst1) {
+// The largest of every thread's v in the block, in thread 0 (the other threads get their warp's).
+// Every thread must call it; it starts with a barrier, so it may be called several times in a row.
+__device__ __forceinline__ uint32_t block_max_to_thread0(uint32_t v) {
   __shared__ uint32_t warp_max[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   v = __reduce_max_sync(0xFFFFFFFFu, v);
+  __syncthreads();
   if (lane == 0) warp_max[warp] = v;
   __syncthreads();
   if (warp == 0) {
     v = lane < static_cast<int>((blockDim.x + 31) >> 5) ? warp_max[lane] : 0u;
     v = __reduce_max_sync(0xFFFFFFFFu, v);
-    if (lane == 0 && v != 0u) {
-      if (dst0) atomicMax(reinterpret_cast<unsigned int*>(dst0), v);
-      if (dst1) atomicMax(reinterpret_cast<unsigned int*>(dst1), v);
-    }
+  }
+  return v;
+}
+
+// Max-accumulates the block's largest v into *dst (an unsigned atomicMax; nothing for 0).
+__device__ __forceinline__ void block_max_accumulate(uint32_t v, uint32_t* dst) {
+  v = block_max_to_thread0(v);
+  if (threadIdx.x == 0 && v != 0u) atomicMax(dst, v);
+}
+
+// Reduces each thread's amax bits over the block and max-accumulates the result into *dst (which
+// holds non-negative float bits, so an unsigned atomicMax is a float max). Every thread must call it.
+__device__ __forceinline__ void block_amax_accumulate(uint32_t v, float* dst0, float* dst1) {
+  v = block_max_to_thread0(v);
+  if (threadIdx.x == 0 && v != 0u) {
+    if (dst0) atomicMax(reinterpret_cast<unsigned int*>(dst0), v);
+    if (dst1) atomicMax(reinterpret_cast<unsigned int*>(dst1), v);
   }
 }
 

@@ -155,6 +155,12 @@ inline std::vector<uint8_t> tensor_bytes(const fp8_tensor_t* t) {
   EXPECT_OK(fp8_tensor_copy_to_host(t, b.data(), b.size()));
   return b;
 }
+inline fp8_optimizer_stats_t stats_of(const fp8_optimizer_t* o) {
+  fp8_optimizer_stats_t s;
+  fp8_optimizer_stats_init(&s);
+  EXPECT_OK(fp8_optimizer_get_stats(o, &s));
+  return s;
+}
 // The optimizer level's name (0 te, 1..3 O1..O3).
 inline const char* level_name(int level) { return level == 0 ? "te" : level == 1 ? "O1" : level == 2 ? "O2" : "O3"; }
 

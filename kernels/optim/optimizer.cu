@@ -101,17 +101,6 @@ struct Lane16 {
   }
 };
 
-__device__ __forceinline__ uint32_t block_max(uint32_t v, uint32_t* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = __reduce_max_sync(0xFFFFFFFFu, v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  uint32_t r = 0;
-  for (int w = 0; w < kSumThreads / 32; ++w) r = max(r, scratch[w]);
-  return r;
-}
-
 // The thread's 16 elements in registers, updated through a view of the same layout over them. The
 // layout and the SGD/Adam choice are compile-time constants here, so every access of the view
 // resolves to a register.
@@ -157,7 +146,6 @@ __device__ __forceinline__ void update16_any(const OptimTensor& t, int64_t first
 __global__ void __launch_bounds__(kSumThreads)
     update_kernel(const OptimTensor* tensors, const OptimChunk* chunks, const OptimScalars* scalars,
                   OptimElementArgs a) {
-  __shared__ uint32_t scratch[kSumThreads / 32];
   const OptimScalars s = *scalars;
   if (s.skip) return;
   const OptimChunk ch = chunks[blockIdx.x];
@@ -175,14 +163,9 @@ __global__ void __launch_bounds__(kSumThreads)
     for (int64_t i = first; i < end; ++i) update_element(t, i, si, cs, a, s, mx);
   }
   if (t.scales) {
-    const uint32_t m_top = block_max(mx.m, scratch);
-    const uint32_t v_top = block_max(mx.v, scratch);
-    const uint32_t p_top = block_max(mx.p, scratch);
-    if (threadIdx.x == 0) {
-      atomicMax(&t.scales->next_m_code, m_top);
-      atomicMax(&t.scales->next_v_code, v_top);
-      atomicMax(&t.scales->next_p_code, p_top);
-    }
+    block_max_accumulate(mx.m, &t.scales->next_m_code);
+    block_max_accumulate(mx.v, &t.scales->next_v_code);
+    block_max_accumulate(mx.p, &t.scales->next_p_code);
   }
 }
 
@@ -191,7 +174,6 @@ constexpr int kAccThreads = 256;
 
 __global__ void __launch_bounds__(kAccThreads)
     grad_sum_kernel(uint8_t* codes, bool e5m2, const float* __restrict__ add, int64_t n, bool vec, GradScales* scales) {
-  __shared__ uint32_t scratch[kAccThreads / 32];
   const GradScales g = *scales;
   const float scale = grad_sum_scale(g, e5m2);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kAccThreads * 4;
@@ -215,15 +197,7 @@ __global__ void __launch_bounds__(kAccThreads)
     codes[i] = grad_sum_code(codes[i], add[i], g.scale_inv, scale, e5m2);
     top = max(top, static_cast<uint32_t>(codes[i] & 0x7Fu));
   }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  top = __reduce_max_sync(0xFFFFFFFFu, top);
-  if (lane == 0) scratch[warp] = top;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t r = 0;
-    for (int w = 0; w < kAccThreads / 32; ++w) r = max(r, scratch[w]);
-    atomicMax(&scales->next_amax_code, r);
-  }
+  block_max_accumulate(top, &scales->next_amax_code);
 }
 
 __global__ void __launch_bounds__(kAccThreads) add_f32_kernel(float* dst, const float* __restrict__ add, int64_t n) {

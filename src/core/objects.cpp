@@ -70,7 +70,7 @@ void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count,
 }
 
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
-                                          fp8_role_t role) {
+                                          fp8_role_t role, float scale) {
   auto s = std::make_unique<fp8_scaling>();
   s->backend = backend;
   s->dtype = recipe.dtype_for(role);
@@ -78,7 +78,7 @@ std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backen
   s->backward_role = role == FP8_ROLE_BACKWARD;
   const size_t bytes = sizeof(ScalingHeader) + sizeof(float) * static_cast<size_t>(s->history_len);
   std::vector<unsigned char> init(bytes, 0);
-  const ScalingHeader header{1.0f, 1.0f, {0u, 0u}, 0u, 0u};
+  const ScalingHeader header{scale, 1.0f / scale, {0u, 0u}, 0u, 0u};
   std::memcpy(init.data(), &header, sizeof header);
   s->state = static_cast<ScalingHeader*>(backend->allocate(bytes));
   backend->copy_from_host(s->state, init.data(), bytes);

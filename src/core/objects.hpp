@@ -81,9 +81,9 @@ std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend,
                                         const int64_t* shape, bool borrow, void* data,
                                         size_t scale_bytes = sizeof(float));
 
-// A state with scale 1, scale_inv 1 and a zeroed history.
+// A state with scale `scale`, scale_inv 1/scale (as every update sets it) and a zeroed history.
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
-                                          fp8_role_t role);
+                                          fp8_role_t role, float scale = 1.0f);
 
 // One batched delayed-scaling update of `count` states (already checked against `recipe`).
 void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count, const Recipe& recipe);

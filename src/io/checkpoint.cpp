@@ -52,38 +52,34 @@ const OptimTensor* optim_tensor(const fp8_optimizer* o, size_t index) {
 
 std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer* o, bool gradients) {
   Backend& be = *model.backend;
-  std::vector<ParamState> out;
-  size_t index = 0;
-  for (const auto& layer : model.layers)
-    for (const nn::Parameter& p : layer->parameters()) {
-      ParamState s;
-      s.name = p.name;
-      s.value_dtype = p.value->dtype;
-      s.n = p.value->numel;
-      s.layout = p.value->dtype == FP8_DTYPE_F32    ? kLayoutF32
-                 : p.value->dtype == FP8_DTYPE_E4M3 ? kLayoutO3
-                                                    : model.weight_level;
-      s.value = download(be, p.value->data, p.value->nbytes());
-      if (dtype_is_fp8(p.value->dtype)) be.copy_to_host(&s.value_scale_inv, p.value->scale_inv, sizeof(float));
-      if (gradients) {
-        s.has_grad = true;
-        s.grad_dtype = p.grad->dtype;
-        s.grad = download(be, p.grad->data, p.grad->nbytes());
-        if (dtype_is_fp8(p.grad->dtype)) be.copy_to_host(&s.grad_scales, p.grad_scales(), sizeof(GradScales));
-      }
-      const fp8_optimizer* owner = o ? o : model.weight_owner;
-      if (const OptimTensor* t = optim_tensor(owner, index)) {
-        if (t->master) s.master = download(be, t->master, bytes_of(s.n, 2));
-        if (o && t->m) s.m = download(be, t->m, bytes_of(s.n, m_size(t->layout)));
-        if (o && t->v) s.v = download(be, t->v, bytes_of(s.n, v_size(t->layout)));
-        if (t->scales) {
-          s.has_scales = true;
-          be.copy_to_host(&s.scales, t->scales, sizeof(CompactScales));
-        }
-      }
-      out.push_back(std::move(s));
-      ++index;
+  const fp8_optimizer* owner = o ? o : model.weight_owner;
+  const std::vector<const nn::Parameter*> all = nn::all_parameters(model);
+  std::vector<ParamState> out(all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    const nn::Parameter& p = *all[i];
+    ParamState& s = out[i];
+    s.name = p.name;
+    s.value_dtype = p.value->dtype;
+    s.n = p.value->numel;
+    s.layout = nn::stored_layout(model, p);
+    s.value = download(be, p.value->data, p.value->nbytes());
+    if (dtype_is_fp8(p.value->dtype)) be.copy_to_host(&s.value_scale_inv, p.value->scale_inv, sizeof(float));
+    if (gradients) {
+      s.has_grad = true;
+      s.grad_dtype = p.grad->dtype;
+      s.grad = download(be, p.grad->data, p.grad->nbytes());
+      if (dtype_is_fp8(p.grad->dtype)) be.copy_to_host(&s.grad_scales, p.grad_scales(), sizeof(GradScales));
     }
+    if (const OptimTensor* t = optim_tensor(owner, i)) {
+      if (t->master) s.master = download(be, t->master, bytes_of(s.n, 2));
+      if (o && t->m) s.m = download(be, t->m, bytes_of(s.n, m_size(t->layout)));
+      if (o && t->v) s.v = download(be, t->v, bytes_of(s.n, v_size(t->layout)));
+      if (t->scales) {
+        s.has_scales = true;
+        be.copy_to_host(&s.scales, t->scales, sizeof(CompactScales));
+      }
+    }
+  }
   return out;
 }
 
@@ -172,6 +168,31 @@ void upload(Backend& be, void* dst, const std::vector<uint8_t>& src) {
   if (!src.empty()) be.copy_from_host(dst, src.data(), src.size());
 }
 
+// A loaded weight in its target's storage (`ot`: the optimizer tensor that holds its master and
+// scales, if any). With `live_moments` the optimizer's moment scales stay as they are (the file
+// brings the weight alone). The bounds' starting amax is taken from what will be stored.
+void convert_for(ParamState& p, const fp8_model& model, const nn::Parameter& t, const OptimTensor* ot,
+                 bool live_moments) {
+  const int32_t layout = nn::stored_layout(model, t);
+  if (layout == kLayoutO3 && !ot)
+    fail(FP8_ERR_INVALID_STATE, "'", t.name, "' is stored at O3 but no optimizer holds its master; create one first");
+  convert_layout(p, layout);
+  if (live_moments && ot && ot->scales) {
+    model.backend->copy_to_host(&p.scales, ot->scales, sizeof p.scales);
+    p.has_scales = true;
+  }
+  if (p.has_scales) p.scales.p_amax = stored_weight_amax(p);
+}
+
+// The weight's value (and scale_inv), O3 master and per-tensor scales.
+void write_weight(Backend& be, nn::Parameter& t, const ParamState& p, const OptimTensor* ot) {
+  upload(be, t.value->data, p.value);
+  if (dtype_is_fp8(t.value->dtype)) be.copy_from_host(t.value->scale_inv, &p.value_scale_inv, sizeof(float));
+  if (!ot) return;
+  if (ot->master) upload(be, ot->master, p.master);
+  if (ot->scales) be.copy_from_host(ot->scales, &p.scales, sizeof(CompactScales));
+}
+
 }  // namespace
 
 void save_checkpoint(const fp8_model& model, const fp8_optimizer* o, const std::string& path, bool gradients) {
@@ -239,9 +260,7 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
     fail(FP8_ERR_INVALID_STATE, "the checkpoint's optimizer is ", optim::kind_name(optim.kind), ", this one ",
          optim::kind_name(o->kind), "; create the optimizer with the saved kind");
 
-  std::vector<nn::Parameter*> targets;
-  for (auto& layer : model.layers)
-    for (nn::Parameter& p : layer->parameters()) targets.push_back(&p);
+  const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
   if (targets.size() != params.size())
     fail(FP8_ERR_INVALID_STATE, "the checkpoint has ", params.size(), " parameters, the model ", targets.size());
   fp8_optimizer* owner = o ? o : model.weight_owner;
@@ -251,20 +270,11 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
     if (p.name != t.name || p.n != t.value->numel)
       fail(FP8_ERR_INVALID_STATE, "parameter ", i, " is '", p.name, "' of ", p.n, " elements in the checkpoint, '",
            t.name, "' of ", t.value->numel, " in the model");
-    const OptimTensor* ot = optim_tensor(owner, i);
-    const int32_t layout = ot ? ot->layout : t.value->dtype == FP8_DTYPE_F32 ? kLayoutF32 : model.weight_level;
-    if (layout == kLayoutO3 && !ot)
-      fail(FP8_ERR_INVALID_STATE, "'", t.name, "' is stored at O3 but no optimizer holds its master; create one first");
     if (!o) {  // the weights alone: keep this model's states
       p.m.clear();
       p.v.clear();
     }
-    convert_layout(p, layout);
-    if (!o && ot && ot->scales) {  // the weights alone: keep the live optimizer's moment scales
-      model.backend->copy_to_host(&p.scales, ot->scales, sizeof p.scales);
-      p.has_scales = true;
-    }
-    if (p.has_scales) p.scales.p_amax = stored_weight_amax(p);  // the bound's start, from what is stored
+    convert_for(p, model, t, optim_tensor(owner, i), !o);
     convert_grad(p, t.grad->dtype);
     if (p.value.size() != t.value->nbytes() || (p.has_grad && p.grad.size() != t.grad->nbytes()))
       fail(FP8_ERR_INTERNAL, "'", t.name, "' converted to ", p.value.size(), " value bytes for a tensor of ",
@@ -280,8 +290,8 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamState& p = params[i];
     nn::Parameter& t = *targets[i];
-    upload(be, t.value->data, p.value);
-    if (dtype_is_fp8(t.value->dtype)) be.copy_from_host(t.value->scale_inv, &p.value_scale_inv, sizeof(float));
+    const OptimTensor* ot = optim_tensor(owner, i);
+    write_weight(be, t, p, ot);
     if (p.has_grad) {
       upload(be, t.grad->data, p.grad);
       if (dtype_is_fp8(t.grad->dtype)) be.copy_from_host(t.grad_scales(), &p.grad_scales, sizeof(GradScales));
@@ -289,12 +299,8 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
       be.zero(t.grad->data, t.grad->nbytes());
       if (dtype_is_fp8(t.grad->dtype)) be.zero(t.grad_scales(), sizeof(GradScales));
     }
-    if (const OptimTensor* ot = optim_tensor(owner, i)) {
-      if (ot->master) upload(be, ot->master, p.master);
-      if (ot->scales) be.copy_from_host(ot->scales, &p.scales, sizeof(CompactScales));
-      if (o && ot->m) p.m.empty() ? be.zero(ot->m, bytes_of(p.n, m_size(ot->layout))) : upload(be, ot->m, p.m);
-      if (o && ot->v) p.v.empty() ? be.zero(ot->v, bytes_of(p.n, v_size(ot->layout))) : upload(be, ot->v, p.v);
-    }
+    if (o && ot && ot->m) p.m.empty() ? be.zero(ot->m, bytes_of(p.n, m_size(ot->layout))) : upload(be, ot->m, p.m);
+    if (o && ot && ot->v) p.v.empty() ? be.zero(ot->v, bytes_of(p.n, v_size(ot->layout))) : upload(be, ot->v, p.v);
   }
   const std::vector<fp8_scaling*> states = model_states(model);
   for (size_t i = 0; i < states.size(); ++i) {
@@ -319,26 +325,25 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
 void export_safetensors(const fp8_model& model, const std::string& path) {
   model.backend->synchronize();
   const std::vector<ParamState> params = read_params(model, nullptr, false);
+  const std::vector<const nn::Parameter*> all = nn::all_parameters(model);
   std::vector<SafeTensor> tensors;
-  size_t index = 0;
-  for (const auto& layer : model.layers)
-    for (const nn::Parameter& t : layer->parameters()) {
-      const ParamState& p = params[index++];
-      SafeTensor st;
-      st.name = p.name;
-      st.shape.assign(t.value->shape, t.value->shape + t.value->ndim);
-      if (p.value_dtype == FP8_DTYPE_F32 || p.value_dtype == FP8_DTYPE_F16) {
-        st.dtype = p.value_dtype == FP8_DTYPE_F32 ? "F32" : "F16";
-        st.data = p.value;
-      } else if (!p.master.empty()) {  // O3: the F16 master is the weight
-        st.dtype = "F16";
-        st.data = p.master;
-      } else {
-        st.dtype = "F32";
-        st.data = floats_bytes(weight_floats(p));
-      }
-      tensors.push_back(std::move(st));
+  for (size_t i = 0; i < all.size(); ++i) {
+    const ParamState& p = params[i];
+    SafeTensor st;
+    st.name = p.name;
+    st.shape.assign(all[i]->value->shape, all[i]->value->shape + all[i]->value->ndim);
+    if (p.value_dtype == FP8_DTYPE_F32 || p.value_dtype == FP8_DTYPE_F16) {
+      st.dtype = p.value_dtype == FP8_DTYPE_F32 ? "F32" : "F16";
+      st.data = p.value;
+    } else if (!p.master.empty()) {  // O3: the F16 master is the weight
+      st.dtype = "F16";
+      st.data = p.master;
+    } else {
+      st.dtype = "F32";
+      st.data = floats_bytes(weight_floats(p));
     }
+    tensors.push_back(std::move(st));
+  }
   char version[32];
   std::snprintf(version, sizeof version, "libfp8 %d.%d.%d", FP8_VERSION_MAJOR, FP8_VERSION_MINOR, FP8_VERSION_PATCH);
   write_file_atomic(path, encode_safetensors(tensors, {{"format", "pt"}, {"producer", version}}));
@@ -347,9 +352,7 @@ void export_safetensors(const fp8_model& model, const std::string& path) {
 void import_safetensors(fp8_model& model, const std::string& path) {
   const std::vector<uint8_t> file = read_file(path);
   const SafetensorsFile st = decode_safetensors(file.data(), file.size());
-  std::vector<nn::Parameter*> targets;
-  for (auto& layer : model.layers)
-    for (nn::Parameter& p : layer->parameters()) targets.push_back(&p);
+  const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
   for (const SafeTensor& t : st.tensors)
     if (std::none_of(targets.begin(), targets.end(), [&](const nn::Parameter* p) { return p->name == t.name; }))
       fail(FP8_ERR_INVALID_STATE, "the file's tensor '", t.name, "' is no parameter of the model");
@@ -379,28 +382,11 @@ void import_safetensors(fp8_model& model, const std::string& path) {
       }
     }
     p.value = floats_bytes(f);
-    const OptimTensor* ot = optim_tensor(model.weight_owner, i);
-    const int32_t layout = ot ? ot->layout : t.value->dtype == FP8_DTYPE_F32 ? kLayoutF32 : model.weight_level;
-    if (layout == kLayoutO3 && !ot)
-      fail(FP8_ERR_INVALID_STATE, "'", t.name, "' is stored at O3 but no optimizer holds its master; create one first");
-    convert_layout(p, layout);
-    if (ot && ot->scales) {  // the optimizer's moment scales stay; the weight's amax is the new one
-      model.backend->copy_to_host(&p.scales, ot->scales, sizeof p.scales);
-      p.scales.p_amax = stored_weight_amax(p);
-    }
+    convert_for(p, model, t, optim_tensor(model.weight_owner, i), true);
     params.push_back(std::move(p));
   }
   Backend& be = *model.backend;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const ParamState& p = params[i];
-    nn::Parameter& t = *targets[i];
-    upload(be, t.value->data, p.value);
-    if (dtype_is_fp8(t.value->dtype)) be.copy_from_host(t.value->scale_inv, &p.value_scale_inv, sizeof(float));
-    if (const OptimTensor* ot = optim_tensor(model.weight_owner, i)) {
-      if (ot->master) upload(be, ot->master, p.master);
-      if (ot->scales) be.copy_from_host(ot->scales, &p.scales, sizeof(CompactScales));
-    }
-  }
+  for (size_t i = 0; i < params.size(); ++i) write_weight(be, *targets[i], params[i], optim_tensor(model.weight_owner, i));
   ++model.weights_version;
   be.synchronize();
 }

@@ -120,8 +120,8 @@ class Layer {
   // The layer's parameter values change when the model's version or a parameter's own grows.
   uint64_t weights_version(const Step& step) const { return weights_version(step.weights_version); }
   uint64_t weights_version(uint64_t model_version) const;
-  std::unique_ptr<fp8_scaling> new_state(const Recipe& recipe, fp8_role_t role) const {
-    return make_scaling(backend_, recipe, role);
+  std::unique_ptr<fp8_scaling> new_state(const Recipe& recipe, fp8_role_t role, float scale = 1.0f) const {
+    return make_scaling(backend_, recipe, role, scale);
   }
 
   std::shared_ptr<Backend> backend_;

@@ -38,7 +38,7 @@ class Linear final : public Layer {
  public:
   Linear(std::shared_ptr<Backend> backend, std::string name, int64_t in, int64_t out, bool with_bias)
       : Layer(backend, std::move(name), FP8_LAYER_LINEAR), in_(in), out_(out), bias_(with_bias), qw_(backend),
-        qwt_(backend), w_si_(backend), pinned_state_(backend), w_hp_(backend), b_bf16_(backend), qx_(backend), qxt_(backend),
+        qwt_(backend), w_si_(backend), w_hp_(backend), b_bf16_(backend), qx_(backend), qxt_(backend),
         x_si_(backend), x_hp_(backend), qdy_(backend), qdyt_(backend), dy_si_(backend), partials_(backend) {
     const int64_t w_shape[2] = {out, in};
     // The caller initialises the weights; zeros until then keep a forward defined.
@@ -377,13 +377,13 @@ class Linear final : public Layer {
         q.out = qw_.ensure<uint8_t>(static_cast<size_t>(n));
         q.out_t = qwt;
         q.e5m2 = false;
-        q.state = pinned_ ? pinned_state_.ensure<ScalingHeader>(0) : s_w_->state;
+        q.state = pinned_ ? pinned_w_->state : s_w_->state;
         if (!pinned_) s_w_->pending = true;
         q.out_scale_inv = si;
         q.out_t_scale_inv = si;
         q.out_scale = si + kScaleSlot2;
         be.quantize(q);
-        pinned_ = false;
+        pinned_ = false;  // (its memory stays until the next pin: the queued cast reads it)
       }
       fp8_weight_version_ = version;
     }
@@ -411,16 +411,8 @@ class Linear final : public Layer {
   }
 
   void pin_weight_copy_scale(float scale) override {
-    pinned_ = false;
-    if (!(scale > 0.0f)) return;  // unpin
-    struct {
-      ScalingHeader header;
-      float history[4];
-    } state{};
-    state.header.scale = scale;
-    state.header.scale_inv = 1.0f / scale;  // as the scaling update and fp8_scaling_set_scale set it
-    backend_->copy_from_host(pinned_state_.ensure(sizeof state), &state, sizeof state);
-    pinned_ = true;
+    pinned_ = scale > 0.0f;
+    if (pinned_) pinned_w_ = new_state(recipe_, FP8_ROLE_FORWARD, scale);
   }
 
   const void* weight_in(fp8_dtype_t act) {
@@ -437,8 +429,8 @@ class Linear final : public Layer {
   Recipe recipe_;
   std::unique_ptr<fp8_scaling> s_x_, s_w_, s_dy_;
   DeviceBuffer qw_, qwt_, w_si_;  // FP8 weight, its transpose, their scale_inv (and the scale)
-  DeviceBuffer pinned_state_;      // the scale the next weight copy takes after a checkpoint load
-  bool pinned_ = false;
+  std::unique_ptr<fp8_scaling> pinned_w_;  // the next weight copy's state after a checkpoint load,
+  bool pinned_ = false;                    // until that copy is made
   DeviceBuffer w_hp_, b_bf16_;  // the weight in the activation dtype (when the value is not), the bf16 bias
   uint64_t fp8_weight_version_ = kNever, hp_weight_version_ = kNever, bf16_bias_version_ = kNever;
   fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;

@@ -236,6 +236,25 @@ Parameter& parameter_at(fp8_model& m, int32_t index) {
   fail(FP8_ERR_INVALID_ARGUMENT, "index = ", index, "; expected 0..", seen - 1, " (the model has ", seen, " parameters)");
 }
 
+std::vector<Parameter*> all_parameters(fp8_model& m) {
+  std::vector<Parameter*> out;
+  for (auto& l : m.layers)
+    for (Parameter& p : l->parameters()) out.push_back(&p);
+  return out;
+}
+
+std::vector<const Parameter*> all_parameters(const fp8_model& m) {
+  std::vector<const Parameter*> out;
+  for (const auto& l : m.layers)
+    for (const Parameter& p : l->parameters()) out.push_back(&p);
+  return out;
+}
+
+int32_t stored_layout(const fp8_model& m, const Parameter& p) {
+  if (p.value->dtype == FP8_DTYPE_F32) return kLayoutF32;
+  return p.value->dtype == FP8_DTYPE_E4M3 ? kLayoutO3 : m.weight_level;
+}
+
 Parameter* find_parameter(fp8_model& m, const std::string& full_name) {
   for (auto& l : m.layers)
     for (Parameter& p : l->parameters())

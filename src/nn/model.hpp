@@ -102,6 +102,11 @@ void zero_grad(fp8_model& m);
 
 // The parameter at `index` in the model's order; FP8_ERR_INVALID_ARGUMENT naming the range otherwise.
 Parameter& parameter_at(fp8_model& m, int32_t index);
+// Every parameter, in the model's order (layers in order, then each layer's own).
+std::vector<Parameter*> all_parameters(fp8_model& m);
+std::vector<const Parameter*> all_parameters(const fp8_model& m);
+// How a parameter is stored now (OptimLayout): FP32 (te), F16 (the model's O1 or O2), E4M3 (O3).
+int32_t stored_layout(const fp8_model& m, const Parameter& p);
 
 // "<layer>.<param>" -> the parameter, or nullptr.
 Parameter* find_parameter(fp8_model& m, const std::string& full_name);

@@ -136,7 +136,7 @@ size_t training_bytes(const fp8_optimizer& o, const fp8_model& m) {
 
 // A Linear weight's FP32 value and gradient in `layout`'s storage, as new tensors (the parameter
 // keeps its own until make_optimizer commits them all): the value in F16 (O1/O2) or E4M3 with an
-// F16 master (O3), the gradient (what it holds so far included) in FP8 in the recipe's gradient
+// F16 master (O3), the gradient (what it holds so far included) in FP8 in `recipe`'s gradient
 // format, and the scales' starting amax. `master` is the tensor's slice (O3), `scales` its
 // CompactScales.
 struct ConvertedWeight {
@@ -144,8 +144,9 @@ struct ConvertedWeight {
   std::unique_ptr<fp8_tensor> value, grad;
 };
 
-ConvertedWeight convert_weight(Backend& be, const std::shared_ptr<Backend>& owner, nn::Parameter& p, int32_t layout,
-                               fp8_dtype_t grad_dtype, uint16_t* master, CompactScales* scales) {
+ConvertedWeight convert_weight(Backend& be, const std::shared_ptr<Backend>& owner, const Recipe& recipe,
+                               nn::Parameter& p, int32_t layout, uint16_t* master, CompactScales* scales) {
+  const fp8_dtype_t grad_dtype = recipe.dtype_for(FP8_ROLE_BACKWARD);
   const fp8_tensor& old = *p.value;
   const int64_t n = old.numel;
   auto grad = make_tensor(owner, grad_dtype, old.ndim, old.shape, false, nullptr, sizeof(GradScales));
@@ -164,32 +165,18 @@ ConvertedWeight convert_weight(Backend& be, const std::shared_ptr<Backend>& owne
     // The first FP8 weight: the master scaled by its own amax, as the later steps do (promote_compact).
     float p_amax = 0.0f;
     be.copy_to_host(&p_amax, &scales->p_amax, sizeof p_amax);
-    const float w_scale = bound_scale(448.0, p_amax);
-    struct {
-      ScalingHeader header;
-      float history[4];
-    } state{};
-    state.header.scale = w_scale;
-    state.header.scale_inv = 1.0f / w_scale;
+    const auto state = make_scaling(owner, recipe, FP8_ROLE_FORWARD, bound_scale(448.0, p_amax));
     value = make_tensor(owner, FP8_DTYPE_E4M3, old.ndim, old.shape, false, nullptr);
-    void* dev_state = be.allocate(sizeof state);
-    try {
-      be.copy_from_host(dev_state, &state, sizeof state);
-      QuantizeJob q{};
-      q.in = master;
-      q.in_dtype = FP8_DTYPE_F16;
-      q.rows = 1;
-      q.cols = n;
-      q.out = static_cast<uint8_t*>(value->data);
-      q.state = static_cast<ScalingHeader*>(dev_state);
-      q.out_scale_inv = value->scale_inv;
-      if (n > 0) be.quantize(q);
-      be.synchronize();
-    } catch (...) {
-      be.release(dev_state);
-      throw;
-    }
-    be.release(dev_state);
+    QuantizeJob q{};
+    q.in = master;
+    q.in_dtype = FP8_DTYPE_F16;
+    q.rows = 1;
+    q.cols = n;
+    q.out = static_cast<uint8_t*>(value->data);
+    q.state = state->state;
+    q.out_scale_inv = value->scale_inv;
+    if (n > 0) be.quantize(q);
+    be.synchronize();  // before `state` is released
   }
   return {&p, std::move(value), std::move(grad)};
 }
@@ -235,9 +222,7 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   o->level = level;
   for (int a = 0; a < FP8_OPTIM_ATTR_COUNT; ++a) o->attrs[a] = kAttrs[a].defaults[kind];
 
-  std::vector<nn::Parameter*> params;
-  for (auto& layer : model.layers)
-    for (nn::Parameter& p : layer->parameters()) params.push_back(&p);
+  const std::vector<nn::Parameter*> params = nn::all_parameters(model);
   if (params.empty())
     fail(FP8_ERR_INVALID_ARGUMENT, "the model has no parameters to optimise; add layers before fp8_optimizer_create");
   auto layout_of = [&](const nn::Parameter& p) { return p.linear_weight ? level : kLayoutF32; };
@@ -249,7 +234,6 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   Backend& be = *o->backend;
   o->scales = static_cast<CompactScales*>(be.allocate(static_cast<size_t>(compact) * sizeof(CompactScales)));
   o->masters = static_cast<uint16_t*>(be.allocate(static_cast<size_t>(master_elems) * sizeof(uint16_t)));
-  const fp8_dtype_t grad_dtype = model.recipe ? model.recipe->dtype_for(FP8_ROLE_BACKWARD) : FP8_DTYPE_E5M2;
   CompactScales* next_scales = o->scales;
   uint16_t* next_master = o->masters;
   // Nothing of the model changes until every allocation has succeeded: new storage is made aside
@@ -266,7 +250,7 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
       t.scales = next_scales++;
       if (layout == kLayoutO3) t.master = next_master, next_master += aligned(t.n);
       if (p->value->dtype == FP8_DTYPE_F32) {
-        converted.push_back(convert_weight(be, o->backend, *p, layout, grad_dtype, t.master, t.scales));
+        converted.push_back(convert_weight(be, o->backend, *model.recipe, *p, layout, t.master, t.scales));
         value = converted.back().value.get();
         grad = converted.back().grad.get();
       } else {  // stored at this level by an earlier optimizer: start the states afresh from it
@@ -373,22 +357,24 @@ fp8_model& model_of(const fp8_optimizer& o) {
 void step(fp8_optimizer& o) {
   fp8_model& m = model_of(o);
   if (m.autocast) fail(FP8_ERR_INVALID_STATE, "an optimizer step inside fp8_autocast_begin/end; end the region first");
-  std::vector<nn::Parameter*> params;
-  for (auto& layer : m.layers)
-    for (nn::Parameter& p : layer->parameters()) params.push_back(&p);
-  if (params.size() != static_cast<size_t>(o.parameter_count))
-    fail(FP8_ERR_INVALID_STATE, "the model has ", params.size(), " parameters, but had ", o.parameter_count,
+  size_t count = 0;
+  for (auto& layer : m.layers) count += layer->parameters().size();
+  if (count != static_cast<size_t>(o.parameter_count))
+    fail(FP8_ERR_INVALID_STATE, "the model has ", count, " parameters, but had ", o.parameter_count,
          " when the optimizer was made; create a new optimizer after adding layers");
   if (needs_states(o)) ensure_states(o);  // SGD's momentum buffer, on first use
   // An F16 weight written since the last step (fp8_tensor_copy_from_host): its amax, where the
   // moments' bounds start, is taken again.
-  for (size_t i = 0; i < params.size(); ++i) {
-    const OptimTensor& t = o.tensors[i];
-    if ((t.layout == kLayoutO1 || t.layout == kLayoutO2) && params[i]->value->version != o.value_versions[i]) {
-      o.backend->amax({t.param, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
-      o.value_versions[i] = params[i]->value->version;
+  size_t i = 0;
+  for (auto& layer : m.layers)
+    for (const nn::Parameter& p : layer->parameters()) {
+      const OptimTensor& t = o.tensors[i];
+      if ((t.layout == kLayoutO1 || t.layout == kLayoutO2) && p.value->version != o.value_versions[i]) {
+        o.backend->amax({t.param, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
+        o.value_versions[i] = p.value->version;
+      }
+      ++i;
     }
-  }
   OptimHyper h{o.kind,
                o.attrs[FP8_OPTIM_LR],
                o.attrs[FP8_OPTIM_BETA1],

@@ -34,15 +34,6 @@ using namespace fp8test;
 
 namespace {
 
-
-
-fp8_optimizer_stats_t stats_of(const fp8_optimizer_t* o) {
-  fp8_optimizer_stats_t s;
-  fp8_optimizer_stats_init(&s);
-  EXPECT_EQ(fp8_optimizer_get_stats(o, &s), FP8_OK) << fp8_last_error_message();
-  return s;
-}
-
 int32_t param_count(const fp8_model_t* m) {
   int32_t n = 0;
   EXPECT_EQ(fp8_model_parameter_count(m, &n), FP8_OK) << fp8_last_error_message();

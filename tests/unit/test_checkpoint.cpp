@@ -159,13 +159,6 @@ std::vector<float> decoded(const fp8_tensor_t* t) {
   return out;
 }
 
-fp8_optimizer_stats_t stats_of(const fp8_optimizer_t* o) {
-  fp8_optimizer_stats_t s;
-  fp8_optimizer_stats_init(&s);
-  EXPECT_OK(fp8_optimizer_get_stats(o, &s));
-  return s;
-}
-
 std::string recipe_string(const fp8_recipe_t* r) {
   size_t needed = 0;
   EXPECT_EQ(fp8_recipe_to_string(r, nullptr, 0, &needed), FP8_ERR_BUFFER_TOO_SMALL);

@@ -25,6 +25,7 @@
 
 #include "core/format.hpp"  // the numerics contract: E4M3/E5M2/F16 encode and decode
 #include "fp8_test_util.hpp"
+#include "optim_reference.hpp"
 
 using namespace fp8test;
 
@@ -64,13 +65,6 @@ std::vector<float> decoded(const fp8_tensor_t* t) {
   const float si = scale_inv_of(t);
   for (uint8_t c : download<uint8_t>(t)) out.push_back(fp8::dequantize_fp8(c, dt == FP8_DTYPE_E5M2, si));
   return out;
-}
-
-fp8_optimizer_stats_t stats_of(const fp8_optimizer_t* o) {
-  fp8_optimizer_stats_t s;
-  fp8_optimizer_stats_init(&s);
-  EXPECT_OK(fp8_optimizer_get_stats(o, &s));
-  return s;
 }
 
 // The first element whose bits differ, or "" when all agree.
@@ -941,49 +935,8 @@ INSTANTIATE_TEST_SUITE_P(Levels, OptimLevelPoison, ::testing::Values(1, 2, 3),
 // 4. The compact update bit for bit against a re-implementation
 // =================================================================================================
 
-// Explicitly rounded float and double operations (volatile: no contraction into an FMA the rule
-// does not make).
-float mul_rn(float a, float b) {
-  volatile float r = a * b;
-  return r;
-}
-double dmul(double a, double b) {
-  volatile double r = a * b;
-  return r;
-}
-double dadd(double a, double b) {
-  volatile double r = a + b;
-  return r;
-}
-double pow_by_squaring(double base, uint64_t e) {
-  double r = 1.0;
-  for (; e; e >>= 1, base = dmul(base, base))
-    if (e & 1) r = dmul(r, base);
-  return r;
-}
-// The fixed summation order: lane t of 256 adds values t, t + 256, ... in turn; then the lanes are
-// combined pairwise, s[t] += s[t + h] for h = 128, ..., 1. Per chunk of 4096, then over the chunks.
-double lane_sum(const std::vector<double>& values) {
-  double s[256];
-  for (int t = 0; t < 256; ++t) {
-    double acc = 0.0;
-    for (size_t i = static_cast<size_t>(t); i < values.size(); i += 256) acc += values[i];
-    s[t] = acc;
-  }
-  for (int h = 128; h > 0; h /= 2)
-    for (int t = 0; t < h; ++t) s[t] += s[t + h];
-  return s[0];
-}
-double rule_sumsq(const Params& g) {
-  std::vector<double> partials;
-  for (const auto& t : g)
-    for (size_t off = 0; off < t.size(); off += 4096) {
-      std::vector<double> sq;
-      for (size_t i = off; i < std::min(t.size(), off + 4096); ++i) sq.push_back(static_cast<double>(t[i]) * t[i]);
-      partials.push_back(lane_sum(sq));
-    }
-  return lane_sum(partials);
-}
+using namespace fp8test::rule;
+
 // The scale that maps `bound` to `max`: max/bound rounded to float (at most FLT_MAX); 1 for a bound
 // that is 0 or not finite.
 float scale_for(double max, double bound) {

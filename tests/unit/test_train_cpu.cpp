@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "clusters_util.hpp"
+#include "optim_reference.hpp"
 #include "fp8_test_util.hpp"
 
 using namespace fp8test;
@@ -69,13 +70,6 @@ fp8_scaling_info_t state_info(fp8_model_t* m, int32_t id, int32_t slot) {
   EXPECT_NE(s, nullptr) << "layer " << id << " has no state in slot " << slot;
   if (!s) return fp8_scaling_info_t{};
   return info_of(s);
-}
-
-fp8_optimizer_stats_t stats_of(const fp8_optimizer_t* o) {
-  fp8_optimizer_stats_t s;
-  fp8_optimizer_stats_init(&s);
-  EXPECT_OK(fp8_optimizer_get_stats(o, &s));
-  return s;
 }
 
 double get_attr(const fp8_optimizer_t* o, fp8_optimizer_attr_t attr) {
@@ -211,50 +205,9 @@ struct Reference64 {
   }
 };
 
-// (b) core/optim_rule.hpp's operations in the same order with the same roundings. The volatile
-// stores keep this compiler from contracting a product into an FMA the rule does not make.
-float mul_rn(float a, float b) {
-  volatile float r = a * b;
-  return r;
-}
-double dmul(double a, double b) {
-  volatile double r = a * b;
-  return r;
-}
-constexpr int kLanes = 256;
-constexpr size_t kChunk = 4096;
-
-// The rule's fixed summation order: lane t adds values t, t + 256, ... in turn; then the lanes are
-// combined pairwise, s[t] += s[t + h] for h = 128, 64, ..., 1.
-double lane_sum(const std::vector<double>& values) {
-  double s[kLanes];
-  for (int t = 0; t < kLanes; ++t) {
-    double acc = 0.0;
-    for (size_t i = static_cast<size_t>(t); i < values.size(); i += kLanes) acc += values[i];
-    s[t] = acc;
-  }
-  for (int h = kLanes / 2; h > 0; h /= 2)
-    for (int t = 0; t < h; ++t) s[t] += s[t + h];
-  return s[0];
-}
-// Per chunk of 4096 elements of each tensor in parameter order, then over the chunks' partials.
-double rule_sumsq(const Params& g) {
-  std::vector<double> partials;
-  for (const auto& t : g)
-    for (size_t off = 0; off < t.size(); off += kChunk) {
-      std::vector<double> sq;
-      for (size_t i = off; i < std::min(t.size(), off + kChunk); ++i)
-        sq.push_back(static_cast<double>(t[i]) * static_cast<double>(t[i]));  // exact in double
-      partials.push_back(lane_sum(sq));
-    }
-  return lane_sum(partials);
-}
-double pow_by_squaring(double base, uint64_t e) {
-  double r = 1.0;
-  for (; e; e >>= 1, base = dmul(base, base))
-    if (e & 1) r = dmul(r, base);
-  return r;
-}
+// (b) core/optim_rule.hpp's operations in the same order with the same roundings
+// (optim_reference.hpp).
+using namespace fp8test::rule;
 
 struct ReferenceRule {
   Params p, m, v;
