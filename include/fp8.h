@@ -587,10 +587,14 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * Norms and activations compute in float from their input's dtype; once converted they may write y in
  * FP8 (pass an E4M3 y) with an output state of their own, which is the input the next Linear needs.
  *
- * Lifetimes: a layer's backward differentiates its latest forward, which must have run in training
- * mode; the x passed to it must stay alive and unchanged until the backward (as in any autograd).
- * One backward per forward. A Linear's dx must be 16-byte aligned when its dgrad runs in FP8
- * (tensors from fp8_tensor_create always are). Writing any parameter of a Linear (the bias too)
+ * Forward state: what a backward needs of its forward (the plan, x's transposed FP8 copy or a
+ * reference to x, a norm's mean and rstd) is an fp8_saved_t. fp8_layer_forward_saved hands it to the
+ * caller, so any number of forwards of one layer can be in flight and be differentiated in any order
+ * (a layer used twice in a graph, pipeline schedules, recompute, PyTorch's autograd);
+ * fp8_layer_forward/backward keep one per layer for the caller, and fp8_model_forward/backward one
+ * per layer for the whole run. The x of a training-mode forward must stay alive and unchanged until
+ * its backward (as in any autograd). One backward per forward. A Linear's dx must be 16-byte aligned
+ * when its dgrad runs in FP8 (tensors from fp8_tensor_create always are). Writing any parameter of a Linear (the bias too)
  * makes it remake its weight copies. Scaling states are updated in batched launches at the end of
  * an autocast region and of fp8_model_backward (see fp8_autocast_begin).
  * A model is externally synchronised; calls are asynchronous on the context's stream unless stated.
@@ -709,12 +713,48 @@ FP8_API fp8_status_t fp8_model_set_autowrap(fp8_model_t *model, int32_t on);
  */
 FP8_API fp8_status_t fp8_layer_forward(fp8_model_t *model, int32_t layer_id, const fp8_tensor_t *x, fp8_tensor_t *y);
 /**
- * Backward of the layer's latest training-mode forward: [in] dy (y's shape and activation dtype),
- * [out] dx (x's shape; NULL for a Linear whose input needs no gradient). Parameter gradients
- * accumulate. FP8_ERR_INVALID_STATE without such a forward. Asynchronous.
+ * Backward of the layer's latest training-mode fp8_layer_forward: [in] dy (y's shape and activation
+ * dtype), [out] dx (x's shape; NULL for a Linear whose input needs no gradient), overwritten.
+ * Parameter gradients accumulate. FP8_ERR_INVALID_STATE without such a forward. The convenience pair
+ * keeps one forward per layer: a second training-mode fp8_layer_forward of a layer before this
+ * backward is refused (FP8_ERR_INVALID_STATE; nothing runs) rather than silently replacing the first.
+ * A change of training mode or a conversion drops the kept forward. Asynchronous.
  */
 FP8_API fp8_status_t fp8_layer_backward(fp8_model_t *model, int32_t layer_id, const fp8_tensor_t *dy,
                                         fp8_tensor_t *dx);
+
+/** What one forward of a layer keeps for its backward. Owned by the caller; independent of every
+ *  other forward (of this layer or any other). */
+typedef struct fp8_saved fp8_saved_t;
+
+/**
+ * y = layer(x), like fp8_layer_forward, and [out] saved: a new state for fp8_layer_backward_saved
+ * (also in eval mode, where the backward refuses it). It holds device buffers on loan from the
+ * model's pool (x's transposed FP8 copy for an FP8 weight gradient, a norm's statistics) and a
+ * reference to x, which must stay alive and unchanged until its backward. The pool keeps what it
+ * lent, so a steady loop allocates nothing. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t *model, int32_t layer_id, const fp8_tensor_t *x,
+                                             fp8_tensor_t *y, fp8_saved_t **saved);
+
+/** Flags of fp8_layer_backward_saved. */
+#define FP8_BACKWARD_ACCUMULATE_DX 1u /**< dx += the input gradient (residual connections) instead of
+                                           dx = it: dx = round(float(dx) + value), for every layer kind */
+
+/**
+ * Backward of exactly the forward that made `saved`: [in] dy, [out] dx as in fp8_layer_backward
+ * (dx NULL only for a Linear), [in] flags: 0 or FP8_BACKWARD_ACCUMULATE_DX. Parameter gradients
+ * accumulate. Refused, before anything runs, when `saved` comes from another model or layer
+ * (FP8_ERR_INVALID_ARGUMENT), was already differentiated, comes from an eval-mode forward, from
+ * before a conversion of the layer, or when the layer's weights changed since its forward (an
+ * optimizer step or a write came between) (FP8_ERR_INVALID_STATE). On success `saved` is consumed:
+ * its buffers go back to the pool and only fp8_saved_destroy remains to be called. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t *model, int32_t layer_id, fp8_saved_t *saved,
+                                              const fp8_tensor_t *dy, fp8_tensor_t *dx, uint32_t flags);
+
+/** Releases a forward state (consumed or not); NULL does nothing. It may outlive its model. */
+FP8_API void fp8_saved_destroy(fp8_saved_t *saved);
 
 /**
  * The model as one sequential stack: the layers in the order they were added, each layer's y the
@@ -729,8 +769,9 @@ FP8_API fp8_status_t fp8_layer_backward(fp8_model_t *model, int32_t layer_id, co
  */
 FP8_API fp8_status_t fp8_model_forward(fp8_model_t *model, const fp8_tensor_t *x, fp8_tensor_t *y);
 /**
- * Backward of the latest fp8_model_forward, which must have run in training mode with no per-layer
- * call since (FP8_ERR_INVALID_STATE otherwise). [in] dy: y's shape and dtype; [out] dx: x's shape
+ * Backward of the latest fp8_model_forward, which must have run in training mode (FP8_ERR_INVALID_STATE
+ * otherwise, and after a change of mode or a conversion since). Per-layer calls in between do not
+ * disturb it. [in] dy: y's shape and dtype; [out] dx: x's shape
  * and dtype, or NULL when the input needs no gradient; it must not overlap x. Every check runs before
  * any layer does, so a refusal changes nothing. Parameter gradients accumulate. At its end
  * the gradient scaling states it fed are updated in one batched launch. Asynchronous.

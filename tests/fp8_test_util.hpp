@@ -42,12 +42,14 @@ struct TensorDeleter { void operator()(fp8_tensor_t* p) const { fp8_tensor_destr
 struct ScalingDeleter { void operator()(fp8_scaling_t* p) const { fp8_scaling_destroy(p); } };
 struct ModelDeleter { void operator()(fp8_model_t* p) const { fp8_model_destroy(p); } };
 struct OptimizerDeleter { void operator()(fp8_optimizer_t* p) const { fp8_optimizer_destroy(p); } };
+struct SavedDeleter { void operator()(fp8_saved_t* p) const { fp8_saved_destroy(p); } };
 using Context = std::unique_ptr<fp8_context_t, ContextDeleter>;
 using Recipe = std::unique_ptr<fp8_recipe_t, RecipeDeleter>;
 using Tensor = std::unique_ptr<fp8_tensor_t, TensorDeleter>;
 using Scaling = std::unique_ptr<fp8_scaling_t, ScalingDeleter>;
 using Model = std::unique_ptr<fp8_model_t, ModelDeleter>;
 using Optimizer = std::unique_ptr<fp8_optimizer_t, OptimizerDeleter>;
+using Saved = std::unique_ptr<fp8_saved_t, SavedDeleter>;
 
 inline Context make_context(int32_t device) {
   fp8_context_t* c = nullptr;
@@ -99,6 +101,15 @@ inline Model make_model(fp8_context_t* ctx) {
   EXPECT_EQ(fp8_model_create(&m, ctx), FP8_OK) << fp8_last_error_message();
   return Model(m);
 }
+// A training-mode forward whose backward never comes (its state is dropped at once): what the
+// convenience fp8_layer_forward refuses to do twice in a row.
+inline fp8_status_t forward_only(fp8_model_t* m, int32_t layer_id, const fp8_tensor_t* x, fp8_tensor_t* y) {
+  fp8_saved_t* saved = nullptr;
+  const fp8_status_t st = fp8_layer_forward_saved(m, layer_id, x, y, &saved);
+  fp8_saved_destroy(saved);
+  return st;
+}
+
 inline Optimizer make_optimizer(fp8_model_t* m, fp8_optimizer_kind_t kind) {
   fp8_optimizer_t* o = nullptr;
   EXPECT_EQ(fp8_optimizer_create(&o, m, kind), FP8_OK) << fp8_last_error_message();

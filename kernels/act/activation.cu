@@ -34,8 +34,17 @@ __device__ __forceinline__ void store8(void* out, int64_t i, const float (&v)[8]
   }
 }
 
+constexpr bool is_fp8(fp8_dtype_t t) { return t == FP8_DTYPE_E4M3 || t == FP8_DTYPE_E5M2; }
+
+// A residual's sum: v += the wide output's current value at i (accumulate is never set for FP8).
+template <fp8_dtype_t OUT>
+__device__ __forceinline__ float plus_output(const void* out, int64_t i, float v) {
+  if constexpr (is_fp8(OUT)) return v;
+  else return v + Wide<OUT>::to_float(static_cast<const typename Wide<OUT>::Raw*>(out)[i]);
+}
+
 template <fp8_dtype_t DT, fp8_dtype_t OUT>
-__global__ void __launch_bounds__(kThreads) activation_kernel(fp8_activation_t act, bool backward,
+__global__ void __launch_bounds__(kThreads) activation_kernel(fp8_activation_t act, bool backward, bool accumulate,
                                                               const typename Wide<DT>::Raw* __restrict__ x,
                                                               const typename Wide<DT>::Raw* __restrict__ dy,
                                                               int64_t rows, int64_t cols, bool vec,
@@ -59,6 +68,14 @@ __global__ void __launch_bounds__(kThreads) activation_kernel(fp8_activation_t a
       if (!backward) v[k] = act == FP8_ACTIVATION_RELU ? relu(a) : gelu(a);
       else v[k] = act == FP8_ACTIVATION_RELU ? relu_grad(a, gv.get(k)) : gelu_grad(a, gv.get(k));
     }
+    if constexpr (!is_fp8(OUT)) {
+      if (accumulate) {
+        Vec8<OUT> old;
+        old.load(static_cast<const typename Wide<OUT>::Raw*>(out) + i8 * 8);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] += old.get(k);
+      }
+    }
     store8<OUT>(out, i8 * 8, v, scale, amax);
   }
   for (int64_t i = vec_items + first; i < items; i += stride) {
@@ -69,15 +86,17 @@ __global__ void __launch_bounds__(kThreads) activation_kernel(fp8_activation_t a
         store_output<OUT>(out, i, swiglu(a, b), scale, amax);
       } else {
         const float g = Wide<DT>::to_float(dy[i]);
-        store_output<OUT>(out, r * cols + c, swiglu_grad_a(a, b, g), scale, amax);
-        store_output<OUT>(out, r * cols + half + c, swiglu_grad_b(a, g), scale, amax);
+        const int64_t ia = r * cols + c, ib = r * cols + half + c;
+        const float da = swiglu_grad_a(a, b, g), db = swiglu_grad_b(a, g);
+        store_output<OUT>(out, ia, accumulate ? plus_output<OUT>(out, ia, da) : da, scale, amax);
+        store_output<OUT>(out, ib, accumulate ? plus_output<OUT>(out, ib, db) : db, scale, amax);
       }
     } else {
       const float v = Wide<DT>::to_float(x[i]);
       float y;
       if (!backward) y = act == FP8_ACTIVATION_RELU ? relu(v) : gelu(v);
       else y = act == FP8_ACTIVATION_RELU ? relu_grad(v, Wide<DT>::to_float(dy[i])) : gelu_grad(v, Wide<DT>::to_float(dy[i]));
-      store_output<OUT>(out, i, y, scale, amax);
+      store_output<OUT>(out, i, accumulate ? plus_output<OUT>(out, i, y) : y, scale, amax);
     }
   }
   if (state) {
@@ -94,7 +113,8 @@ void launch_for_output(const ActivationJob& j, const LaunchLimits& lim, cudaStre
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, (items + kThreads - 1) / kThreads, lim.sm_count);
     using Raw = typename Wide<DT>::Raw;
     const bool vec = j.act != FP8_ACTIVATION_SWIGLU && aligned16(j.x) && aligned16(j.out) && (!j.backward || aligned16(j.dy));
-    kernel<<<grid, kThreads, 0, stream>>>(j.act, j.backward, static_cast<const Raw*>(j.x), static_cast<const Raw*>(j.dy),
+    kernel<<<grid, kThreads, 0, stream>>>(j.act, j.backward, j.accumulate, static_cast<const Raw*>(j.x),
+                                          static_cast<const Raw*>(j.dy),
                                           j.rows, j.cols, vec, j.out, j.out_state, j.out_scale_inv);
   };
   dispatch_any(j.out_dtype, go);

@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(kThreads)
     norm_backward_dx_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x,
                             const typename Wide<DY>::Raw* __restrict__ dy, int64_t rows, int64_t d,
                             const float* __restrict__ gamma, const float* __restrict__ mean_in,
-                            const float* __restrict__ rstd_in, typename Wide<DX>::Raw* __restrict__ dx) {
+                            const float* __restrict__ rstd_in, bool accumulate,
+                            typename Wide<DX>::Raw* __restrict__ dx) {
   __shared__ float scratch[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
@@ -69,7 +70,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t c = threadIdx.x; c < d; c += kThreads) {
       const float xhat = (Wide<DT>::to_float(x[r * d + c]) - mean) * rstd;
       const float g = Wide<DY>::to_float(dy[r * d + c]) * gamma[c];
-      dx[r * d + c] = Wide<DX>::from_float(rstd * (g - mean_g - xhat * mean_gx));
+      const float v = rstd * (g - mean_g - xhat * mean_gx);
+      dx[r * d + c] = Wide<DX>::from_float(accumulate ? Wide<DX>::to_float(dx[r * d + c]) + v : v);
     }
   }
 }
@@ -134,7 +136,7 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
         auto* kernel = norm_backward_dx_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value>;
         const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
         kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows,
-                                              j.cols, j.gamma, j.mean, j.rstd,
+                                              j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
                                               static_cast<typename Wide<decltype(dxt)::value>::Raw*>(j.dx));
       });
       // R partial rows of dgamma and dbeta fit the scratch; more rows per partial when they do not.

@@ -4,6 +4,7 @@
 
 #include "api/guard.hpp"
 #include "nn/model.hpp"
+#include "core/error.hpp"
 
 using fp8::guard;
 using fp8::require_arg;
@@ -197,7 +198,7 @@ FP8_API fp8_status_t fp8_model_set_training(fp8_model_t* model, int32_t training
   return guard("fp8_model_set_training", [&] {
     require_arg(model, "model");
     if (training != 0 && training != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "training = ", training, "; expected 0 or 1");
-    if (model->training != (training != 0)) model->sequential_saved = false;  // a real mode change
+    if (model->training != (training != 0)) fp8::nn::drop_kept_states(*model);  // a real mode change
     model->training = training != 0;
   });
 }
@@ -224,7 +225,7 @@ FP8_API fp8_status_t fp8_convert_model(fp8_model_t* model, const fp8_recipe_t* r
     require_no_autocast(model, "converting the model");
     fp8::nn::convert_model(*model, opts.to_fp8 ? &recipe->recipe : nullptr,
                            {opts.to_fp8 != 0, opts.linear != 0, opts.norm != 0, opts.activation != 0});
-    model->sequential_saved = false;
+    fp8::nn::drop_kept_states(*model);
     if (opts.to_fp8) model->recipe = recipe->recipe;
     else model->recipe.reset();
   });
@@ -288,13 +289,19 @@ FP8_API fp8_status_t fp8_model_backward(fp8_model_t* model, const fp8_tensor_t* 
 FP8_API fp8_status_t fp8_layer_forward(fp8_model_t* model, int32_t layer_id, const fp8_tensor_t* x, fp8_tensor_t* y) {
   return guard("fp8_layer_forward", [&] {
     require_arg(model, "model");
-    fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
+    const fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
+    model->latest.resize(model->layers.size());
+    std::unique_ptr<fp8_saved>& kept = model->latest[static_cast<size_t>(layer_id)];
+    if (model->training && kept && kept->training)
+      fp8::fail(FP8_ERR_INVALID_STATE, "layer '", layer.name(),
+                "' has a training-mode forward awaiting its fp8_layer_backward; a second one would replace it. "
+                "Call fp8_layer_backward first, or keep several forwards in flight with fp8_layer_forward_saved");
     fp8::nn::AutowrapRegion region(*model);
-    layer.forward(fp8::nn::make_step(*model), x, y);
-    model->sequential_saved = false;  // the layer's saved forward is no longer the model run's
+    std::unique_ptr<fp8_saved> saved = fp8::nn::layer_forward(*model, layer_id, x, y);
     region.close();
+    kept = std::move(saved);
   });
 }
 
@@ -302,15 +309,53 @@ FP8_API fp8_status_t fp8_layer_backward(fp8_model_t* model, int32_t layer_id, co
                                         fp8_tensor_t* dx) {
   return guard("fp8_layer_backward", [&] {
     require_arg(model, "model");
-    fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
+    const fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, dy, "dy");
     if (dx) require_tensor(model, dx, "dx");
+    model->latest.resize(model->layers.size());
+    std::unique_ptr<fp8_saved>& kept = model->latest[static_cast<size_t>(layer_id)];
+    if (!kept)
+      fp8::fail(FP8_ERR_INVALID_STATE, "layer '", layer.name(), "' has no training-mode forward to differentiate (",
+                model->training ? "call fp8_layer_forward first)" : "the model is in eval mode)");
     fp8::nn::AutowrapRegion region(*model);
-    layer.backward(fp8::nn::make_step(*model), dy, dx);
-    model->sequential_saved = false;
+    fp8::nn::layer_backward(*model, layer_id, *kept, dy, dx, false);
+    region.close();
+    kept.reset();
+  });
+}
+
+FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t* model, int32_t layer_id, const fp8_tensor_t* x,
+                                             fp8_tensor_t* y, fp8_saved_t** saved) {
+  return guard("fp8_layer_forward_saved", [&] {
+    require_arg(model, "model");
+    require_arg(saved, "saved");
+    fp8::nn::layer_at(*model, layer_id);
+    require_tensor(model, x, "x");
+    require_tensor(model, y, "y");
+    fp8::nn::AutowrapRegion region(*model);
+    std::unique_ptr<fp8_saved> s = fp8::nn::layer_forward(*model, layer_id, x, y);
+    region.close();
+    *saved = s.release();
+  });
+}
+
+FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_id, fp8_saved_t* saved,
+                                              const fp8_tensor_t* dy, fp8_tensor_t* dx, uint32_t flags) {
+  return guard("fp8_layer_backward_saved", [&] {
+    require_arg(model, "model");
+    require_arg(saved, "saved");
+    fp8::nn::layer_at(*model, layer_id);
+    require_tensor(model, dy, "dy");
+    if (dx) require_tensor(model, dx, "dx");
+    if (flags & ~FP8_BACKWARD_ACCUMULATE_DX)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags, "; expected 0 or FP8_BACKWARD_ACCUMULATE_DX (1)");
+    fp8::nn::AutowrapRegion region(*model);
+    fp8::nn::layer_backward(*model, layer_id, *saved, dy, dx, (flags & FP8_BACKWARD_ACCUMULATE_DX) != 0);
     region.close();
   });
 }
+
+FP8_API void fp8_saved_destroy(fp8_saved_t* saved) { delete saved; }
 
 FP8_API fp8_status_t fp8_layer_get_scaling(fp8_model_t* model, int32_t layer_id, int32_t slot, fp8_scaling_t** scaling) {
   return guard("fp8_layer_get_scaling", [&] {

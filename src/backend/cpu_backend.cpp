@@ -337,7 +337,7 @@ class CpuBackend final : public Backend {
         amax = std::max(amax, abs_bits(v));
         static_cast<uint8_t*>(j.out)[i] = encode_fp8(v * scale, j.out_dtype == FP8_DTYPE_E5M2);
       } else {
-        store_wide(j.out, j.out_dtype, i, v);
+        store_wide(j.out, j.out_dtype, i, j.accumulate ? load_wide(j.out, j.out_dtype, i) + v : v);
       }
     };
     const int64_t half = j.cols / 2;
@@ -424,7 +424,8 @@ class CpuBackend final : public Backend {
       for (int64_t c = 0; c < d; ++c) {
         const double xhat = (load_wide(j.x, j.x_dtype, r * d + c) - mean) * rstd;
         const double g = load_wide(j.dy, j.dy_dtype, r * d + c) * j.gamma[c];
-        store_wide(j.dx, j.dx_dtype, r * d + c, static_cast<float>(rstd * (g - mean_g - xhat * mean_gx)));
+        const float v = static_cast<float>(rstd * (g - mean_g - xhat * mean_gx));
+        store_wide(j.dx, j.dx_dtype, r * d + c, j.accumulate_dx ? load_wide(j.dx, j.dx_dtype, r * d + c) + v : v);
       }
     }
     for (int64_t c = 0; c < d; ++c) {

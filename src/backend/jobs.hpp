@@ -110,6 +110,7 @@ struct ActivationJob {
   fp8_dtype_t out_dtype;
   ScalingHeader* out_state;  // FP8 out only
   float* out_scale_inv;      // FP8 out only
+  bool accumulate = false;   // backward into a wide dx: dx = convert(float(dx) + value)
 };
 
 // Per row of x (rows x cols): LayerNorm (rms = false) or RMSNorm. Forward writes y (FP8 when
@@ -136,6 +137,7 @@ struct NormJob {
   float* dgamma;
   float* dbeta;  // may be nullptr
   bool accumulate_params = false;  // backward: dgamma/dbeta += (gradient accumulation) instead of =
+  bool accumulate_dx = false;      // backward: dx = convert(float(dx) + value) (a residual's sum)
 };
 
 // d[m][n] = alpha * sa * sb * sum_k a[m][k] * b[n][k] (+ bias[n]) (+ d if accumulate); an FP8 d

@@ -6,12 +6,26 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "backend/backend.hpp"
 #include "core/objects.hpp"
 #include "core/recipe.hpp"
+
+// What one forward of a layer keeps for its backward (fp8_saved_t). Each layer kind derives its own;
+// the fields here let a backward refuse a state that is not its own, consumed, or from eval mode.
+struct fp8_saved {
+  virtual ~fp8_saved() = default;
+  // Gives the state's device buffers back to the model's pool (after its backward has been queued).
+  virtual void release() {}
+  uint64_t model_serial = 0;  // the model's (fp8_model::serial): unique per model in this process
+  int32_t layer_id = -1;
+  uint64_t layer_epoch = 0;  // the layer's conversion count when the forward ran
+  bool training = false;
+  bool consumed = false;
+};
 
 namespace fp8::nn {
 
@@ -38,11 +52,54 @@ class DeviceBuffer {
   T* get() const {
     return static_cast<T*>(data_);
   }
+  size_t capacity() const { return bytes_; }
 
  private:
   std::shared_ptr<Backend> backend_;
   void* data_ = nullptr;
   size_t bytes_ = 0;
+};
+
+// Device buffers lent to forward states (fp8_saved) and given back when a state is consumed or
+// destroyed, so a steady loop allocates nothing however many forwards are in flight. Shared by a
+// model and every state it made (a state may outlive its model). Best fit: the smallest free buffer
+// that holds the request, else the largest free one grown, else a new one.
+class BufferPool {
+ public:
+  explicit BufferPool(std::shared_ptr<Backend> backend) : backend_(std::move(backend)) {}
+  std::unique_ptr<DeviceBuffer> take(size_t bytes);
+  void give(std::unique_ptr<DeviceBuffer> buffer);
+
+ private:
+  std::shared_ptr<Backend> backend_;
+  std::mutex mutex_;  // fp8_saved_destroy may come from another thread (a binding's collector)
+  std::vector<std::unique_ptr<DeviceBuffer>> free_;
+};
+
+// A buffer on loan from a pool for as long as the forward state holding it lives.
+class PooledBuffer {
+ public:
+  PooledBuffer() = default;
+  PooledBuffer(std::shared_ptr<BufferPool> pool, size_t bytes) : pool_(std::move(pool)), buffer_(pool_->take(bytes)) {}
+  PooledBuffer(PooledBuffer&&) = default;
+  PooledBuffer& operator=(PooledBuffer&& other) noexcept {
+    reset();
+    pool_ = std::move(other.pool_);
+    buffer_ = std::move(other.buffer_);
+    return *this;
+  }
+  ~PooledBuffer() { reset(); }
+  void reset() {
+    if (buffer_) pool_->give(std::move(buffer_));
+  }
+  template <typename T = void>
+  T* get() const {
+    return buffer_ ? buffer_->get<T>() : nullptr;
+  }
+
+ private:
+  std::shared_ptr<BufferPool> pool_;
+  std::unique_ptr<DeviceBuffer> buffer_;
 };
 
 // What a layer call needs from its model.
@@ -53,6 +110,7 @@ struct Step {
   bool training;
   uint64_t weights_version;  // grows with fp8_model_weights_changed and optimizer steps
   DeviceBuffer* wgrad_scratch;  // the model's: a Linear's new FP32 dW before it joins an FP8 gradient
+  const std::shared_ptr<BufferPool>& pool;  // lends the forward states their buffers
 };
 
 // A parameter's value and gradient. FP32 both, except a Linear weight under an MS-AMP level (the
@@ -86,9 +144,16 @@ class Layer {
   const LayerStats& stats() const { return stats_; }
   bool converted() const { return converted_; }
 
-  virtual void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) = 0;
-  // dx may be nullptr when no input gradient is wanted (the first layer).
-  virtual void backward(const Step& step, const fp8_tensor* dy, fp8_tensor* dx) = 0;
+  // y = layer(x); returns what the backward of this forward needs (also in eval mode, where the
+  // state only says so). The caller sets the state's model_serial and layer_id.
+  virtual std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) = 0;
+  // Differentiates the forward that made `saved` (already checked to be this layer's, unconsumed, of
+  // this conversion and from training mode). dx may be nullptr when no input gradient is wanted (a
+  // Linear); accumulate_dx adds into dx instead of overwriting it.
+  virtual void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx,
+                        bool accumulate_dx) = 0;
+  // Conversions so far: a forward state from an earlier one is refused.
+  uint64_t epoch() const { return epoch_; }
 
   // Makes the layer an FP8 one under `recipe` (new scaling states), or a high-precision one again
   // (recipe == nullptr). Parameters are untouched either way.
@@ -106,7 +171,7 @@ class Layer {
   virtual bool takes_fp8_input(const Step&, int64_t /*rows*/) const { return false; }
   // The checks of a backward's dx that need no dy (dtype, shape, alignment against the saved
   // forward), so a whole-model backward can make them before any layer runs.
-  virtual void check_dx(const fp8_tensor* /*dx*/) const {}
+  virtual void check_dx(const fp8_saved& /*saved*/, const fp8_tensor* /*dx*/) const {}
 
   // Checkpoints taken between micro-batches: the scale of the FP8 weight copy the layer holds for
   // the model's weights version (false when it holds none), and, after a load, the scale its next
@@ -130,6 +195,7 @@ class Layer {
   std::vector<Parameter> params_;
   LayerStats stats_;
   bool converted_ = false;
+  uint64_t epoch_ = 0;  // convert() increments it
 };
 
 std::unique_ptr<Layer> make_linear(std::shared_ptr<Backend> backend, std::string name, int64_t in_features,

@@ -1,6 +1,7 @@
 // What the layers share, and the two layers without GEMMs: LayerNorm/RMSNorm and activations. Once
 // converted, both may write their output in FP8 (E4M3) with a scaling state of their own: the
 // hand-off to the Linear that follows, without a bf16 round trip.
+#include <algorithm>
 #include <vector>
 
 #include "core/dtype.hpp"
@@ -23,6 +24,40 @@ uint64_t Layer::weights_version(uint64_t model_version) const {
   uint64_t v = model_version;
   for (const Parameter& p : params_) v += p.value->version;
   return v;
+}
+
+std::unique_ptr<DeviceBuffer> BufferPool::take(size_t bytes) {
+  std::unique_ptr<DeviceBuffer> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t best = free_.size(), largest = free_.size();
+    for (size_t i = 0; i < free_.size(); ++i) {
+      const size_t cap = free_[i]->capacity();
+      if (cap >= bytes && (best == free_.size() || cap < free_[best]->capacity())) best = i;
+      if (largest == free_.size() || cap > free_[largest]->capacity()) largest = i;
+    }
+    const size_t pick = best != free_.size() ? best : largest;
+    if (pick != free_.size()) {
+      out = std::move(free_[pick]);
+      free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(pick));
+    }
+  }
+  if (!out) out = std::make_unique<DeviceBuffer>(backend_);
+  try {
+    out->ensure(bytes);
+  } catch (...) {
+    give(std::move(out));
+    throw;
+  }
+  return out;
+}
+
+void BufferPool::give(std::unique_ptr<DeviceBuffer> buffer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    free_.push_back(std::move(buffer));
+  } catch (...) {  // no room to keep it: the buffer is released instead (called from destructors)
+  }
 }
 
 void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const char* name, bool allow_fp8) {
@@ -54,8 +89,24 @@ void require_disjoint_buffers(const std::string& layer, const fp8_tensor* a, con
 
 namespace {
 
-// Shared by the norm and activation layers: the forward's input kept for the backward, and the
-// optional FP8 output with its state.
+// What a norm or activation forward keeps: a reference to x (which the caller keeps alive) and, for
+// a norm, each row's mean and rstd.
+struct ElementwiseSaved final : fp8_saved {
+  const void* x = nullptr;
+  fp8_dtype_t x_dtype = FP8_DTYPE_F32;
+  int32_t ndim = 0;
+  int64_t x_shape[FP8_MAX_DIMS] = {};
+  PooledBuffer stats;  // norms: rows floats of mean (LayerNorm), then rows floats of rstd
+  void release() override { stats.reset(); }
+  int64_t rows() const {
+    int64_t r = 1;
+    for (int32_t i = 0; i + 1 < ndim; ++i) r *= x_shape[i];
+    return r;
+  }
+  int64_t cols() const { return ndim > 0 ? x_shape[ndim - 1] : 1; }
+};
+
+// Shared by the norm and activation layers: the optional FP8 output with its state, and the checks.
 class ElementwiseBase : public Layer {
  public:
   using Layer::Layer;
@@ -63,26 +114,23 @@ class ElementwiseBase : public Layer {
   void convert(const Recipe* recipe) override {
     s_out_ = recipe ? new_state(*recipe, FP8_ROLE_FORWARD) : nullptr;
     converted_ = recipe != nullptr;
-    saved_ = Saved{};
+    ++epoch_;
   }
   void scaling_states(std::vector<fp8_scaling*>& out) override {
     if (s_out_) out.push_back(s_out_.get());
   }
   fp8_scaling* scaling(int32_t slot) override { return slot == FP8_SCALING_OUTPUT ? s_out_.get() : nullptr; }
 
- protected:
-  struct Saved {
-    bool valid = false;
-    bool training = false;
-    const void* x = nullptr;
-    fp8_dtype_t x_dtype = FP8_DTYPE_F32;
-    int32_t ndim = 0;
-    int64_t x_shape[FP8_MAX_DIMS] = {};
-  };
+  void check_dx(const fp8_saved& saved, const fp8_tensor* dx) const override {
+    const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
+    require_layer_dtype(name_, dx, "dx", false);
+    require_shape(name_, dx, "dx", s.ndim, s.x_shape);
+  }
 
+ protected:
   // Checks x and y (y of `y_cols` columns, x's leading dimensions) and returns the output state for
   // an FP8 y (which needs the layer converted).
-  ScalingHeader* check_forward(const Step& step, const fp8_tensor* x, const fp8_tensor* y, int64_t y_cols) {
+  ScalingHeader* check_forward(const fp8_tensor* x, const fp8_tensor* y, int64_t y_cols) {
     require_layer_dtype(name_, x, "x", false);
     require_layer_dtype(name_, y, "y", true);
     if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; layer '", name_, "' expects at least one dimension");
@@ -91,70 +139,66 @@ class ElementwiseBase : public Layer {
     y_shape[x->ndim - 1] = y_cols;
     require_shape(name_, y, "y", x->ndim, y_shape);
     require_disjoint_buffers(name_, x, "x", y, "y");
-    const bool fp8_out = dtype_is_fp8(y->dtype);
-    if (!fp8_out) {
-      stats_.fprop = 0;
-      return nullptr;
-    }
+    if (!dtype_is_fp8(y->dtype)) return nullptr;
     if (!converted_)
       fail(FP8_ERR_INVALID_STATE, "y has dtype ", dtype_name(y->dtype), " but layer '", name_,
            "' is not converted to FP8; call fp8_convert_model first or pass a wide y");
     if (y->dtype != s_out_->dtype)
       fail(FP8_ERR_DTYPE, "y has dtype ", dtype_name(y->dtype), "; layer '", name_, "' writes FP8 as ",
            dtype_name(s_out_->dtype), " (the recipe's forward format)");
-    stats_.fprop = 1;
-    if (step.fp8) ++stats_.fp8_calls;
-    s_out_->pending = true;
     return s_out_->state;
   }
 
-  void save(const Step& step, const fp8_tensor* x) {
-    saved_ = Saved{true, step.training, x->data, x->dtype, x->ndim, {}};
-    for (int32_t i = 0; i < x->ndim; ++i) saved_.x_shape[i] = x->shape[i];
+  // The state of a forward that has passed its checks; records the output's precision.
+  std::unique_ptr<ElementwiseSaved> begin_forward(const Step& step, const fp8_tensor* x, ScalingHeader* y_state) {
+    auto s = std::make_unique<ElementwiseSaved>();
+    s->training = step.training;
+    s->layer_epoch = epoch_;
+    s->x = x->data;
+    s->x_dtype = x->dtype;
+    s->ndim = x->ndim;
+    std::copy(x->shape, x->shape + x->ndim, s->x_shape);
+    stats_.fprop = y_state ? 1 : 0;
+    if (y_state) {
+      if (step.fp8) ++stats_.fp8_calls;
+      s_out_->pending = true;
+    }
+    return s;
   }
 
   // Checks dy (of `dy_cols` columns) and dx against the saved forward.
-  void check_backward(const fp8_tensor* dy, const fp8_tensor* dx, int64_t dy_cols) {
-    if (!saved_.valid || !saved_.training)
-      fail(FP8_ERR_INVALID_STATE, "layer '", name_, "' has no training-mode forward to differentiate");
+  void check_backward(const ElementwiseSaved& s, const fp8_tensor* dy, const fp8_tensor* dx, int64_t dy_cols) {
     if (!dx) fail(FP8_ERR_INVALID_ARGUMENT, "argument 'dx' is NULL; layer '", name_, "' needs it");
     require_layer_dtype(name_, dy, "dy", false);
-    require_layer_dtype(name_, dx, "dx", false);
     int64_t dy_shape[FP8_MAX_DIMS];
-    for (int32_t i = 0; i < saved_.ndim; ++i) dy_shape[i] = saved_.x_shape[i];
-    dy_shape[saved_.ndim - 1] = dy_cols;
-    require_shape(name_, dy, "dy", saved_.ndim, dy_shape);
-    require_shape(name_, dx, "dx", saved_.ndim, saved_.x_shape);
+    for (int32_t i = 0; i < s.ndim; ++i) dy_shape[i] = s.x_shape[i];
+    dy_shape[s.ndim - 1] = dy_cols;
+    require_shape(name_, dy, "dy", s.ndim, dy_shape);
+    check_dx(s, dx);
     require_disjoint_buffers(name_, dy, "dy", dx, "dx");
     stats_.dgrad = 0;
   }
 
-  int64_t saved_rows() const {
-    int64_t r = 1;
-    for (int32_t i = 0; i + 1 < saved_.ndim; ++i) r *= saved_.x_shape[i];
-    return r;
-  }
-
   std::unique_ptr<fp8_scaling> s_out_;
-  Saved saved_;
 };
 
 class Norm final : public ElementwiseBase {
  public:
   Norm(std::shared_ptr<Backend> backend, std::string name, bool rms, int64_t dim, float eps)
       : ElementwiseBase(backend, std::move(name), rms ? FP8_LAYER_RMSNORM : FP8_LAYER_LAYERNORM), rms_(rms),
-        dim_(dim), eps_(eps), mean_(backend), rstd_(backend) {
+        dim_(dim), eps_(eps) {
     add_parameter("gamma", 1, &dim, 1.0f);
     if (!rms) add_parameter("beta", 1, &dim, 0.0f);
   }
 
   int64_t input_features() const override { return dim_; }
 
-  void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
     if (x->ndim >= 1 && x->cols() != dim_)
       fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_, "' expects [.., ",
            dim_, "]");
-    ScalingHeader* state = check_forward(step, x, y, dim_);
+    ScalingHeader* state = check_forward(x, y, dim_);
+    auto s = begin_forward(step, x, state);
     const int64_t rows = x->rows();
     NormJob j{};
     j.rms = rms_;
@@ -170,41 +214,42 @@ class Norm final : public ElementwiseBase {
     j.y_state = state;
     j.y_scale_inv = state ? y->scale_inv : nullptr;
     if (step.training) {
-      j.mean = rms_ ? nullptr : mean_.ensure<float>(static_cast<size_t>(rows) * sizeof(float));
-      j.rstd = rstd_.ensure<float>(static_cast<size_t>(rows) * sizeof(float));
+      s->stats = PooledBuffer(step.pool, static_cast<size_t>(2 * rows) * sizeof(float));
+      j.mean = rms_ ? nullptr : s->stats.get<float>();
+      j.rstd = s->stats.get<float>() + rows;
     }
     if (rows > 0) step.backend.norm(j);
-    save(step, x);
+    return s;
   }
 
-  void backward(const Step& step, const fp8_tensor* dy, fp8_tensor* dx) override {
-    check_backward(dy, dx, dim_);
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx) override {
+    const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
+    check_backward(s, dy, dx, dim_);
     NormJob j{};
     j.rms = rms_;
     j.backward = true;
-    j.x = saved_.x;
-    j.x_dtype = saved_.x_dtype;
-    j.rows = saved_rows();
+    j.x = s.x;
+    j.x_dtype = s.x_dtype;
+    j.rows = s.rows();
     j.cols = dim_;
     j.gamma = static_cast<const float*>(params_[0].value->data);
-    j.mean = rms_ ? nullptr : mean_.ensure<float>(0);
-    j.rstd = rstd_.ensure<float>(0);
+    j.mean = rms_ ? nullptr : s.stats.get<float>();
+    j.rstd = s.stats.get<float>() + j.rows;
     j.dy = dy->data;
     j.dy_dtype = dy->dtype;
     j.dx = dx->data;
     j.dx_dtype = dx->dtype;
+    j.accumulate_dx = accumulate_dx;
     j.dgamma = static_cast<float*>(params_[0].grad->data);
     j.dbeta = rms_ ? nullptr : static_cast<float*>(params_[1].grad->data);
     j.accumulate_params = true;
     if (j.rows > 0) step.backend.norm(j);
-    saved_.valid = false;
   }
 
  private:
   bool rms_;
   int64_t dim_;
   float eps_;
-  DeviceBuffer mean_, rstd_;
 };
 
 class Activation final : public ElementwiseBase {
@@ -219,12 +264,13 @@ class Activation final : public ElementwiseBase {
     return in / 2;
   }
 
-  void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
     const bool glu = act_ == FP8_ACTIVATION_SWIGLU;
     if (x->ndim >= 1 && glu && x->cols() % 2 != 0)
       fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_,
            "' (SwiGLU) expects an even last dimension [gate | up]");
-    ScalingHeader* state = check_forward(step, x, y, x->ndim >= 1 ? (glu ? x->cols() / 2 : x->cols()) : 0);
+    ScalingHeader* state = check_forward(x, y, x->ndim >= 1 ? (glu ? x->cols() / 2 : x->cols()) : 0);
+    auto s = begin_forward(step, x, state);
     ActivationJob j{};
     j.act = act_;
     j.x = x->data;
@@ -236,27 +282,28 @@ class Activation final : public ElementwiseBase {
     j.out_state = state;
     j.out_scale_inv = state ? y->scale_inv : nullptr;
     if (x->numel > 0) step.backend.activation(j);
-    save(step, x);
+    return s;
   }
 
-  void backward(const Step& step, const fp8_tensor* dy, fp8_tensor* dx) override {
-    const int64_t cols = saved_.x_shape[saved_.ndim > 0 ? saved_.ndim - 1 : 0];
-    check_backward(dy, dx, act_ == FP8_ACTIVATION_SWIGLU ? cols / 2 : cols);
-    if (dy->dtype != saved_.x_dtype)
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx) override {
+    const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
+    const int64_t cols = s.cols();
+    check_backward(s, dy, dx, act_ == FP8_ACTIVATION_SWIGLU ? cols / 2 : cols);
+    if (dy->dtype != s.x_dtype)
       fail(FP8_ERR_DTYPE, "dy has dtype ", dtype_name(dy->dtype), "; layer '", name_, "' expects ",
-           dtype_name(saved_.x_dtype), " (the forward's x)");
+           dtype_name(s.x_dtype), " (the forward's x)");
     ActivationJob j{};
     j.act = act_;
     j.backward = true;
-    j.x = saved_.x;
+    j.x = s.x;
     j.dy = dy->data;
-    j.x_dtype = saved_.x_dtype;
-    j.rows = saved_rows();
+    j.x_dtype = s.x_dtype;
+    j.rows = s.rows();
     j.cols = cols;
     j.out = dx->data;
     j.out_dtype = dx->dtype;
+    j.accumulate = accumulate_dx;
     if (j.rows * j.cols > 0) step.backend.activation(j);
-    saved_.valid = false;
   }
 
  private:

@@ -6,7 +6,9 @@
 //   backward  dy -> E5M2 under HYBRID (+ transposed copy + bias gradient, one pass)
 //             dgrad dx = dy8 W8t^T,  wgrad dW += dy8t x8t^T
 // The FP8 copy of W (and its transpose) is made once per weights version, i.e. once per optimizer
-// step, and reused by every micro-batch.
+// step, and reused by every micro-batch. What a backward needs of its forward (the plan, x's
+// transposed FP8 copy or its high-precision values) lives in a LinearSaved, so any number of
+// forwards can be in flight.
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -34,12 +36,32 @@ struct Plan {
   std::string reason;  // set when a converted layer under FP8 falls back, in whole or in part
 };
 
+// What one forward keeps for its backward. Its buffers come from the model's pool.
+struct LinearSaved final : fp8_saved {
+  Plan plan;
+  int64_t rows = 0;
+  fp8_dtype_t act = FP8_DTYPE_BF16;
+  int32_t ndim = 0;
+  int64_t y_shape[FP8_MAX_DIMS] = {};
+  const void* x_hp = nullptr;  // x in A for a high-precision wgrad: the caller's x or x_copy
+  PooledBuffer x_copy;         // an E4M3 hand-off dequantised into A
+  PooledBuffer qxt;            // x's transposed E4M3 copy for an FP8 wgrad, its scale_inv behind the codes
+  size_t qxt_scale_at = 0;
+  uint64_t weights_version = 0;  // the weights the forward used (the dgrad needs the same)
+  void release() override {
+    x_copy.reset();
+    qxt.reset();
+  }
+  const uint8_t* xt() const { return qxt.get<uint8_t>(); }
+  float* xt_scale_inv() const { return reinterpret_cast<float*>(qxt.get<char>() + qxt_scale_at); }
+};
+
 class Linear final : public Layer {
  public:
   Linear(std::shared_ptr<Backend> backend, std::string name, int64_t in, int64_t out, bool with_bias)
       : Layer(backend, std::move(name), FP8_LAYER_LINEAR), in_(in), out_(out), bias_(with_bias), qw_(backend),
-        qwt_(backend), w_si_(backend), w_hp_(backend), b_bf16_(backend), qx_(backend), qxt_(backend),
-        x_si_(backend), x_hp_(backend), qdy_(backend), qdyt_(backend), dy_si_(backend), partials_(backend) {
+        qwt_(backend), w_si_(backend), w_hp_(backend), b_bf16_(backend), qx_(backend), x_si_(backend), qdy_(backend),
+        qdyt_(backend), dy_si_(backend), partials_(backend) {
     const int64_t w_shape[2] = {out, in};
     // The caller initialises the weights; zeros until then keep a forward defined.
     add_parameter("weight", 2, w_shape, 0.0f);
@@ -67,9 +89,9 @@ class Linear final : public Layer {
       recipe_ = *recipe;
     }
     converted_ = recipe != nullptr;
+    ++epoch_;
     fp8_weight_version_ = kNever;
     pinned_ = false;
-    saved_ = Saved{};
   }
 
   void scaling_states(std::vector<fp8_scaling*>& out) override {
@@ -88,16 +110,15 @@ class Linear final : public Layer {
     }
   }
 
-  void check_dx(const fp8_tensor* dx) const override {
-    if (!saved_.valid) return;  // backward() refuses that itself
-    if (dx->dtype != saved_.act)
-      fail(FP8_ERR_DTYPE, "dx has dtype ", dtype_name(dx->dtype), "; layer '", name_, "' expects ",
-           dtype_name(saved_.act));
+  void check_dx(const fp8_saved& saved, const fp8_tensor* dx) const override {
+    const LinearSaved& s = static_cast<const LinearSaved&>(saved);
+    if (dx->dtype != s.act)
+      fail(FP8_ERR_DTYPE, "dx has dtype ", dtype_name(dx->dtype), "; layer '", name_, "' expects ", dtype_name(s.act));
     int64_t x_shape[FP8_MAX_DIMS];
-    for (int32_t i = 0; i < saved_.ndim; ++i) x_shape[i] = saved_.y_shape[i];
-    x_shape[saved_.ndim - 1] = in_;
-    require_shape(name_, dx, "dx", saved_.ndim, x_shape);
-    if (saved_.plan.dgrad && !aligned16(dx->data))
+    for (int32_t i = 0; i < s.ndim; ++i) x_shape[i] = s.y_shape[i];
+    x_shape[s.ndim - 1] = in_;
+    require_shape(name_, dx, "dx", s.ndim, x_shape);
+    if (s.plan.dgrad && !aligned16(dx->data))
       fail(FP8_ERR_INVALID_ARGUMENT, "dx's data is not 16-byte aligned, which layer '", name_, "''s FP8 dgrad needs");
   }
 
@@ -105,7 +126,7 @@ class Linear final : public Layer {
   int64_t output_features(int64_t) const override { return out_; }
   bool takes_fp8_input(const Step& step, int64_t rows) const override { return decide(step, rows, true).fprop; }
 
-  void forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
     require_layer_dtype(name_, y, "y", false);
     const fp8_dtype_t act = y->dtype;
     if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
@@ -123,9 +144,19 @@ class Linear final : public Layer {
     require_disjoint_buffers(name_, x, "x", y, "y");
     const int64_t m = x->rows();
 
-    const Plan plan = decide(step, m, aligned16(y->data) && (!dtype_is_fp8(x->dtype) || aligned16(x->data)),
-                             aligned16(y->data) ? "x" : "y");
-    record(step, plan);
+    auto saved = std::make_unique<LinearSaved>();
+    LinearSaved& s = *saved;
+    s.plan = decide(step, m, aligned16(y->data) && (!dtype_is_fp8(x->dtype) || aligned16(x->data)),
+                    aligned16(y->data) ? "x" : "y");
+    const Plan& plan = s.plan;
+    s.training = step.training;
+    s.rows = m;
+    s.act = act;
+    s.ndim = x->ndim;
+    std::copy(y_shape, y_shape + x->ndim, s.y_shape);
+    s.weights_version = weights_version(step);
+    s.layer_epoch = epoch_;
+
     const bool x_fp8 = dtype_is_fp8(x->dtype);
     const bool want_qxt = step.training && plan.wgrad;
     // x in A for a high-precision fprop or wgrad (the caller's tensor, or the hand-off dequantised).
@@ -136,15 +167,21 @@ class Linear final : public Layer {
     const void* x_hp = x->data;
     const uint8_t* qx = static_cast<const uint8_t*>(x->data);
     const float* qx_si = x->scale_inv;
-    uint8_t* qxt = want_qxt ? qxt_.ensure<uint8_t>(static_cast<size_t>(m * in_)) : nullptr;
+    if (want_qxt) {
+      const size_t codes = static_cast<size_t>(m * in_);
+      s.qxt_scale_at = scale_inv_offset(codes);
+      s.qxt = PooledBuffer(step.pool, s.qxt_scale_at + 16);
+    }
+    uint8_t* qxt = want_qxt ? s.qxt.get<uint8_t>() : nullptr;
     if (x_fp8) {
-      if (want_qxt) be.transpose({qx, m, in_, qxt, x->scale_inv, x_si_.ensure<float>(kScaleSlots * sizeof(float)) + kScaleSlot2});
+      if (want_qxt) be.transpose({qx, m, in_, qxt, x->scale_inv, s.xt_scale_inv()});
       if (need_x_hp) {
-        x_hp = x_hp_.ensure(static_cast<size_t>(m * in_) * dtype_size(act));
-        be.dequantize({qx, false, x->scale_inv, const_cast<void*>(x_hp), act, m * in_});
+        s.x_copy = PooledBuffer(step.pool, static_cast<size_t>(m * in_) * dtype_size(act));
+        x_hp = s.x_copy.get();
+        be.dequantize({qx, false, x->scale_inv, s.x_copy.get(), act, m * in_});
       }
     } else if (plan.fprop || want_qxt) {
-      float* si = x_si_.ensure<float>(kScaleSlots * sizeof(float));
+      float* si = x_si_.ensure<float>(16);
       QuantizeJob q{};
       q.in = x->data;
       q.in_dtype = act;
@@ -156,11 +193,12 @@ class Linear final : public Layer {
       q.state = s_x_->state;
       s_x_->pending = true;
       q.out_scale_inv = si;
-      q.out_t_scale_inv = qxt ? si + kScaleSlot2 : nullptr;
+      q.out_t_scale_inv = qxt ? s.xt_scale_inv() : nullptr;
       be.quantize(q);
       qx = q.out;
       qx_si = si;
     }
+    if (step.training) s.x_hp = x_hp;
 
     GemmJob g{};
     g.m = m;
@@ -186,26 +224,26 @@ class Linear final : public Layer {
       }
     }
     if (m > 0) be.gemm(g);
-
-    saved_ = Saved{true, step.training, plan, m, act, x_hp, x->ndim, {}};
-    for (int32_t i = 0; i < x->ndim; ++i) saved_.y_shape[i] = y_shape[i];
+    record(step, plan);
+    return saved;
   }
 
-  void backward(const Step& step, const fp8_tensor* dy, fp8_tensor* dx) override {
-    if (!saved_.valid || !saved_.training)
-      fail(FP8_ERR_INVALID_STATE, "layer '", name_, "' has no training-mode forward to differentiate",
-           saved_.valid ? " (the last forward ran in eval mode)" : " (call fp8_layer_forward in training mode first)");
-    const fp8_dtype_t act = saved_.act;
-    const int64_t m = saved_.rows;
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx) override {
+    LinearSaved& s = static_cast<LinearSaved&>(saved);
+    const fp8_dtype_t act = s.act;
+    const int64_t m = s.rows;
     if (dy->dtype != act)
       fail(FP8_ERR_DTYPE, "dy has dtype ", dtype_name(dy->dtype), "; layer '", name_, "' expects ", dtype_name(act),
            " (the forward's y)");
-    require_shape(name_, dy, "dy", saved_.ndim, saved_.y_shape);
+    require_shape(name_, dy, "dy", s.ndim, s.y_shape);
     if (dx) {
-      check_dx(dx);
+      check_dx(s, dx);
       require_disjoint_buffers(name_, dy, "dy", dx, "dx");
     }
-    const Plan& plan = saved_.plan;
+    if (weights_version(step) != s.weights_version)
+      fail(FP8_ERR_INVALID_STATE, "the weights of layer '", name_,
+           "' changed since this forward (an optimizer step or a write came between); run the forward again");
+    const Plan& plan = s.plan;
     Backend& be = step.backend;
     float* dbias = bias_ ? static_cast<float*>(params_[1].grad->data) : nullptr;
     float* partials = dbias ? partials_.ensure<float>(static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float))
@@ -235,7 +273,7 @@ class Linear final : public Layer {
       be.bias_grad({dy->data, act, m, out_, dbias, partials});
     }
 
-    if (dx && m > 0) {  // dx [m, in] = dy [m, out] . W [out, in]
+    if (dx && m > 0) {  // dx [m, in] (+)= dy [m, out] . W [out, in]
       GemmJob g{};
       g.m = m;
       g.n = in_;
@@ -243,6 +281,7 @@ class Linear final : public Layer {
       g.d = dx->data;
       g.d_dtype = act;
       g.alpha = 1.0f;
+      g.accumulate = accumulate_dx;
       if (dgrad8) {
         set_fp8_operands(g, qdy, s_dy_->dtype, dy_si, qwt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
       } else {
@@ -267,11 +306,10 @@ class Linear final : public Layer {
       g.alpha = 1.0f;
       g.accumulate = !grad8;
       if (plan.wgrad) {
-        set_fp8_operands(g, qdyt, s_dy_->dtype, dy_si + kScaleSlot2, qxt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3,
-                         x_si_.ensure<float>(0) + kScaleSlot2);
+        set_fp8_operands(g, qdyt, s_dy_->dtype, dy_si + kScaleSlot2, s.xt(), FP8_DTYPE_E4M3, s.xt_scale_inv());
       } else {
         g.a = dy->data;
-        g.b = saved_.x_hp;
+        g.b = s.x_hp;
         g.a_dtype = g.b_dtype = act;
         g.a_transposed = true;  // dy is [m][out] = [k][m']
         g.b_transposed = true;  // x is [m][in] = [k][n]
@@ -281,24 +319,12 @@ class Linear final : public Layer {
         be.grad_accumulate({static_cast<uint8_t*>(grad.data), grad.dtype == FP8_DTYPE_E5M2, static_cast<const float*>(g.d),
                             out_ * in_, params_[0].grad_scales()});
     }
-    saved_.valid = false;  // one backward per forward
   }
 
  private:
   static constexpr uint64_t kNever = ~uint64_t{0};
   // The scale_inv of a cast and of its transposed copy, each in its own 16-byte slot.
   static constexpr size_t kScaleSlot2 = 4, kScaleSlots = 8;
-
-  struct Saved {
-    bool valid = false;
-    bool training = false;
-    Plan plan;
-    int64_t rows = 0;
-    fp8_dtype_t act = FP8_DTYPE_BF16;
-    const void* x_hp = nullptr;  // x in A for a high-precision wgrad
-    int32_t ndim = 0;
-    int64_t y_shape[FP8_MAX_DIMS] = {};
-  };
 
   static void set_fp8_operands(GemmJob& g, const void* a, fp8_dtype_t at, const float* a_si, const void* b,
                                fp8_dtype_t bt, const float* b_si) {
@@ -434,9 +460,8 @@ class Linear final : public Layer {
   DeviceBuffer w_hp_, b_bf16_;  // the weight in the activation dtype (when the value is not), the bf16 bias
   uint64_t fp8_weight_version_ = kNever, hp_weight_version_ = kNever, bf16_bias_version_ = kNever;
   fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;
-  DeviceBuffer qx_, qxt_, x_si_, x_hp_;   // forward -> backward
-  DeviceBuffer qdy_, qdyt_, dy_si_, partials_;
-  Saved saved_;
+  DeviceBuffer qx_, x_si_;  // one forward's cast of x and its scale_inv
+  DeviceBuffer qdy_, qdyt_, dy_si_, partials_;  // one backward's casts of dy, their scale_inv, dbias partials
 };
 
 }  // namespace

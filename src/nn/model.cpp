@@ -1,5 +1,6 @@
 #include "nn/model.hpp"
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
@@ -8,6 +9,12 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/objects.hpp"
+
+namespace {
+std::atomic<uint64_t> next_model_serial{1};
+}
+
+fp8_model::fp8_model() : serial(next_model_serial++) {}
 
 fp8_model::~fp8_model() {
   for (fp8_model** link : optimizer_links) *link = nullptr;
@@ -52,7 +59,53 @@ Step make_step(fp8_model& m) {
   const Recipe* r = m.recipe ? &*m.recipe : nullptr;
   const bool fp8 = r && m.autocast && (m.training || r->get(FP8_RECIPE_USE_AUTOCAST_DURING_EVAL));
   if (!m.wgrad_scratch) m.wgrad_scratch = std::make_unique<DeviceBuffer>(m.backend);
-  return Step{*m.backend, r, fp8, m.training, m.weights_version, m.wgrad_scratch.get()};
+  if (!m.pool) m.pool = std::make_shared<BufferPool>(m.backend);
+  return Step{*m.backend, r, fp8, m.training, m.weights_version, m.wgrad_scratch.get(), m.pool};
+}
+
+std::unique_ptr<fp8_saved> layer_forward(fp8_model& m, int32_t id, const fp8_tensor* x, fp8_tensor* y) {
+  Layer& layer = layer_at(m, id);
+  std::unique_ptr<fp8_saved> s = layer.forward(make_step(m), x, y);
+  s->model_serial = m.serial;
+  s->layer_id = id;
+  return s;
+}
+
+namespace {
+
+// The refusals of a backward given `saved`, before anything runs.
+void require_own_state(const fp8_model& m, int32_t id, const fp8_saved& s) {
+  const Layer& layer = layer_at(m, id);
+  if (s.model_serial != m.serial)
+    fail(FP8_ERR_INVALID_ARGUMENT, "saved comes from another model's forward; layer '", layer.name(),
+         "' differentiates only its own");
+  if (s.layer_id != id)
+    fail(FP8_ERR_INVALID_ARGUMENT, "saved comes from the forward of layer '", layer_at(m, s.layer_id).name(),
+         "', not of layer '", layer.name(), "' (layer_id ", id, ")");
+  if (s.consumed)
+    fail(FP8_ERR_INVALID_STATE, "saved was already differentiated; layer '", layer.name(),
+         "' runs one backward per forward (run the forward again)");
+  if (!s.training)
+    fail(FP8_ERR_INVALID_STATE, "layer '", layer.name(), "' has no training-mode forward to differentiate: ",
+         "saved comes from a forward in eval mode (fp8_model_set_training(model, 1) first)");
+  if (s.layer_epoch != layer.epoch())
+    fail(FP8_ERR_INVALID_STATE, "layer '", layer.name(), "' was converted (fp8_convert_model) after this forward; ",
+         "run the forward again");
+}
+
+}  // namespace
+
+void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx,
+                    bool accumulate_dx) {
+  require_own_state(m, id, saved);
+  layer_at(m, id).backward(make_step(m), saved, dy, dx, accumulate_dx);
+  saved.consumed = true;
+  saved.release();
+}
+
+void drop_kept_states(fp8_model& m) {
+  m.latest.clear();
+  m.run_saved.clear();
 }
 
 void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
@@ -153,10 +206,11 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
   // The first layer's backward reads x again, after the last layer has written y.
   require_disjoint_buffers(layer_label(m, 0), x, "x", y, "y");
 
-  m.sequential_saved = false;
+  m.run_saved.clear();
   const Step step = make_step(m);
   const int64_t rows = x->rows();
   while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
+  std::vector<std::unique_ptr<fp8_saved>> saved;
   const fp8_tensor* in = x;
   for (size_t i = 0; i < n; ++i) {
     fp8_tensor* out = y;
@@ -167,36 +221,36 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
       shape[x->ndim - 1] = cols[i];
       out = m.acts[i]->bind(handoff ? FP8_DTYPE_E4M3 : act, x->ndim, shape);
     }
-    m.layers[i]->forward(step, in, out);
+    saved.push_back(m.layers[i]->forward(step, in, out));
     in = out;
   }
   if (m.training) {
-    m.sequential_saved = true;
-    m.sequential_dtype = act;
-    m.sequential_ndim = x->ndim;
-    std::copy(x->shape, x->shape + x->ndim, m.sequential_x_shape);
-    m.sequential_x_data = x->data;
-    m.sequential_x_bytes = x->nbytes();
-    std::copy(y->shape, y->shape + y->ndim, m.sequential_y_shape);
+    m.run_saved = std::move(saved);
+    m.run_dtype = act;
+    m.run_ndim = x->ndim;
+    std::copy(x->shape, x->shape + x->ndim, m.run_x_shape);
+    m.run_x_data = x->data;
+    m.run_x_bytes = x->nbytes();
+    std::copy(y->shape, y->shape + y->ndim, m.run_y_shape);
   }
 }
 
 void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
-  if (!m.sequential_saved)
+  if (m.run_saved.empty())
     fail(FP8_ERR_INVALID_STATE, "no training-mode fp8_model_forward to differentiate (none ran, it ran in eval "
-                                "mode, it was already differentiated, or a per-layer call came after it)");
-  const fp8_dtype_t act = m.sequential_dtype;
-  const int32_t ndim = m.sequential_ndim;
-  require_run_tensor(dy, "dy", act, ndim, m.sequential_y_shape);
+                                "mode, it was already differentiated, or the model was converted or changed mode since)");
+  const fp8_dtype_t act = m.run_dtype;
+  const int32_t ndim = m.run_ndim;
+  require_run_tensor(dy, "dy", act, ndim, m.run_y_shape);
   if (dx) {
-    require_run_tensor(dx, "dx", act, ndim, m.sequential_x_shape);
+    require_run_tensor(dx, "dx", act, ndim, m.run_x_shape);
     // What the first layer's backward would refuse (or get wrong) is checked before any layer runs,
     // so that a refusal leaves every gradient and scaling state as it was.
     const Layer& first = *m.layers[0];
-    if (buffers_overlap(m.sequential_x_data, m.sequential_x_bytes, dx->data, dx->nbytes()))
+    if (buffers_overlap(m.run_x_data, m.run_x_bytes, dx->data, dx->nbytes()))
       fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", first.name(),
            "''s backward reads x while it writes dx");
-    first.check_dx(dx);
+    first.check_dx(*m.run_saved[0], dx);
   }
 
   const Step step = make_step(m);
@@ -211,12 +265,12 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
     if (i > 0) {
       g_in = m.grads[i % 2]->bind(act, ndim, x_i->shape);
     } else if (!dx && m.layers[0]->kind() != FP8_LAYER_LINEAR) {
-      g_in = m.first_dx->bind(act, ndim, m.sequential_x_shape);  // norms and activations always make dx
+      g_in = m.first_dx->bind(act, ndim, m.run_x_shape);  // norms and activations always make dx
     }
-    m.layers[i]->backward(step, g_out, g_in);
+    m.layers[i]->backward(step, *m.run_saved[i], g_out, g_in, false);
     g_out = g_in;
   }
-  m.sequential_saved = false;
+  m.run_saved.clear();
   update_model_scaling(m, true);
 }
 

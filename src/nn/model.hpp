@@ -25,7 +25,10 @@ struct ScratchTensor {
 }  // namespace fp8::nn
 
 struct fp8_model {
+  fp8_model();
   std::shared_ptr<fp8::Backend> backend;
+  uint64_t serial;  // unique among this process's models: a forward state names its model by it
+  std::shared_ptr<fp8::nn::BufferPool> pool;  // the forward states' buffers (made with the backend)
   std::vector<std::unique_ptr<fp8::nn::Layer>> layers;
   std::optional<fp8::Recipe> recipe;  // set by fp8_convert_model(to_fp8 = 1)
   bool training = true;
@@ -42,20 +45,23 @@ struct fp8_model {
   // an optimizer that outlives its model refuses to run instead of touching freed memory.
   std::vector<fp8_model**> optimizer_links;
 
-  fp8_model() = default;
   fp8_model(const fp8_model&) = delete;
   fp8_model& operator=(const fp8_model&) = delete;
   ~fp8_model();
+  // fp8_layer_forward / fp8_layer_backward: per layer, the forward awaiting its backward (or the
+  // latest eval-mode one, so that a backward can say why it is refused).
+  std::vector<std::unique_ptr<fp8_saved>> latest;
   // Whole-model runs: the output of layer i is acts[i] (the last one is the caller's y); the
-  // gradients between layers alternate between two buffers.
+  // gradients between layers alternate between two buffers. run_saved holds each layer's state of
+  // the training-mode fp8_model_forward awaiting fp8_model_backward (empty when none).
   std::vector<std::unique_ptr<fp8::nn::ScratchTensor>> acts;
   std::unique_ptr<fp8::nn::ScratchTensor> grads[2], first_dx;
-  bool sequential_saved = false;  // a training fp8_model_forward awaits its backward
-  fp8_dtype_t sequential_dtype = FP8_DTYPE_F32;
-  int32_t sequential_ndim = 0;
-  int64_t sequential_x_shape[FP8_MAX_DIMS] = {}, sequential_y_shape[FP8_MAX_DIMS] = {};
-  const void* sequential_x_data = nullptr;  // the caller's x, which the first layer's backward reads again
-  size_t sequential_x_bytes = 0;
+  std::vector<std::unique_ptr<fp8_saved>> run_saved;
+  fp8_dtype_t run_dtype = FP8_DTYPE_F32;
+  int32_t run_ndim = 0;
+  int64_t run_x_shape[FP8_MAX_DIMS] = {}, run_y_shape[FP8_MAX_DIMS] = {};
+  const void* run_x_data = nullptr;  // the caller's x, which the first layer's backward reads again
+  size_t run_x_bytes = 0;
 };
 
 namespace fp8::nn {
@@ -76,6 +82,16 @@ void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& choi
 // One batched update of the states that recorded an amax since their last update (only the
 // gradient states when `backward_only`).
 void update_model_scaling(fp8_model& m, bool backward_only = false);
+
+// One layer's forward (fp8_layer_forward_saved): the state it returns names the model and layer.
+std::unique_ptr<fp8_saved> layer_forward(fp8_model& m, int32_t id, const fp8_tensor* x, fp8_tensor* y);
+// The backward of the forward that made `saved`, after refusing a state of another model or layer,
+// of an earlier conversion, consumed, or from eval mode; marks it consumed and gives its buffers back.
+void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx,
+                    bool accumulate_dx);
+// Drops the forward states the model keeps itself (fp8_layer_forward's and fp8_model_forward's), as
+// a mode change or a conversion does.
+void drop_kept_states(fp8_model& m);
 
 // Runs the layers in order (fp8_model_forward) and back (fp8_model_backward).
 void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y);

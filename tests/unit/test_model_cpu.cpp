@@ -278,9 +278,11 @@ StepOut run_step(LinearCase& c, const std::vector<int64_t>& x_shape, const std::
   if (autocast) {
     EXPECT_OK(fp8_autocast_begin(c.model.get()));
   }
-  EXPECT_OK(fp8_layer_forward(c.model.get(), c.id, tx.get(), ty.get()));
   if (backward) {
+    EXPECT_OK(fp8_layer_forward(c.model.get(), c.id, tx.get(), ty.get()));
     EXPECT_OK(fp8_layer_backward(c.model.get(), c.id, tdy.get(), tdx.get()));
+  } else {
+    EXPECT_OK(forward_only(c.model.get(), c.id, tx.get(), ty.get()));
   }
   if (before_end) before_end();
   if (autocast) {
@@ -630,7 +632,7 @@ TEST(LinearHighPrecision, Bf16ActivationsUseBf16WeightsRemadeWhenTheWeightsChang
   for (int version = 0; version < 2; ++version) {
     SCOPED_TRACE("weights version " + std::to_string(version));
     if (version == 1) c.set_weights(77);
-    FP8_ASSERT_OK(fp8_layer_forward(c.model.get(), c.id, tx.get(), ty.get()));
+    FP8_ASSERT_OK(forward_only(c.model.get(), c.id, tx.get(), ty.get()));
     std::vector<float> y;
     for (uint16_t h : download<uint16_t>(ty.get())) {
       const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -668,7 +670,7 @@ TEST(HighPrecisionStack, BackwardMatchesCentralDifferences) {
   Tensor ty = f32_tensor(ctx.get(), {kRows, kO}), tg = f32_tensor(ctx.get(), {kRows, kO}, g);
   Tensor d3 = f32_tensor(ctx.get(), {kRows, kH}), d2 = f32_tensor(ctx.get(), {kRows, kH});
   Tensor d1 = f32_tensor(ctx.get(), {kRows, kD}), tdx = f32_tensor(ctx.get(), {kRows, kD});
-  auto loss = [&]() {
+  auto loss = [&]() {  // training-mode forwards; the first one's states are kept for the backward
     EXPECT_OK(fp8_layer_forward(model.get(), ln, tx.get(), h1.get()));
     EXPECT_OK(fp8_layer_forward(model.get(), fc1, h1.get(), h2.get()));
     EXPECT_OK(fp8_layer_forward(model.get(), act, h2.get(), h3.get()));
@@ -683,6 +685,9 @@ TEST(HighPrecisionStack, BackwardMatchesCentralDifferences) {
   FP8_ASSERT_OK(fp8_layer_backward(model.get(), act, d3.get(), d2.get()));
   FP8_ASSERT_OK(fp8_layer_backward(model.get(), fc1, d2.get(), d1.get()));
   FP8_ASSERT_OK(fp8_layer_backward(model.get(), ln, d1.get(), tdx.get()));
+  // The differences need forwards alone: eval mode keeps nothing for a backward (and the stack is not
+  // converted, so eval computes what training does).
+  FP8_ASSERT_OK(fp8_model_set_training(model.get(), 0));
 
   // d loss / d v[i] by central differences, v being x or a parameter, perturbed and restored.
   auto central = [&](std::vector<float>& v, size_t i, const std::function<void()>& push) {

@@ -388,7 +388,7 @@ TEST(OptimLevelSelection, AForwardRightAfterTheConversionUsesTheNewStorage) {
     upload(x.get(), randn(static_cast<size_t>(kRows * kIn[0]), 77, 1.0f));
     auto forward = [&] {
       EXPECT_OK(fp8_autocast_begin(t.model.get()));
-      EXPECT_OK(fp8_layer_forward(t.model.get(), 0, x.get(), y.get()));
+      EXPECT_OK(forward_only(t.model.get(), 0, x.get(), y.get()));
       EXPECT_OK(fp8_autocast_end(t.model.get()));
       return download<float>(y.get());
     };

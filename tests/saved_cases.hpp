@@ -1,0 +1,103 @@
+// Forward states owned by the caller (fp8_layer_forward_saved): the scenarios the CPU tests and the
+// GPU suite both run. Two forwards of one layer in flight, differentiated in either order, against
+// the same pairs run one after the other and against two twin layers with the same parameters.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "fp8_test_util.hpp"
+
+namespace fp8test::saved_cases {
+
+constexpr int64_t kRows = 32, kIn = 64, kOut = 48;
+
+enum class Kind { kLinear, kLinearFp8, kLayerNorm, kGelu };
+inline const char* kind_name(Kind k) {
+  return k == Kind::kLinear ? "Linear" : k == Kind::kLinearFp8 ? "LinearFp8" : k == Kind::kLayerNorm ? "LayerNorm" : "Gelu";
+}
+// InFlight: forward 1, forward 2, then the backwards; Pairs: forward and backward of 1, then of 2;
+// Twins: 1 through layer "a", 2 through layer "b" (same parameters).
+enum class Mode { kInFlight, kPairs, kTwins };
+
+struct Outputs {
+  std::vector<float> y[2], dx[2];
+  std::vector<std::vector<float>> grads;  // every parameter gradient of the model, in order
+};
+
+inline int64_t out_features(Kind k) { return k == Kind::kLinear || k == Kind::kLinearFp8 ? kOut : kIn; }
+
+// Adds one layer of `kind` named `name` with fixed parameters; returns its id.
+inline int32_t add_layer(fp8_model_t* m, Kind kind, const std::string& name) {
+  int32_t id = -1;
+  switch (kind) {
+    case Kind::kLinear:
+    case Kind::kLinearFp8:
+      EXPECT_OK(fp8_model_add_linear(m, name.c_str(), kIn, kOut, 1, &id));
+      set_param(m, name + ".weight", randn(static_cast<size_t>(kIn * kOut), 11, 0.125f));
+      set_param(m, name + ".bias", randn(static_cast<size_t>(kOut), 12, 0.5f));
+      break;
+    case Kind::kLayerNorm:
+      EXPECT_OK(fp8_model_add_layernorm(m, name.c_str(), kIn, 1e-5f, &id));
+      set_param(m, name + ".gamma", randn(static_cast<size_t>(kIn), 13, 0.2f, 1.0f));
+      set_param(m, name + ".beta", randn(static_cast<size_t>(kIn), 14, 0.2f));
+      break;
+    case Kind::kGelu:
+      EXPECT_OK(fp8_model_add_activation(m, name.c_str(), FP8_ACTIVATION_GELU, &id));
+      break;
+  }
+  return id;
+}
+
+// Runs the two forward/backward pairs of `kind` on `device` as `mode` says; `second_first`
+// differentiates forward 2 before forward 1 (in flight) or runs pair 2 first (pairs).
+inline Outputs run(int32_t device, Kind kind, Mode mode, bool second_first) {
+  Context ctx = make_context(device);
+  Model model = make_model(ctx.get());
+  fp8_model_t* m = model.get();
+  const int32_t a = add_layer(m, kind, "a");
+  const int32_t b = mode == Mode::kTwins ? add_layer(m, kind, "b") : a;
+  const bool fp8 = kind == Kind::kLinearFp8;
+  if (fp8) {
+    Recipe r = make_recipe("small_layer_fallback=0, backend=te");
+    EXPECT_OK(fp8_convert_model(m, r.get(), nullptr));
+    EXPECT_OK(fp8_autocast_begin(m));
+  }
+  const int64_t out = out_features(kind);
+  Tensor x[2], y[2], dy[2], dx[2];
+  for (int i = 0; i < 2; ++i) {
+    x[i] = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, kIn});
+    upload(x[i].get(), randn(static_cast<size_t>(kRows * kIn), 100 + i, 1.0f, 0.1f));
+    y[i] = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, out});
+    dy[i] = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, out});
+    upload(dy[i].get(), randn(static_cast<size_t>(kRows * out), 200 + i, 1.0f));
+    dx[i] = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, kIn});
+  }
+  const int32_t layer[2] = {a, b};
+  Saved saved[2];
+  auto forward = [&](int i) {
+    fp8_saved_t* s = nullptr;
+    EXPECT_OK(fp8_layer_forward_saved(m, layer[i], x[i].get(), y[i].get(), &s));
+    saved[i].reset(s);
+  };
+  auto backward = [&](int i) { EXPECT_OK(fp8_layer_backward_saved(m, layer[i], saved[i].get(), dy[i].get(), dx[i].get(), 0)); };
+  const int first = second_first ? 1 : 0, second = 1 - first;
+  if (mode == Mode::kPairs) {
+    forward(first), backward(first), forward(second), backward(second);
+  } else {
+    forward(0), forward(1), backward(first), backward(second);
+  }
+  if (fp8) EXPECT_OK(fp8_autocast_end(m));
+  Outputs o;
+  for (int i = 0; i < 2; ++i) o.y[i] = download<float>(y[i].get()), o.dx[i] = download<float>(dx[i].get());
+  int32_t count = 0;
+  EXPECT_OK(fp8_model_parameter_count(m, &count));
+  for (int32_t p = 0; p < count; ++p) {
+    fp8_tensor_t* g = nullptr;
+    EXPECT_OK(fp8_model_parameter_at(m, p, nullptr, nullptr, &g));
+    o.grads.push_back(download<float>(g));
+  }
+  return o;
+}
+
+}  // namespace fp8test::saved_cases

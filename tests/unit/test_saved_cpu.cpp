@@ -1,0 +1,367 @@
+// Forward states owned by the caller (fp8_layer_forward_saved / fp8_layer_backward_saved /
+// fp8_saved_destroy), FP8_BACKWARD_ACCUMULATE_DX, and every refusal, on the CPU reference.
+#include <cmath>
+#include <functional>
+
+#include "fp8_test_util.hpp"
+#include "saved_cases.hpp"
+
+using namespace fp8test;
+namespace sc = fp8test::saved_cases;
+
+namespace {
+
+// -------------------------------------------------------------------------------------------------
+// Two forwards of one layer in flight
+// -------------------------------------------------------------------------------------------------
+
+class TwoInFlight : public ::testing::TestWithParam<sc::Kind> {};
+
+TEST_P(TwoInFlight, EqualThePairsRunOneAfterTheOtherAndTwinLayersBitForBit) {
+  const sc::Kind kind = GetParam();
+  const sc::Outputs twins = sc::run(FP8_DEVICE_CPU, kind, sc::Mode::kTwins, false);
+  for (bool second_first : {false, true}) {
+    SCOPED_TRACE(second_first ? "backward of forward 2 first" : "backward of forward 1 first");
+    const sc::Outputs flight = sc::run(FP8_DEVICE_CPU, kind, sc::Mode::kInFlight, second_first);
+    const sc::Outputs pairs = sc::run(FP8_DEVICE_CPU, kind, sc::Mode::kPairs, second_first);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(flight.y[i], pairs.y[i]) << "y of forward " << i + 1;
+      EXPECT_EQ(flight.dx[i], pairs.dx[i]) << "dx of forward " << i + 1;
+      EXPECT_EQ(flight.y[i], twins.y[i]) << "y of forward " << i + 1 << " vs its twin layer";
+      EXPECT_EQ(flight.dx[i], twins.dx[i]) << "dx of forward " << i + 1 << " vs its twin layer";
+      EXPECT_GT(amax_of(flight.dx[i]), 0.0f) << "dx " << i + 1 << " was not written";
+    }
+    EXPECT_EQ(flight.grads, pairs.grads) << "parameter gradients (same order of accumulation)";
+  }
+  // The two forwards are different computations (else the test could not tell them apart).
+  EXPECT_NE(twins.y[0], twins.y[1]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, TwoInFlight,
+                         ::testing::Values(sc::Kind::kLinear, sc::Kind::kLinearFp8, sc::Kind::kLayerNorm, sc::Kind::kGelu),
+                         [](const auto& info) { return std::string(sc::kind_name(info.param)); });
+
+// The FP8 Linear really ran in FP8 in those runs (the report shows the plan of the last forward).
+TEST(TwoInFlight, Fp8LinearRanInFp8) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  const int32_t id = sc::add_layer(model.get(), sc::Kind::kLinearFp8, "a");
+  Recipe r = make_recipe("small_layer_fallback=0, backend=te");
+  FP8_ASSERT_OK(fp8_convert_model(model.get(), r.get(), nullptr));
+  FP8_ASSERT_OK(fp8_model_set_autowrap(model.get(), 1));
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  upload(x.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 1, 1.0f));
+  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kOut});
+  FP8_ASSERT_OK(forward_only(model.get(), id, x.get(), y.get()));
+  fp8_layer_report_t rep;
+  fp8_layer_report_init(&rep);
+  FP8_ASSERT_OK(fp8_layer_get_report(model.get(), id, &rep));
+  EXPECT_EQ(rep.fprop, 1);
+  EXPECT_EQ(rep.dgrad, 1);
+  EXPECT_EQ(rep.wgrad, 1);
+}
+
+// -------------------------------------------------------------------------------------------------
+// FP8_BACKWARD_ACCUMULATE_DX
+// -------------------------------------------------------------------------------------------------
+
+class AccumulateDx : public ::testing::TestWithParam<sc::Kind> {};
+
+// dx += the gradient: the accumulated dx is the old one plus the overwritten one (one float rounding
+// for norms and activations; the Linear's GEMM adds the old dx before its single rounding).
+TEST_P(AccumulateDx, AddsTheInputGradientToDx) {
+  const sc::Kind kind = GetParam();
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  const int32_t id = sc::add_layer(model.get(), kind, "a");
+  const int64_t out = sc::out_features(kind);
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  upload(x.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 3, 1.0f));
+  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, out});
+  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, out});
+  upload(dy.get(), randn(static_cast<size_t>(sc::kRows * out), 4, 1.0f));
+  const std::vector<float> old = randn(static_cast<size_t>(sc::kRows * sc::kIn), 5, 2.0f);
+  auto backward = [&](uint32_t flags) {
+    Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+    upload(dx.get(), old);
+    fp8_saved_t* s = nullptr;
+    EXPECT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &s));
+    Saved saved(s);
+    EXPECT_OK(fp8_layer_backward_saved(model.get(), id, saved.get(), dy.get(), dx.get(), flags));
+    return download<float>(dx.get());
+  };
+  const std::vector<float> plain = backward(0), acc = backward(FP8_BACKWARD_ACCUMULATE_DX);
+  ASSERT_EQ(plain.size(), acc.size());
+  for (size_t i = 0; i < acc.size(); ++i) {
+    const float want = old[i] + plain[i];
+    if (kind == sc::Kind::kLinear)
+      ASSERT_NEAR(acc[i], want, 1e-6f * (std::fabs(old[i]) + std::fabs(plain[i]))) << i;
+    else
+      ASSERT_EQ(acc[i], want) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, AccumulateDx,
+                         ::testing::Values(sc::Kind::kLinear, sc::Kind::kLayerNorm, sc::Kind::kGelu),
+                         [](const auto& info) { return std::string(sc::kind_name(info.param)); });
+
+// A residual block, y = x + fc2(GELU(fc1(LN(x)))), differentiated layer by layer with the residual's
+// gradient taken in by ACCUMULATE_DX: against the block's gradient in float64 and against central
+// differences of loss = sum(y * g).
+TEST(AccumulateDx, ResidualBlockMatchesFloat64AndCentralDifferences) {
+  constexpr int64_t R = 8, D = 32, H = 48;
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  fp8_model_t* m = model.get();
+  int32_t ln = -1, fc1 = -1, act = -1, fc2 = -1;
+  FP8_ASSERT_OK(fp8_model_add_layernorm(m, "ln", D, 1e-5f, &ln));
+  FP8_ASSERT_OK(fp8_model_add_linear(m, "fc1", D, H, 1, &fc1));
+  FP8_ASSERT_OK(fp8_model_add_activation(m, "act", FP8_ACTIVATION_GELU, &act));
+  FP8_ASSERT_OK(fp8_model_add_linear(m, "fc2", H, D, 1, &fc2));
+  const std::vector<float> gamma = randn(D, 1, 0.2f, 1.0f), beta = randn(D, 2, 0.2f);
+  const std::vector<float> w1 = randn(H * D, 3, 0.2f), b1 = randn(H, 4, 0.3f);
+  const std::vector<float> w2 = randn(D * H, 5, 0.15f), b2 = randn(D, 6, 0.3f);
+  set_param(m, "ln.gamma", gamma);
+  set_param(m, "ln.beta", beta);
+  set_param(m, "fc1.weight", w1);
+  set_param(m, "fc1.bias", b1);
+  set_param(m, "fc2.weight", w2);
+  set_param(m, "fc2.bias", b2);
+  std::vector<float> x = randn(R * D, 7, 1.0f, 0.3f);
+  const std::vector<float> g = randn(R * D, 8, 1.0f);
+
+  Tensor tx = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, D});
+  upload(tx.get(), x);
+  Tensor h1 = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, D}), h2 = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, H});
+  Tensor h3 = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, H}), h4 = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, D});
+  Tensor tg = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, D});
+  upload(tg.get(), g);
+  Tensor d3 = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, H}), d2 = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, H});
+  Tensor d1 = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, D}), tdx = make_tensor(ctx.get(), FP8_DTYPE_F32, {R, D});
+
+  // Forward with states, then the backward: dx starts as the residual's gradient g.
+  Saved s[4];
+  const int32_t ids[4] = {ln, fc1, act, fc2};
+  const fp8_tensor_t* ins[4] = {tx.get(), h1.get(), h2.get(), h3.get()};
+  fp8_tensor_t* outs[4] = {h1.get(), h2.get(), h3.get(), h4.get()};
+  for (int i = 0; i < 4; ++i) {
+    fp8_saved_t* p = nullptr;
+    FP8_ASSERT_OK(fp8_layer_forward_saved(m, ids[i], ins[i], outs[i], &p));
+    s[i].reset(p);
+  }
+  upload(tdx.get(), g);
+  FP8_ASSERT_OK(fp8_layer_backward_saved(m, fc2, s[3].get(), tg.get(), d3.get(), 0));
+  FP8_ASSERT_OK(fp8_layer_backward_saved(m, act, s[2].get(), d3.get(), d2.get(), 0));
+  FP8_ASSERT_OK(fp8_layer_backward_saved(m, fc1, s[1].get(), d2.get(), d1.get(), 0));
+  FP8_ASSERT_OK(fp8_layer_backward_saved(m, ln, s[0].get(), d1.get(), tdx.get(), FP8_BACKWARD_ACCUMULATE_DX));
+  const std::vector<float> dx = download<float>(tdx.get());
+
+  // The block and its gradient with respect to x in float64.
+  auto gelu = [](double v) { return 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))); };
+  auto gelu_grad = [](double v) {
+    const double u = 0.7978845608028654 * (v + 0.044715 * v * v * v), t = std::tanh(u);
+    return 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * v * v);
+  };
+  std::vector<double> want(static_cast<size_t>(R * D));
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = &x[static_cast<size_t>(r * D)];
+    double mean = 0, var = 0;
+    for (int64_t c = 0; c < D; ++c) mean += xr[c];
+    mean /= D;
+    for (int64_t c = 0; c < D; ++c) var += (xr[c] - mean) * (xr[c] - mean);
+    const double rstd = 1.0 / std::sqrt(var / D + 1e-5);
+    std::vector<double> xhat(D), a1(D), z(H), dz(H), da1(D, 0.0);
+    for (int64_t c = 0; c < D; ++c) xhat[c] = (xr[c] - mean) * rstd, a1[c] = xhat[c] * gamma[c] + beta[c];
+    for (int64_t j = 0; j < H; ++j) {
+      z[j] = b1[j];
+      for (int64_t c = 0; c < D; ++c) z[j] += static_cast<double>(w1[j * D + c]) * a1[c];
+    }
+    for (int64_t j = 0; j < H; ++j) {  // d loss / d gelu(z_j) = sum_o g_o w2[o][j]
+      double up = 0;
+      for (int64_t o = 0; o < D; ++o) up += static_cast<double>(g[r * D + o]) * w2[o * H + j];
+      dz[j] = up * gelu_grad(z[j]);
+    }
+    for (int64_t c = 0; c < D; ++c)
+      for (int64_t j = 0; j < H; ++j) da1[c] += dz[j] * w1[j * D + c];
+    double mg = 0, mgx = 0;
+    for (int64_t c = 0; c < D; ++c) mg += da1[c] * gamma[c], mgx += da1[c] * gamma[c] * xhat[c];
+    mg /= D, mgx /= D;
+    for (int64_t c = 0; c < D; ++c)
+      want[r * D + c] = g[r * D + c] + rstd * (da1[c] * gamma[c] - mg - xhat[c] * mgx);
+  }
+  (void)gelu;
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < want.size(); ++i) err += (dx[i] - want[i]) * (dx[i] - want[i]), ref += want[i] * want[i];
+  EXPECT_LT(std::sqrt(err / ref), 1e-5) << "dx vs float64";
+
+  // Central differences of the block's loss (eval mode: forwards alone).
+  FP8_ASSERT_OK(fp8_model_set_training(m, 0));
+  auto loss = [&]() {
+    upload(tx.get(), x);
+    for (int i = 0; i < 4; ++i) EXPECT_OK(fp8_layer_forward(m, ids[i], ins[i], outs[i]));
+    const std::vector<float> out = download<float>(h4.get());
+    double l = 0;
+    for (size_t i = 0; i < out.size(); ++i) l += (static_cast<double>(out[i]) + x[i]) * g[i];
+    return l;
+  };
+  for (size_t i = 0; i < x.size(); i += 37) {
+    const float keep = x[i], eps = 1e-2f;
+    x[i] = keep + eps;
+    const double up = loss();
+    x[i] = keep - eps;
+    const double down = loss();
+    x[i] = keep;
+    const double fd = (up - down) / (2.0 * eps);
+    EXPECT_NEAR(dx[i], fd, 2e-2 * std::max(1.0, std::fabs(fd))) << "x[" << i << "]";
+  }
+}
+
+// -------------------------------------------------------------------------------------------------
+// Refusals: each leaves the state, the gradients and dx as they were
+// -------------------------------------------------------------------------------------------------
+
+struct TwoLinearModel {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  int32_t a = sc::add_layer(model.get(), sc::Kind::kLinear, "a");
+  int32_t b = sc::add_layer(model.get(), sc::Kind::kLinear, "b");
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kOut});
+  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kOut});
+  Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  TwoLinearModel() {
+    upload(x.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 21, 1.0f));
+    upload(dy.get(), randn(static_cast<size_t>(sc::kRows * sc::kOut), 22, 1.0f));
+    upload(dx.get(), std::vector<float>(static_cast<size_t>(sc::kRows * sc::kIn), 7.0f));
+  }
+  Saved forward(int32_t id) {
+    fp8_saved_t* s = nullptr;
+    EXPECT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &s));
+    return Saved(s);
+  }
+  std::vector<float> grad(const char* name) { return download<float>(param_tensor(model.get(), name, true)); }
+};
+
+#define EXPECT_UNCHANGED(t)                                                                   \
+  do {                                                                                        \
+    EXPECT_EQ(download<float>(t.dx.get()), std::vector<float>(t.dx_size(), 7.0f)) << "dx";   \
+    EXPECT_EQ(amax_of(t.grad("a.weight")), 0.0f) << "a's gradient";                          \
+    EXPECT_EQ(amax_of(t.grad("b.weight")), 0.0f) << "b's gradient";                          \
+  } while (0)
+
+struct Refusals : ::testing::Test, TwoLinearModel {
+  size_t dx_size() const { return static_cast<size_t>(sc::kRows * sc::kIn); }
+  fp8_model_t* m() { return model.get(); }
+};
+
+TEST_F(Refusals, NullArgumentsAndUnknownFlags) {
+  const char* fn = "fp8_layer_backward_saved";
+  EXPECT_REFUSED(fp8_layer_forward_saved(m(), a, x.get(), y.get(), nullptr), FP8_ERR_INVALID_ARGUMENT,
+                 "fp8_layer_forward_saved", "'saved'");
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, nullptr, dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, fn, "'saved'");
+  Saved s = forward(a);
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 2u), FP8_ERR_INVALID_ARGUMENT, fn, "flags");
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), 5, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, fn, "layer_id");
+  EXPECT_UNCHANGED((*this));
+  FP8_ASSERT_OK(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 0));  // still usable
+  fp8_saved_destroy(nullptr);
+}
+
+TEST_F(Refusals, AnotherLayersState) {
+  Saved s = forward(a);
+  EXPECT_REFUSED_WORDS(fp8_layer_backward_saved(m(), b, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT,
+                       "fp8_layer_backward_saved", "'a'", "'b'");
+  EXPECT_UNCHANGED((*this));
+}
+
+TEST_F(Refusals, AnotherModelsState) {
+  TwoLinearModel other;
+  fp8_saved_t* p = nullptr;
+  FP8_ASSERT_OK(fp8_layer_forward_saved(other.model.get(), other.a, other.x.get(), other.y.get(), &p));
+  Saved s(p);
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT,
+                 "fp8_layer_backward_saved", "another model");
+  EXPECT_UNCHANGED((*this));
+}
+
+TEST_F(Refusals, AConsumedState) {
+  Saved s = forward(a);
+  FP8_ASSERT_OK(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 0));
+  const std::vector<float> dw = grad("a.weight"), dxv = download<float>(dx.get());
+  EXPECT_GT(amax_of(dw), 0.0f);
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), FP8_BACKWARD_ACCUMULATE_DX),
+                 FP8_ERR_INVALID_STATE, "fp8_layer_backward_saved", "already");
+  EXPECT_EQ(grad("a.weight"), dw) << "a refused backward accumulated";
+  EXPECT_EQ(download<float>(dx.get()), dxv);
+}
+
+TEST_F(Refusals, AnEvalModeState) {
+  FP8_ASSERT_OK(fp8_model_set_training(m(), 0));
+  Saved s = forward(a);
+  FP8_ASSERT_OK(fp8_model_set_training(m(), 1));
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_STATE,
+                 "fp8_layer_backward_saved", "eval");
+  EXPECT_UNCHANGED((*this));
+}
+
+TEST_F(Refusals, AStateFromBeforeAConversion) {
+  Saved s = forward(a);
+  Recipe r = make_recipe("backend=te");
+  FP8_ASSERT_OK(fp8_convert_model(m(), r.get(), nullptr));
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_STATE,
+                 "fp8_layer_backward_saved", "converted");
+  EXPECT_UNCHANGED((*this));
+}
+
+TEST_F(Refusals, WeightsChangedSinceTheForward) {
+  Saved s = forward(a);
+  set_param(m(), "a.weight", randn(static_cast<size_t>(sc::kIn * sc::kOut), 99, 0.1f));
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_STATE,
+                 "fp8_layer_backward_saved", "changed");
+  EXPECT_UNCHANGED((*this));
+}
+
+// The convenience pair keeps one forward per layer: a second training forward is refused and
+// writes nothing; the first one's backward then runs.
+TEST_F(Refusals, ASecondConvenienceForwardBeforeItsBackward) {
+  FP8_ASSERT_OK(fp8_layer_forward(m(), a, x.get(), y.get()));
+  const std::vector<float> y1 = download<float>(y.get());
+  Tensor x2 = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  upload(x2.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 23, 1.0f));
+  EXPECT_REFUSED(fp8_layer_forward(m(), a, x2.get(), y.get()), FP8_ERR_INVALID_STATE, "fp8_layer_forward",
+                 "fp8_layer_forward_saved");
+  EXPECT_EQ(download<float>(y.get()), y1) << "the refused forward wrote y";
+  FP8_ASSERT_OK(fp8_layer_forward(m(), b, x2.get(), y.get()));  // another layer is free
+  FP8_ASSERT_OK(fp8_layer_backward(m(), a, dy.get(), dx.get()));
+  FP8_ASSERT_OK(fp8_layer_forward(m(), a, x2.get(), y.get()));  // allowed again after its backward
+}
+
+// A state outlives its model (its buffers keep what they need), and destroying it then is safe.
+TEST(SavedLifetime, AStateOutlivesItsModel) {
+  Saved s;
+  {
+    TwoLinearModel t;
+    s = t.forward(t.a);
+  }
+  EXPECT_NE(s.get(), nullptr);
+  s.reset();
+}
+
+// The pool lends buffers again: a steady loop of forward/backward with states allocates nothing
+// new, so the same device buffers come back (seen through the state a forward reuses).
+TEST(SavedLifetime, ManyStatesInFlightThenAllDifferentiated) {
+  TwoLinearModel t;
+  std::vector<Saved> states;
+  for (int i = 0; i < 8; ++i) states.push_back(t.forward(i % 2 ? t.b : t.a));
+  for (int i = 7; i >= 0; --i)
+    FP8_ASSERT_OK(fp8_layer_backward_saved(t.model.get(), i % 2 ? t.b : t.a, states[static_cast<size_t>(i)].get(),
+                                           t.dy.get(), t.dx.get(), 0));
+  // Eight equal forward/backward pairs: each weight gradient is 4x one pair's.
+  TwoLinearModel one;
+  Saved s = one.forward(one.a);
+  FP8_ASSERT_OK(fp8_layer_backward_saved(one.model.get(), one.a, s.get(), one.dy.get(), one.dx.get(), 0));
+  const std::vector<float> g1 = one.grad("a.weight"), g4 = t.grad("a.weight");
+  for (size_t i = 0; i < g1.size(); i += 101) EXPECT_NEAR(g4[i], 4.0f * g1[i], 1e-5f * std::fabs(4.0f * g1[i]) + 1e-6f);
+}
+
+}  // namespace
