@@ -651,6 +651,41 @@ FP8_API fp8_status_t fp8_model_parameter(fp8_model_t *model, const char *name, f
 FP8_API fp8_status_t fp8_model_parameter_count(const fp8_model_t *model, int32_t *count);
 FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t *model, int32_t index, const char **name,
                                             fp8_tensor_t **value, fp8_tensor_t **grad);
+/**
+ * Flat storage. A model's parameters live in one device allocation per (role, dtype), in the
+ * parameter order above, each parameter a slice starting at a 256-byte boundary: values (F32; F16
+ * Linear weights at O1/O2; E4M3 ones at O3), gradients (F32; FP8 Linear weight gradients at
+ * O1..O3, E5M2 under HYBRID and E4M3 under E4M3) and O3's F16 masters. So a communication bucket
+ * is a contiguous range of slices and a shard an element range. The storage level is the model's:
+ * fp8_convert_model sets it from its recipe (backend te: FP32; msamp or auto: opt_level) and an
+ * optimizer adopts it as it is. The handles fp8_model_parameter returns live as long as the model;
+ * their data pointer moves only when a layer is added (before conversion) or a conversion changes
+ * the level (refused while an optimizer of the model exists), never otherwise.
+ */
+typedef int32_t fp8_storage_role_t;
+#define FP8_STORAGE_VALUES 0
+#define FP8_STORAGE_GRADS 1
+#define FP8_STORAGE_MASTERS 2
+/** [out] level: 0 (FP32 Linear weights) or FP8_OPT_O1..O3, the level the model's storage is at. */
+FP8_API fp8_status_t fp8_model_storage_level(const fp8_model_t *model, int32_t *level);
+/** [out] data, bytes: the flat allocation of `role` holding `dtype` (device memory, borrowed) and the
+ *  bytes its slices span, padding between them included; NULL and 0 when the model stores nothing
+ *  of that kind. A parameter's slice starts at (char *)fp8_tensor_data(parameter) - data. The FP32
+ *  gradient buffer is what a framework's own collective would all-reduce. */
+FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t *model, fp8_storage_role_t role, fp8_dtype_t dtype,
+                                            void **data, size_t *bytes);
+
+/**
+ * Writes host values (`dtype` F32, F16 or BF16; `bytes` = the parameter's element count times the
+ * dtype's size) into parameter `index` in whatever form the model stores it: as they are into an
+ * FP32 parameter, rounded to nearest even into an F16 weight (O1/O2), into the F16 master and its
+ * E4M3 copy (scaled by the master's amax) at O3; an optimizer of the model takes the new amax at its
+ * next step, and the layer remakes its weight copies. The way to set weights after conversion.
+ * Synchronous.
+ */
+FP8_API fp8_status_t fp8_model_write_parameter(fp8_model_t *model, int32_t index, fp8_dtype_t dtype,
+                                               const void *src, size_t bytes);
+
 /** Tells the model its weights changed outside libfp8: the FP8 (and bf16) weight copies are remade
  *  at the next forward. */
 FP8_API fp8_status_t fp8_model_weights_changed(fp8_model_t *model);

@@ -150,8 +150,20 @@ inline fp8_tensor_t* param_tensor(fp8_model_t* m, const std::string& name, bool 
   EXPECT_OK(fp8_model_parameter(m, name.c_str(), &value, &g));
   return grad ? g : value;
 }
+// Writes float values into a parameter whatever its storage (fp8_model_write_parameter).
 inline void set_param(fp8_model_t* m, const std::string& name, const std::vector<float>& v) {
-  upload(param_tensor(m, name), v);
+  int32_t count = 0;
+  ASSERT_EQ(fp8_model_parameter_count(m, &count), FP8_OK);
+  for (int32_t i = 0; i < count; ++i) {
+    const char* n = nullptr;
+    ASSERT_EQ(fp8_model_parameter_at(m, i, &n, nullptr, nullptr), FP8_OK);
+    if (name == n) {
+      ASSERT_EQ(fp8_model_write_parameter(m, i, FP8_DTYPE_F32, v.data(), v.size() * sizeof(float)), FP8_OK)
+          << fp8_last_error_message();
+      return;
+    }
+  }
+  FAIL() << "no parameter " << name;
 }
 inline fp8_dtype_t dtype_of(const fp8_tensor_t* t) {
   fp8_dtype_t dt = -1;

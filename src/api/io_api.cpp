@@ -1,5 +1,9 @@
 // Checkpoints and safetensors: handle checks here, the work in src/io/checkpoint.cpp.
+#include <cstring>
+#include <vector>
+
 #include "api/guard.hpp"
+#include "core/format.hpp"
 #include "io/checkpoint.hpp"
 #include "nn/model.hpp"
 #include "optim/optimizer.hpp"
@@ -74,3 +78,30 @@ FP8_API fp8_status_t fp8_model_import_safetensors(fp8_model_t* model, const char
 }
 
 }  // extern "C"
+
+extern "C" FP8_API fp8_status_t fp8_model_write_parameter(fp8_model_t* model, int32_t index, fp8_dtype_t dtype,
+                                                          const void* src, size_t bytes) {
+  return guard("fp8_model_write_parameter", [&] {
+    require_arg(model, "model");
+    const fp8::nn::Parameter& p = fp8::nn::parameter_at(*model, index);
+    if (dtype != FP8_DTYPE_F32 && dtype != FP8_DTYPE_F16 && dtype != FP8_DTYPE_BF16)
+      fp8::fail(FP8_ERR_DTYPE, "dtype = ", fp8::dtype_name(dtype), "; expected f32, f16 or bf16 host data");
+    const size_t want = static_cast<size_t>(p.value->numel) * fp8::dtype_size(dtype);
+    if (bytes != want)
+      fp8::fail(FP8_ERR_SHAPE, "bytes = ", bytes, "; parameter '", p.name, "' has ", p.value->numel, " elements, so ",
+                want, " bytes of ", fp8::dtype_name(dtype));
+    require_arg(src, "src");
+    std::vector<float> values(static_cast<size_t>(p.value->numel));
+    const unsigned char* b = static_cast<const unsigned char*>(src);
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (dtype == FP8_DTYPE_F32) {
+        std::memcpy(&values[i], b + 4 * i, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, b + 2 * i, 2);
+        values[i] = dtype == FP8_DTYPE_F16 ? fp8::f16_to_float(h) : fp8::bf16_to_float(h);
+      }
+    }
+    fp8::io::write_parameter(*model, static_cast<size_t>(index), values);
+  });
+}

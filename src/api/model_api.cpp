@@ -18,7 +18,7 @@ void add_layer(fp8_model* m, const char* name, int32_t* layer_id, Make&& make) {
   fp8::nn::require_new_layer_name(*m, name);
   if (m->recipe)
     fp8::fail(FP8_ERR_INVALID_STATE, "the model is converted to FP8; add layers before fp8_convert_model");
-  m->layers.push_back(make());
+  fp8::nn::add_layer(*m, make());
   if (layer_id) *layer_id = static_cast<int32_t>(m->layers.size() - 1);
 }
 
@@ -177,6 +177,33 @@ FP8_API fp8_status_t fp8_model_accumulate_grad(fp8_model_t* model, int32_t index
     model->backend->grad_accumulate({fp8 ? static_cast<uint8_t*>(p.grad->data) : nullptr,
                                      p.grad->dtype == FP8_DTYPE_E5M2, static_cast<const float*>(g->data), g->numel,
                                      fp8 ? p.grad_scales() : nullptr, fp8 ? nullptr : static_cast<float*>(p.grad->data)});
+  });
+}
+
+FP8_API fp8_status_t fp8_model_storage_level(const fp8_model_t* model, int32_t* level) {
+  return guard("fp8_model_storage_level", [&] {
+    require_arg(model, "model");
+    require_arg(level, "level");
+    *level = model->store ? model->store->level() : 0;
+  });
+}
+
+FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t* model, fp8_storage_role_t role, fp8_dtype_t dtype,
+                                            void** data, size_t* bytes) {
+  return guard("fp8_model_flat_storage", [&] {
+    require_arg(model, "model");
+    require_arg(data, "data");
+    require_arg(bytes, "bytes");
+    if (role < FP8_STORAGE_VALUES || role > FP8_STORAGE_MASTERS)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "role = ", role,
+                "; expected FP8_STORAGE_VALUES (0), FP8_STORAGE_GRADS (1) or FP8_STORAGE_MASTERS (2)");
+    if (!fp8::dtype_valid(dtype))
+      fp8::fail(FP8_ERR_DTYPE, "dtype = ", dtype, "; expected FP8_DTYPE_F32 (0) .. FP8_DTYPE_E5M2 (4)");
+    void* d = nullptr;
+    size_t b = 0;
+    if (model->store) model->store->flat(role, dtype, &d, &b);
+    *data = d;
+    *bytes = b;
   });
 }
 

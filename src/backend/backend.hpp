@@ -45,6 +45,8 @@ class Backend {
   virtual void grad_accumulate(const GradAccumulateJob& job) = 0;
   // Sets `bytes` bytes at p to zero (asynchronously on the GPU).
   virtual void zero(void* p, size_t bytes) = 0;
+  // Copies `bytes` bytes between two places of this device's memory (asynchronously on the GPU).
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -290,6 +290,9 @@ class CpuBackend final : public Backend {
   void zero(void* p, size_t bytes) override {
     if (bytes) std::memset(p, 0, bytes);
   }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
 
   void optimizer_step(const OptimizerStepJob& j) override { cpu_optimizer_step(j); }
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }

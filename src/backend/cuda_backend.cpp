@@ -165,6 +165,11 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     cuda_check(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync");
   }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
+  }
   void dequantize(const DequantizeJob& job) override {
     DeviceScope scope(limits_.device);
     kernels::dequantize(job, limits_, stream_);

@@ -70,8 +70,8 @@ std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer*
       s.grad = download(be, p.grad->data, p.grad->nbytes());
       if (dtype_is_fp8(p.grad->dtype)) be.copy_to_host(&s.grad_scales, p.grad_scales(), sizeof(GradScales));
     }
+    if (p.master) s.master = download(be, p.master, bytes_of(s.n, 2));
     if (const OptimTensor* t = optim_tensor(owner, i)) {
-      if (t->master) s.master = download(be, t->master, bytes_of(s.n, 2));
       if (o && t->m) s.m = download(be, t->m, bytes_of(s.n, m_size(t->layout)));
       if (o && t->v) s.v = download(be, t->v, bytes_of(s.n, v_size(t->layout)));
       if (t->scales) {
@@ -173,10 +173,7 @@ void upload(Backend& be, void* dst, const std::vector<uint8_t>& src) {
 // brings the weight alone). The bounds' starting amax is taken from what will be stored.
 void convert_for(ParamState& p, const fp8_model& model, const nn::Parameter& t, const OptimTensor* ot,
                  bool live_moments) {
-  const int32_t layout = nn::stored_layout(model, t);
-  if (layout == kLayoutO3 && !ot)
-    fail(FP8_ERR_INVALID_STATE, "'", t.name, "' is stored at O3 but no optimizer holds its master; create one first");
-  convert_layout(p, layout);
+  convert_layout(p, nn::stored_layout(model, t));
   if (live_moments && ot && ot->scales) {
     model.backend->copy_to_host(&p.scales, ot->scales, sizeof p.scales);
     p.has_scales = true;
@@ -188,9 +185,8 @@ void convert_for(ParamState& p, const fp8_model& model, const nn::Parameter& t, 
 void write_weight(Backend& be, nn::Parameter& t, const ParamState& p, const OptimTensor* ot) {
   upload(be, t.value->data, p.value);
   if (dtype_is_fp8(t.value->dtype)) be.copy_from_host(t.value->scale_inv, &p.value_scale_inv, sizeof(float));
-  if (!ot) return;
-  if (ot->master) upload(be, ot->master, p.master);
-  if (ot->scales) be.copy_from_host(ot->scales, &p.scales, sizeof(CompactScales));
+  if (t.master) upload(be, t.master, p.master);
+  if (ot && ot->scales) be.copy_from_host(ot->scales, &p.scales, sizeof(CompactScales));
 }
 
 }  // namespace
@@ -389,6 +385,19 @@ void import_safetensors(fp8_model& model, const std::string& path) {
   for (size_t i = 0; i < params.size(); ++i) write_weight(be, *targets[i], params[i], optim_tensor(model.weight_owner, i));
   ++model.weights_version;
   be.synchronize();
+}
+
+void write_parameter(fp8_model& model, size_t index, const std::vector<float>& values) {
+  const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
+  nn::Parameter& t = *targets.at(index);
+  ParamState p;
+  p.name = t.name;
+  p.n = t.value->numel;
+  p.value = floats_bytes(values);
+  convert_for(p, model, t, optim_tensor(model.weight_owner, index), true);
+  write_weight(*model.backend, t, p, optim_tensor(model.weight_owner, index));
+  ++t.value->version;  // the layer remakes its weight copies; an optimizer takes the new amax
+  model.backend->synchronize();
 }
 
 std::string checkpoint_recipe(const std::string& path) {

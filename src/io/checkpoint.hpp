@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "fp8.h"
 
@@ -27,5 +28,8 @@ std::string checkpoint_recipe(const std::string& path);
 // weights as their F16 master. Import takes F32, F16 or BF16 tensors named like the parameters.
 void export_safetensors(const fp8_model& model, const std::string& path);
 void import_safetensors(fp8_model& model, const std::string& path);
+// Writes float values into parameter `index` in its stored form (rounded to F16, or at O3 into the
+// master and its E4M3 copy), as import_safetensors does for each parameter.
+void write_parameter(fp8_model& model, size_t index, const std::vector<float>& values);
 
 }  // namespace fp8::io

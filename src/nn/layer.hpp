@@ -113,12 +113,15 @@ struct Step {
   const std::shared_ptr<BufferPool>& pool;  // lends the forward states their buffers
 };
 
-// A parameter's value and gradient. FP32 both, except a Linear weight under an MS-AMP level (the
-// optimizer converts it when it is made): an F16 value (O1/O2) or an E4M3 one (O3, its F16 master
-// kept by the optimizer), and an FP8 gradient whose GradScales sit in grad's scale_inv slot.
+// A parameter's value and gradient: views into the model's flat storage (nn/storage.hpp). FP32
+// both, except a Linear weight under an MS-AMP level (set when the model is converted): an F16 value
+// (O1/O2) or an E4M3 one (O3, with its F16 master), and an FP8 gradient whose GradScales sit where
+// grad's scale_inv points. A layer's constructor makes them with memory of their own, which the
+// model's storage takes over when the layer is added.
 struct Parameter {
   std::string name;  // "<layer>.<weight|bias|gamma|beta>"
   std::unique_ptr<fp8_tensor> value, grad;
+  uint16_t* master = nullptr;  // O3: the F16 master weight
   bool linear_weight = false;  // takes its opt level's layout
   GradScales* grad_scales() const { return reinterpret_cast<GradScales*>(grad->scale_inv); }  // FP8 grad only
 };
@@ -155,9 +158,12 @@ class Layer {
   // Conversions so far: a forward state from an earlier one is refused.
   uint64_t epoch() const { return epoch_; }
 
-  // Makes the layer an FP8 one under `recipe` (new scaling states), or a high-precision one again
-  // (recipe == nullptr). Parameters are untouched either way.
-  virtual void convert(const Recipe* recipe) = 0;
+  // Conversion in two steps, so that a model converts all or nothing: the scaling states the layer
+  // needs as an FP8 one under `recipe` (none for recipe == nullptr or a layer FP8 cannot run; may
+  // throw), then taking them (never throws). Parameters are untouched either way.
+  using States = std::vector<std::unique_ptr<fp8_scaling>>;
+  virtual States new_states(const Recipe* recipe) const = 0;
+  virtual void convert(const Recipe* recipe, States states) noexcept = 0;
   // The scaling states the model updates in its batched call (none unless converted).
   virtual void scaling_states(std::vector<fp8_scaling*>& out) = 0;
   // The state behind an FP8_SCALING_* slot, or nullptr if the layer has none there.

@@ -111,9 +111,14 @@ class ElementwiseBase : public Layer {
  public:
   using Layer::Layer;
 
-  void convert(const Recipe* recipe) override {
-    s_out_ = recipe ? new_state(*recipe, FP8_ROLE_FORWARD) : nullptr;
-    converted_ = recipe != nullptr;
+  States new_states(const Recipe* recipe) const override {
+    States s;
+    if (recipe) s.push_back(new_state(*recipe, FP8_ROLE_FORWARD));
+    return s;
+  }
+  void convert(const Recipe* recipe, States states) noexcept override {
+    converted_ = recipe && states.size() == 1;
+    s_out_ = converted_ ? std::move(states[0]) : nullptr;
     ++epoch_;
   }
   void scaling_states(std::vector<fp8_scaling*>& out) override {

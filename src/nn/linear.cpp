@@ -69,26 +69,36 @@ class Linear final : public Layer {
     if (with_bias) add_parameter("bias", 1, &out, 0.0f);
   }
 
-  void convert(const Recipe* recipe) override {
-    s_x_.reset();
-    s_w_.reset();
-    s_dy_.reset();
-    stats_.reason.clear();
-    if (recipe && (in_ % 16 != 0 || out_ % 16 != 0)) {  // no FP8 GEMM can take this shape: stay as is
-      const bool in_bad = in_ % 16 != 0;
-      char why[200];
-      std::snprintf(why, sizeof why, "not converted: %s = %" PRId64 " is not a multiple of 16, which FP8 GEMMs need",
-                    in_bad ? "in_features" : "out_features", in_bad ? in_ : out_);
-      stats_.reason = why;
-      recipe = nullptr;
+  // FP8 GEMMs need both features to be multiples of 16: other shapes stay in high precision.
+  bool fp8_shape() const { return in_ % 16 == 0 && out_ % 16 == 0; }
+
+  States new_states(const Recipe* recipe) const override {
+    States s;
+    if (!recipe || !fp8_shape()) return s;
+    s.push_back(new_state(*recipe, FP8_ROLE_FORWARD));   // x
+    s.push_back(new_state(*recipe, FP8_ROLE_FORWARD));   // W
+    s.push_back(new_state(*recipe, FP8_ROLE_BACKWARD));  // dy
+    return s;
+  }
+
+  void convert(const Recipe* recipe, States states) noexcept override {
+    const bool fp8 = recipe && states.size() == 3;
+    s_x_ = fp8 ? std::move(states[0]) : nullptr;
+    s_w_ = fp8 ? std::move(states[1]) : nullptr;
+    s_dy_ = fp8 ? std::move(states[2]) : nullptr;
+    if (fp8) recipe_ = *recipe;
+    try {
+      stats_.reason.clear();
+      if (recipe && !fp8_shape()) {
+        const bool in_bad = in_ % 16 != 0;
+        char why[200];
+        std::snprintf(why, sizeof why, "not converted: %s = %" PRId64 " is not a multiple of 16, which FP8 GEMMs need",
+                      in_bad ? "in_features" : "out_features", in_bad ? in_ : out_);
+        stats_.reason = why;
+      }
+    } catch (...) {  // out of host memory for the text: the report goes without it
     }
-    if (recipe) {
-      s_x_ = new_state(*recipe, FP8_ROLE_FORWARD);
-      s_w_ = new_state(*recipe, FP8_ROLE_FORWARD);
-      s_dy_ = new_state(*recipe, FP8_ROLE_BACKWARD);
-      recipe_ = *recipe;
-    }
-    converted_ = recipe != nullptr;
+    converted_ = fp8;
     ++epoch_;
     fp8_weight_version_ = kNever;
     pinned_ = false;

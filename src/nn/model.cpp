@@ -108,12 +108,51 @@ void drop_kept_states(fp8_model& m) {
   m.run_saved.clear();
 }
 
+void add_layer(fp8_model& m, std::unique_ptr<Layer> layer) {
+  if (!m.store) m.store = std::make_unique<ParamStore>(m.backend);
+  m.layers.push_back(std::move(layer));
+  try {
+    // Before conversion the layout keeps room to append, so adding layers copies little.
+    m.store->layout(all_parameters(m), m.store->level(), FP8_DTYPE_E5M2, true);
+  } catch (...) {
+    m.layers.pop_back();
+    throw;
+  }
+}
+
+int32_t storage_level(const Recipe* recipe) {
+  if (!recipe || recipe->get(FP8_RECIPE_BACKEND) == FP8_BACKEND_TE) return 0;
+  return static_cast<int32_t>(recipe->get(FP8_RECIPE_OPT_LEVEL));
+}
+
 void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
+  const Recipe* target = c.to_fp8 ? recipe : nullptr;
+  const int32_t level = storage_level(target);
+  const int32_t old_level = m.store ? m.store->level() : 0;
+  if (level != old_level && !m.optimizer_links.empty())
+    fail(FP8_ERR_INVALID_STATE, "the conversion stores the Linear weights at ", layout_name(level), " instead of ",
+         layout_name(old_level), ", but ", m.optimizer_links.size(),
+         " optimizer(s) of this model hold the current storage; destroy them first");
+  // 1. Everything that can fail: the layers' new scaling states, then the storage.
+  std::vector<Layer::States> states;
   for (auto& l : m.layers) {
     const int32_t k = l->kind();
     const bool chosen = k == FP8_LAYER_LINEAR ? c.linear : k == FP8_LAYER_ACTIVATION ? c.activation : c.norm;
-    l->convert(c.to_fp8 && chosen ? recipe : nullptr);
+    states.push_back(l->new_states(chosen ? target : nullptr));
   }
+  if (m.store) {
+    const fp8_dtype_t grad8 = target ? target->dtype_for(FP8_ROLE_BACKWARD) : FP8_DTYPE_E5M2;
+    // Exact sizes from now on (no room for layers, which a converted model does not take), unless
+    // an optimizer holds the storage's pointers.
+    m.store->layout(all_parameters(m), level, grad8, !m.optimizer_links.empty());
+  }
+  // 2. Commit.
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const int32_t k = m.layers[i]->kind();
+    const bool chosen = k == FP8_LAYER_LINEAR ? c.linear : k == FP8_LAYER_ACTIVATION ? c.activation : c.norm;
+    m.layers[i]->convert(chosen ? target : nullptr, std::move(states[i]));
+  }
+  if (level != old_level) ++m.weights_version;  // the layers remake their weight copies from the new storage
 }
 
 void update_model_scaling(fp8_model& m, bool backward_only) {
@@ -275,11 +314,7 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
 }
 
 void zero_grad(fp8_model& m) {
-  for (auto& l : m.layers)
-    for (Parameter& p : l->parameters()) {
-      m.backend->zero(p.grad->data, p.grad->nbytes());
-      if (dtype_is_fp8(p.grad->dtype)) m.backend->zero(p.grad_scales(), sizeof(GradScales));  // "nothing yet"
-    }
+  if (m.store) m.store->zero_grads();
 }
 
 Parameter& parameter_at(fp8_model& m, int32_t index) {
@@ -306,7 +341,7 @@ std::vector<const Parameter*> all_parameters(const fp8_model& m) {
 
 int32_t stored_layout(const fp8_model& m, const Parameter& p) {
   if (p.value->dtype == FP8_DTYPE_F32) return kLayoutF32;
-  return p.value->dtype == FP8_DTYPE_E4M3 ? kLayoutO3 : m.weight_level;
+  return p.value->dtype == FP8_DTYPE_E4M3 ? kLayoutO3 : m.store->level();
 }
 
 Parameter* find_parameter(fp8_model& m, const std::string& full_name) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "nn/layer.hpp"
+#include "nn/storage.hpp"
 
 namespace fp8::nn {
 
@@ -37,9 +38,9 @@ struct fp8_model {
   uint64_t weights_version = 0;
   // Shared by the Linears' backward: dW before it is accumulated into an FP8 gradient (O1..O3).
   std::unique_ptr<fp8::nn::DeviceBuffer> wgrad_scratch;
-  // The level the Linear weights are stored at (0: FP32; 1..3: O1..O3, set by the optimizer that
-  // converted them), and that optimizer while it lives.
-  int32_t weight_level = 0;
+  // The parameters' flat storage, at the level the recipe of the last conversion gives (fixed then),
+  // and the optimizer that keeps MS-AMP state (compact scales) for the Linear weights while it lives.
+  std::unique_ptr<fp8::nn::ParamStore> store;
   struct fp8_optimizer* weight_owner = nullptr;
   // The `model` field of every live optimizer made on this model: the destructor clears them, so
   // an optimizer that outlives its model refuses to run instead of touching freed memory.
@@ -74,9 +75,18 @@ const Layer& layer_at(const fp8_model& m, int32_t id);
 // The step description for a layer call now.
 Step make_step(fp8_model& m);
 
+// Adds a layer and lays its parameters into the model's storage; all or nothing.
+void add_layer(fp8_model& m, std::unique_ptr<Layer> layer);
+
+// The storage level a conversion under `recipe` gives the Linear weights: 0 (FP32) without a
+// recipe or with backend te, else the recipe's opt_level (backend msamp, or auto, which prefers it).
+int32_t storage_level(const Recipe* recipe);
+
 struct ConvertChoice {
   bool to_fp8, linear, norm, activation;
 };
+// Converts the chosen layers and lays the parameters out at the recipe's storage level; all or
+// nothing (FP8_ERR_INVALID_STATE when the level would change under a live optimizer).
 void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& choice);
 
 // One batched update of the states that recorded an amax since their last update (only the

@@ -18,7 +18,6 @@ fp8_optimizer::~fp8_optimizer() {
   backend->release(states);
   backend->release(states_m8);
   backend->release(states_v16);
-  backend->release(masters);
   backend->release(scales);
   backend->release(partials);
   backend->release(scalars);
@@ -127,58 +126,11 @@ void upload_tables(fp8_optimizer& o) {
 // Values + masters + gradients + m + v of every tensor, as stored.
 size_t training_bytes(const fp8_optimizer& o, const fp8_model& m) {
   size_t total = o.state_bytes;
-  for (const auto& layer : m.layers)
-    for (const nn::Parameter& p : layer->parameters()) total += p.value->nbytes() + p.grad->nbytes();
-  for (const OptimTensor& t : o.tensors)
-    if (t.master) total += static_cast<size_t>(t.n) * sizeof(uint16_t);
-  return total;
-}
-
-// A Linear weight's FP32 value and gradient in `layout`'s storage, as new tensors (the parameter
-// keeps its own until make_optimizer commits them all): the value in F16 (O1/O2) or E4M3 with an
-// F16 master (O3), the gradient (what it holds so far included) in FP8 in `recipe`'s gradient
-// format, and the scales' starting amax. `master` is the tensor's slice (O3), `scales` its
-// CompactScales.
-struct ConvertedWeight {
-  nn::Parameter* param;
-  std::unique_ptr<fp8_tensor> value, grad;
-};
-
-ConvertedWeight convert_weight(Backend& be, const std::shared_ptr<Backend>& owner, const Recipe& recipe,
-                               nn::Parameter& p, int32_t layout, uint16_t* master, CompactScales* scales) {
-  const fp8_dtype_t grad_dtype = recipe.dtype_for(FP8_ROLE_BACKWARD);
-  const fp8_tensor& old = *p.value;
-  const int64_t n = old.numel;
-  auto grad = make_tensor(owner, grad_dtype, old.ndim, old.shape, false, nullptr, sizeof(GradScales));
-  be.zero(grad->data, scale_inv_offset(grad->nbytes()) + sizeof(GradScales));
-  be.grad_accumulate({static_cast<uint8_t*>(grad->data), grad_dtype == FP8_DTYPE_E5M2,
-                      static_cast<const float*>(p.grad->data), n, reinterpret_cast<GradScales*>(grad->scale_inv)});
-  be.zero(scales, sizeof(CompactScales));
-  std::unique_ptr<fp8_tensor> value;
-  if (layout != kLayoutO3) {
-    value = make_tensor(owner, FP8_DTYPE_F16, old.ndim, old.shape, false, nullptr);
-    be.convert({old.data, FP8_DTYPE_F32, value->data, FP8_DTYPE_F16, n});
-    be.amax({value->data, FP8_DTYPE_F16, n, &scales->p_amax, nullptr});
-  } else {
-    be.convert({old.data, FP8_DTYPE_F32, master, FP8_DTYPE_F16, n});
-    be.amax({master, FP8_DTYPE_F16, n, &scales->p_amax, nullptr});
-    // The first FP8 weight: the master scaled by its own amax, as the later steps do (promote_compact).
-    float p_amax = 0.0f;
-    be.copy_to_host(&p_amax, &scales->p_amax, sizeof p_amax);
-    const auto state = make_scaling(owner, recipe, FP8_ROLE_FORWARD, bound_scale(448.0, p_amax));
-    value = make_tensor(owner, FP8_DTYPE_E4M3, old.ndim, old.shape, false, nullptr);
-    QuantizeJob q{};
-    q.in = master;
-    q.in_dtype = FP8_DTYPE_F16;
-    q.rows = 1;
-    q.cols = n;
-    q.out = static_cast<uint8_t*>(value->data);
-    q.state = state->state;
-    q.out_scale_inv = value->scale_inv;
-    if (n > 0) be.quantize(q);
-    be.synchronize();  // before `state` is released
+  for (const nn::Parameter* p : nn::all_parameters(m)) {
+    total += p->value->nbytes() + p->grad->nbytes();
+    if (p->master) total += p->value->nbytes() * sizeof(uint16_t);
   }
-  return {&p, std::move(value), std::move(grad)};
+  return total;
 }
 
 }  // namespace
@@ -188,12 +140,9 @@ const char* kind_name(fp8_optimizer_kind_t k) {
 }
 
 int32_t resolve_level(const fp8_model& model, fp8_optimizer_kind_t kind) {
-  if (!model.recipe) return 0;
-  const int64_t backend = model.recipe->get(FP8_RECIPE_BACKEND);
-  if (backend == FP8_BACKEND_TE) return 0;
-  const int32_t level = static_cast<int32_t>(model.recipe->get(FP8_RECIPE_OPT_LEVEL));
-  // auto: the highest level up to opt_level the kind can run (SGD has no moments for O2/O3).
-  if (backend == FP8_BACKEND_AUTO && kind == FP8_OPTIMIZER_SGD) return std::min(level, int32_t{kLayoutO1});
+  const int32_t level = model.store ? model.store->level() : 0;
+  // SGD has no moments to keep in FP8: on O2 storage (the same as O1's) it runs O1.
+  if (kind == FP8_OPTIMIZER_SGD && level == kLayoutO2) return kLayoutO1;
   return level;
 }
 
@@ -201,20 +150,21 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   if (kind < FP8_OPTIMIZER_SGD || kind > FP8_OPTIMIZER_ADAMW)
     fail(FP8_ERR_INVALID_ARGUMENT, "kind = ", kind, "; expected FP8_OPTIMIZER_SGD (0), ADAM (1) or ADAMW (2)");
   const int32_t level = resolve_level(model, kind);
-  if (level >= kLayoutO2 && kind == FP8_OPTIMIZER_SGD)
-    fail(FP8_ERR_UNSUPPORTED, "the model's recipe asks for MS-AMP level ", layout_name(level),
-         ", which keeps Adam's moments in FP8 and F16; SGD has none: use Adam/AdamW, opt_level=O1, backend=auto (O1 for "
-         "SGD) or backend=te");
+  // SGD has no moments to keep in FP8: backend=msamp asking for O2 is refused, and so is O3 storage
+  // (FP8 weights with masters), which auto cannot lower once the model is converted.
+  const int32_t model_level = model.store ? model.store->level() : 0;
+  const bool msamp = model.recipe && model.recipe->get(FP8_RECIPE_BACKEND) == FP8_BACKEND_MSAMP;
+  if (kind == FP8_OPTIMIZER_SGD && (model_level == kLayoutO3 || (model_level == kLayoutO2 && msamp)))
+    fail(FP8_ERR_UNSUPPORTED, "the model is stored at MS-AMP level ", layout_name(model_level),
+         ", whose optimizer keeps Adam's moments in FP8 and F16; SGD has none: use Adam/AdamW, or convert the model "
+         "with opt_level=O1, backend=auto (O1 for SGD on O2) or backend=te");
   if (model.weight_owner)
-    fail(FP8_ERR_INVALID_STATE, "another optimizer holds this model's Linear weights at ", layout_name(model.weight_level),
-         "; destroy it before creating a new one");
+    fail(FP8_ERR_INVALID_STATE, "another optimizer keeps the MS-AMP state of this model's Linear weights (",
+         layout_name(level), "); destroy it before creating a new one");
   if (level != 0 && !model.optimizer_links.empty())
-    fail(FP8_ERR_INVALID_STATE, "MS-AMP level ", layout_name(level), " moves the Linear weights to new storage, but ",
-         model.optimizer_links.size(), " other optimizer(s) of this model point at the current one; destroy them first");
-  if (model.weight_level != 0 && model.weight_level != level)
-    fail(FP8_ERR_INVALID_STATE, "the model's Linear weights are stored at ", layout_name(model.weight_level),
-         " by an earlier optimizer, but its recipe asks for ", layout_name(level),
-         "; create the optimizer with the same backend and opt_level");
+    fail(FP8_ERR_INVALID_STATE, "an MS-AMP optimizer (", layout_name(level), ") keeps the per-tensor state of the ",
+         "Linear weights and must be the model's only one, but ", model.optimizer_links.size(),
+         " other optimizer(s) of this model exist; destroy them first");
   auto o = std::make_unique<fp8_optimizer>();
   o->backend = model.backend;
   o->model = &model;
@@ -225,50 +175,31 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   const std::vector<nn::Parameter*> params = nn::all_parameters(model);
   if (params.empty())
     fail(FP8_ERR_INVALID_ARGUMENT, "the model has no parameters to optimise; add layers before fp8_optimizer_create");
-  auto layout_of = [&](const nn::Parameter& p) { return p.linear_weight ? level : kLayoutF32; };
-  int64_t compact = 0, master_elems = 0;
-  for (const nn::Parameter* p : params) {
-    if (layout_of(*p) != kLayoutF32) ++compact;
-    if (layout_of(*p) == kLayoutO3) master_elems += aligned(p->value->numel);
-  }
+  // The optimizer adopts the model's storage as it is: every tensor's layout is how it is stored.
+  int64_t compact = 0;
+  for (const nn::Parameter* p : params)
+    if (nn::stored_layout(model, *p) != kLayoutF32) ++compact;
   Backend& be = *o->backend;
   o->scales = static_cast<CompactScales*>(be.allocate(static_cast<size_t>(compact) * sizeof(CompactScales)));
-  o->masters = static_cast<uint16_t*>(be.allocate(static_cast<size_t>(master_elems) * sizeof(uint16_t)));
   CompactScales* next_scales = o->scales;
-  uint16_t* next_master = o->masters;
-  // Nothing of the model changes until every allocation has succeeded: new storage is made aside
-  // and committed at the end.
-  std::vector<ConvertedWeight> converted;
   for (nn::Parameter* p : params) {
-    const int32_t layout = layout_of(*p);
+    const int32_t stored = nn::stored_layout(model, *p);
     OptimTensor t{};
     t.n = p->value->numel;
-    t.layout = layout;
-    const fp8_tensor* value = p->value.get();
-    const fp8_tensor* grad = p->grad.get();
-    if (layout != kLayoutF32) {
+    t.layout = stored == kLayoutO2 ? level : stored;  // (SGD runs O1 on O2 storage)
+    if (stored != kLayoutF32) {
       t.scales = next_scales++;
-      if (layout == kLayoutO3) t.master = next_master, next_master += aligned(t.n);
-      if (p->value->dtype == FP8_DTYPE_F32) {
-        converted.push_back(convert_weight(be, o->backend, *model.recipe, *p, layout, t.master, t.scales));
-        value = converted.back().value.get();
-        grad = converted.back().grad.get();
-      } else {  // stored at this level by an earlier optimizer: start the states afresh from it
-        be.zero(t.scales, sizeof(CompactScales));
-        if (layout == kLayoutO3) {
-          be.dequantize({static_cast<const uint8_t*>(p->value->data), false, p->value->scale_inv, t.master,
-                         FP8_DTYPE_F16, t.n});
-          be.amax({t.master, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
-        } else {
-          be.amax({p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
-        }
-      }
-      t.grad_scales = reinterpret_cast<GradScales*>(grad->scale_inv);
-      t.grad_e5m2 = grad->dtype == FP8_DTYPE_E5M2;
-      if (layout == kLayoutO3) t.w_scale_inv = value->scale_inv;
+      be.zero(t.scales, sizeof(CompactScales));
+      // The moments' bounds start from the weights' amax.
+      const bool o3 = stored == kLayoutO3;
+      be.amax({o3 ? static_cast<const void*>(p->master) : p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
+      t.master = p->master;
+      t.grad_scales = p->grad_scales();
+      t.grad_e5m2 = p->grad->dtype == FP8_DTYPE_E5M2;
+      if (o3) t.w_scale_inv = p->value->scale_inv;
     }
-    t.param = value->data;
-    t.grad = grad->data;
+    t.param = p->value->data;
+    t.grad = p->grad->data;
     const int32_t index = static_cast<int32_t>(o->tensors.size());
     o->tensors.push_back(t);
     for (int64_t off = 0; off < t.n; off += kOptimChunk)
@@ -282,35 +213,9 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   o->scalars = static_cast<OptimScalars*>(be.allocate(sizeof(OptimScalars)));
   const OptimScalars zero{};
   be.copy_from_host(o->scalars, &zero, sizeof zero);
-  be.synchronize();  // the conversions have read the FP32 tensors released below
-
-  for (size_t i = 0; i < params.size(); ++i) o->value_versions.push_back(params[i]->value->version);
-  model.optimizer_links.push_back(&o->model);  // (the destructor takes it out again on a failure)
-
-  // Commit (nothing here throws).
-  for (ConvertedWeight& c : converted) {
-    // The new value's version continues the old one's, so the layer's weights version (the model's
-    // plus its parameters') grows with the model's bump below and its copies are remade.
-    c.value->version = c.param->value->version;
-    c.param->value = std::move(c.value);
-    c.param->grad = std::move(c.grad);
-  }
-
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (o->tensors[i].layout == kLayoutF32) continue;
-    params[i]->grad->write_refusal =
-        "this FP8 gradient keeps its per-tensor amax with it (MS-AMP level); add to it with "
-        "fp8_model_accumulate_grad, clear it with fp8_model_zero_grad";
-    if (o->tensors[i].layout == kLayoutO3)
-      params[i]->value->write_refusal =
-          "at O3 the optimizer's F16 master is the weight and this E4M3 tensor its copy; write weights before "
-          "fp8_optimizer_create, or restore them with fp8_checkpoint_load";
-  }
-  if (level != 0) {
-    model.weight_level = level;
-    model.weight_owner = o.get();
-    ++model.weights_version;  // the layers remake their weight copies from the new storage
-  }
+  for (const nn::Parameter* p : params) o->value_versions.push_back(p->value->version);
+  model.optimizer_links.push_back(&o->model);  // (the destructor takes it out again)
+  if (level != 0) model.weight_owner = o.get();
   o->training_bytes = training_bytes(*o, model);
   return o;
 }

@@ -33,7 +33,6 @@ struct fp8_optimizer {
   float* states = nullptr;      // FP32 m (and v)
   uint8_t* states_m8 = nullptr;
   uint16_t* states_v16 = nullptr;
-  uint16_t* masters = nullptr;
   fp8::CompactScales* scales = nullptr;
   size_t state_bytes = 0;     // m and v, as stored
   size_t training_bytes = 0;  // values + masters + gradients + m + v, as stored

@@ -83,8 +83,10 @@ std::string model_report_text(const fp8_model_t* m) {
 
 // The default recipe (HYBRID, most_recent) with the small-layer rule off, so that the small shapes
 // of these tests still run in FP8, plus `extra` attributes.
+// The layer tests pin TransformerEngine's numerics on FP32 weights: backend te keeps them FP32 (the
+// MS-AMP levels' F16/E4M3 storage is test_optim_levels' subject).
 Recipe fp8_recipe(std::initializer_list<std::pair<fp8_recipe_attr_t, int64_t>> extra = {}) {
-  Recipe r = make_recipe();
+  Recipe r = make_recipe("backend=te");
   EXPECT_OK(fp8_recipe_set_int(r.get(), FP8_RECIPE_SMALL_LAYER_FALLBACK, 0));
   for (auto [attr, value] : extra) EXPECT_OK(fp8_recipe_set_int(r.get(), attr, value));
   return r;
@@ -746,7 +748,7 @@ void expect_whole_layer_fallback(LinearCase& c, int64_t rows, const char* reason
 
 TEST(LinearFallback, SmallLayerRunsInHighPrecisionWhenTheRuleIsOn) {
   LinearCase c(kIn, kOut);
-  Recipe r = make_recipe();  // the default: small_layer_fallback = 1
+  Recipe r = make_recipe("backend=te");  // the default small_layer_fallback = 1
   int64_t on = 0;
   FP8_ASSERT_OK(fp8_recipe_get_int(r.get(), FP8_RECIPE_SMALL_LAYER_FALLBACK, &on));
   EXPECT_EQ(on, 1);

@@ -1,0 +1,242 @@
+#include "nn/storage.hpp"
+
+#include <utility>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "core/objects.hpp"
+#include "core/optim_rule.hpp"
+#include "core/recipe.hpp"
+#include "nn/layer.hpp"
+
+namespace fp8::nn {
+
+Arena::Arena(std::shared_ptr<Backend> backend, size_t bytes)
+    : backend_(std::move(backend)), data_(static_cast<char*>(backend_->allocate(bytes))), bytes_(bytes) {}
+
+Arena& Arena::operator=(Arena&& other) noexcept {
+  if (this != &other) {
+    if (backend_) backend_->release(data_);
+    backend_ = std::move(other.backend_);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+Arena::~Arena() {
+  if (backend_) backend_->release(data_);
+}
+
+namespace {
+
+size_t align_up(size_t n) { return (n + kSliceAlign - 1) / kSliceAlign * kSliceAlign; }
+
+constexpr size_t kScaleSlot = 16;  // bytes per tensor in the scale arrays (a GradScales; a scale_inv)
+static_assert(sizeof(GradScales) == kScaleSlot, "one GradScales per slot");
+
+// Where one parameter goes in a layout.
+struct Placement {
+  fp8_dtype_t value_dtype, grad_dtype;
+  size_t value_at, grad_at, master_at;  // byte offsets in their arenas
+  bool master;
+};
+
+}  // namespace
+
+// The arenas of one layout, and where every parameter sits in them.
+struct ParamStore::Arenas {
+  size_t values[5] = {}, grads[5] = {}, masters = 0;  // bytes in use
+  std::vector<Placement> places;
+
+  Arenas(const std::vector<Parameter*>& params, int32_t level, fp8_dtype_t grad8) {
+    for (const Parameter* p : params) {
+      Placement pl{};
+      const bool msamp = p->linear_weight && level > 0;
+      pl.value_dtype = !msamp ? FP8_DTYPE_F32 : level == 3 ? FP8_DTYPE_E4M3 : FP8_DTYPE_F16;
+      pl.grad_dtype = msamp ? grad8 : FP8_DTYPE_F32;
+      pl.master = msamp && level == 3;
+      const size_t n = static_cast<size_t>(p->value->numel);
+      pl.value_at = values[pl.value_dtype];
+      values[pl.value_dtype] += align_up(n * dtype_size(pl.value_dtype));
+      pl.grad_at = grads[pl.grad_dtype];
+      grads[pl.grad_dtype] += align_up(n * dtype_size(pl.grad_dtype));
+      pl.master_at = masters;
+      if (pl.master) masters += align_up(n * 2);
+      places.push_back(pl);
+    }
+  }
+};
+
+namespace {
+
+// Carries one parameter's value (with O3's master and scale_inv) and gradient (with its scales)
+// from where they are now into the slices at value/grad/master/value_scale_inv/grad_scales.
+void transfer(Backend& be, const std::shared_ptr<Backend>& owner, const Parameter& p, const Placement& pl, char* value,
+              char* grad, uint16_t* master, float* value_scale_inv, GradScales* grad_scales) {
+  const fp8_tensor& v = *p.value;
+  const fp8_tensor& g = *p.grad;
+  const int64_t n = v.numel;
+  // The value: from its high-precision form (F32, F16, or O3's F16 master).
+  const void* hp = v.dtype == FP8_DTYPE_E4M3 ? static_cast<const void*>(p.master) : v.data;
+  const fp8_dtype_t hp_dtype = v.dtype == FP8_DTYPE_E4M3 ? FP8_DTYPE_F16 : v.dtype;
+  if (pl.value_dtype == v.dtype && v.dtype == FP8_DTYPE_E4M3) {
+    be.copy(value, v.data, static_cast<size_t>(n));
+    be.copy(master, p.master, static_cast<size_t>(n) * 2);
+    be.copy(value_scale_inv, v.scale_inv, sizeof(float));
+  } else if (pl.value_dtype == FP8_DTYPE_E4M3) {
+    // O3: the master rounds the value to F16; the E4M3 copy is scaled by the master's amax, as the
+    // optimizer's later steps scale it (promote_compact).
+    be.convert({hp, hp_dtype, master, FP8_DTYPE_F16, n});
+    const Arena amax(owner, sizeof(float));
+    be.amax({master, FP8_DTYPE_F16, n, reinterpret_cast<float*>(amax.data()), nullptr});
+    float p_amax = 0.0f;
+    be.copy_to_host(&p_amax, amax.data(), sizeof p_amax);
+    Recipe plain;
+    const auto state = make_scaling(owner, plain, FP8_ROLE_FORWARD, bound_scale(448.0, p_amax));
+    QuantizeJob q{};
+    q.in = master;
+    q.in_dtype = FP8_DTYPE_F16;
+    q.rows = 1;
+    q.cols = n;
+    q.out = reinterpret_cast<uint8_t*>(value);
+    q.state = state->state;
+    q.out_scale_inv = value_scale_inv;
+    be.quantize(q);
+    be.synchronize();  // before `state` goes
+  } else {
+    be.convert({hp, hp_dtype, value, pl.value_dtype, n});
+  }
+  // The gradient, what it holds so far included.
+  const bool from8 = dtype_is_fp8(g.dtype), to8 = dtype_is_fp8(pl.grad_dtype);
+  const GradScales* from_scales = from8 ? p.grad_scales() : nullptr;
+  if (g.dtype == pl.grad_dtype) {
+    be.copy(grad, g.data, g.nbytes());
+    if (to8) be.copy(grad_scales, from_scales, sizeof(GradScales));
+  } else if (!to8) {  // FP8 -> F32
+    be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2, &from_scales->scale_inv, grad,
+                   FP8_DTYPE_F32, n});
+  } else {  // F32 (or the other FP8 format, through F32) -> FP8, by one requantising accumulation
+    Arena widened;
+    const float* f32 = static_cast<const float*>(g.data);
+    if (from8) {
+      widened = Arena(owner, static_cast<size_t>(n) * sizeof(float));
+      be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2, &from_scales->scale_inv,
+                     widened.data(), FP8_DTYPE_F32, n});
+      f32 = reinterpret_cast<const float*>(widened.data());
+    }
+    be.zero(grad, static_cast<size_t>(n));
+    be.zero(grad_scales, sizeof(GradScales));
+    be.grad_accumulate({reinterpret_cast<uint8_t*>(grad), pl.grad_dtype == FP8_DTYPE_E5M2, f32, n, grad_scales});
+    if (from8) be.synchronize();  // before `widened` goes
+  }
+}
+
+const char* const kFp8GradRefusal =
+    "this FP8 gradient keeps its per-tensor amax with it (MS-AMP level); add to it with fp8_model_accumulate_grad, "
+    "clear it with fp8_model_zero_grad";
+const char* const kO3WeightRefusal =
+    "at O3 the model's F16 master is the weight and this E4M3 tensor its copy; write the weights before "
+    "fp8_convert_model, or load them with fp8_model_import_safetensors or fp8_checkpoint_load";
+
+}  // namespace
+
+void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp8_dtype_t grad_dtype, bool slack) {
+  Backend& be = *backend_;
+  if (level == 0) grad_dtype = FP8_DTYPE_E5M2;  // (no FP8 gradients: one canonical value)
+  const Arenas want(params, level, grad_dtype);
+  const size_t scale_bytes = params.size() * kScaleSlot;
+  // Appending to the layout in place: same level, every parameter already stored sits where the
+  // new layout puts it, and the arenas have room.
+  // Without `slack` the arenas must fit exactly (a converted model keeps no room it cannot use).
+  auto fits = [&](const Arena& a, size_t need) { return slack ? a.bytes() >= need : a.bytes() == need; };
+  bool in_place = level == level_ && grad_dtype == grad_dtype_ && fits(grad_scales_, scale_bytes) &&
+                  fits(value_scales_, scale_bytes) && fits(masters_, want.masters);
+  for (int d = 0; in_place && d < 5; ++d) in_place = fits(values_[d], want.values[d]) && fits(grads_[d], want.grads[d]);
+  for (size_t i = 0; in_place && i < params.size(); ++i) {
+    const Parameter& p = *params[i];
+    const Placement& pl = want.places[i];
+    in_place = p.value->owns_data || (p.value->data == values_[pl.value_dtype].data() + pl.value_at &&
+                                      p.value->dtype == pl.value_dtype && p.grad->dtype == pl.grad_dtype);
+  }
+  auto grow = [&](size_t bytes) { return slack ? 2 * bytes : bytes; };
+  Arena values[5], grads[5], masters, grad_scales, value_scales;
+  Arena* v = values_;
+  Arena* g = grads_;
+  Arena* mas = &masters_;
+  Arena* gs = &grad_scales_;
+  Arena* vs = &value_scales_;
+  if (!in_place) {  // a new set of arenas, filled below, committed at the end
+    for (int d = 0; d < 5; ++d) {
+      if (want.values[d]) values[d] = Arena(backend_, grow(want.values[d]));
+      if (want.grads[d]) grads[d] = Arena(backend_, grow(want.grads[d]));
+    }
+    if (want.masters) masters = Arena(backend_, grow(want.masters));
+    if (scale_bytes) {
+      grad_scales = Arena(backend_, grow(scale_bytes));
+      value_scales = Arena(backend_, grow(scale_bytes));
+      be.zero(grad_scales.data(), grad_scales.bytes());
+      be.zero(value_scales.data(), value_scales.bytes());
+    }
+    v = values, g = grads, mas = &masters, gs = &grad_scales, vs = &value_scales;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Parameter& p = *params[i];
+    if (in_place && !p.value->owns_data) continue;
+    const Placement& pl = want.places[i];
+    transfer(be, backend_, p, pl, v[pl.value_dtype].data() + pl.value_at, g[pl.grad_dtype].data() + pl.grad_at,
+             pl.master ? reinterpret_cast<uint16_t*>(mas->data() + pl.master_at) : nullptr,
+             reinterpret_cast<float*>(vs->data() + i * kScaleSlot),
+             reinterpret_cast<GradScales*>(gs->data() + i * kScaleSlot));
+  }
+  be.synchronize();  // every transfer has read its source before the sources go
+
+  // Commit (nothing below throws).
+  for (size_t i = 0; i < params.size(); ++i) {
+    Parameter& p = *params[i];
+    const Placement& pl = want.places[i];
+    fp8_tensor& value = *p.value;
+    fp8_tensor& grad = *p.grad;
+    if (value.owns_data) be.release(value.data);
+    if (grad.owns_data) be.release(grad.data);
+    be.release(value.scale_inv_allocation);
+    be.release(grad.scale_inv_allocation);
+    value.owns_data = grad.owns_data = false;
+    value.scale_inv_allocation = grad.scale_inv_allocation = nullptr;
+    value.dtype = pl.value_dtype;
+    value.data = v[pl.value_dtype].data() + pl.value_at;
+    value.scale_inv = pl.value_dtype == FP8_DTYPE_E4M3 ? reinterpret_cast<float*>(vs->data() + i * kScaleSlot) : nullptr;
+    value.write_refusal = pl.value_dtype == FP8_DTYPE_E4M3 ? kO3WeightRefusal : nullptr;
+    grad.dtype = pl.grad_dtype;
+    grad.data = g[pl.grad_dtype].data() + pl.grad_at;
+    grad.scale_inv = dtype_is_fp8(pl.grad_dtype) ? reinterpret_cast<float*>(gs->data() + i * kScaleSlot) : nullptr;
+    grad.write_refusal = dtype_is_fp8(pl.grad_dtype) ? kFp8GradRefusal : nullptr;
+    p.master = pl.master ? reinterpret_cast<uint16_t*>(mas->data() + pl.master_at) : nullptr;
+  }
+  if (!in_place) {
+    for (int d = 0; d < 5; ++d) values_[d] = std::move(values[d]), grads_[d] = std::move(grads[d]);
+    masters_ = std::move(masters);
+    grad_scales_ = std::move(grad_scales);
+    value_scales_ = std::move(value_scales);
+  }
+  for (int d = 0; d < 5; ++d) used_values_[d] = want.values[d], used_grads_[d] = want.grads[d];
+  used_masters_ = want.masters;
+  used_scales_ = scale_bytes;
+  level_ = level;
+  grad_dtype_ = grad_dtype;
+}
+
+void ParamStore::flat(int32_t role, fp8_dtype_t dtype, void** data, size_t* bytes) const {
+  const Arena* a = role == kMasters ? (dtype == FP8_DTYPE_F16 ? &masters_ : nullptr)
+                                    : (role == kValues ? &values_[dtype] : &grads_[dtype]);
+  const size_t used = role == kMasters ? used_masters_ : role == kValues ? used_values_[dtype] : used_grads_[dtype];
+  *data = a && used ? a->data() : nullptr;
+  *bytes = a && used ? used : 0;
+}
+
+void ParamStore::zero_grads() {
+  for (int d = 0; d < 5; ++d) backend_->zero(grads_[d].data(), used_grads_[d]);
+  backend_->zero(grad_scales_.data(), used_scales_);
+}
+
+}  // namespace fp8::nn

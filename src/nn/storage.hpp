@@ -1,0 +1,75 @@
+// The flat storage of a model's parameters (fp8.h, "Flat storage"). Per model, one device allocation
+// per (role, dtype): values (F32, and at MS-AMP levels F16 or E4M3 Linear weights), O3's F16
+// masters, gradients (F32, or FP8 for Linear weights at O1..O3), and two small arrays of per-tensor
+// scales (an FP8 gradient's GradScales, an E4M3 weight's scale_inv). Slices are 256-byte aligned
+// and in the model's parameter order, so a communication bucket is a contiguous range of slices
+// and a shard an element range of an arena. The parameter tensors are views into the arenas: their
+// handles live as long as the model; their data moves only when the layout changes (a layer added
+// before conversion, or a conversion to another level).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "fp8.h"
+
+namespace fp8::nn {
+
+struct Parameter;
+
+constexpr size_t kSliceAlign = 256;
+
+// One allocation of device memory, released with it.
+class Arena {
+ public:
+  Arena() = default;
+  Arena(std::shared_ptr<Backend> backend, size_t bytes);
+  Arena(Arena&& other) noexcept { *this = std::move(other); }
+  Arena& operator=(Arena&& other) noexcept;
+  ~Arena();
+  char* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  std::shared_ptr<Backend> backend_;
+  char* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Storage roles of fp8.h's fp8_model_flat_storage.
+enum StorageRole : int32_t { kValues = 0, kGrads = 1, kMasters = 2 };
+
+class ParamStore {
+ public:
+  explicit ParamStore(std::shared_ptr<Backend> backend) : backend_(std::move(backend)) {}
+
+  // The MS-AMP level the Linear weights are stored at (0: FP32) and the FP8 gradients' dtype.
+  int32_t level() const { return level_; }
+
+  // Lays every parameter of `params` (the model's, in order) out at `level` (FP8 gradients in
+  // `grad_dtype`), carrying values and gradients over (converted where the dtype changes; a
+  // parameter that owns its memory, new from a layer's constructor, moves in). Keeps the current
+  // arenas when they already hold this layout; `slack` leaves room to append parameters without
+  // moving the others (while layers are being added). All or nothing: on a failure the parameters
+  // and arenas are as they were. Synchronous.
+  void layout(const std::vector<Parameter*>& params, int32_t level, fp8_dtype_t grad_dtype, bool slack);
+
+  // The arena of (role, dtype): its memory and the bytes in use; {nullptr, 0} when there is none.
+  void flat(int32_t role, fp8_dtype_t dtype, void** data, size_t* bytes) const;
+
+  // Every gradient to zero (FP8 ones with their scales: "nothing accumulated yet"). Asynchronous.
+  void zero_grads();
+
+ private:
+  struct Arenas;
+  std::shared_ptr<Backend> backend_;
+  int32_t level_ = 0;
+  fp8_dtype_t grad_dtype_ = FP8_DTYPE_E5M2;
+  // The value and gradient arenas by dtype (index = fp8_dtype_t), the masters, the per-tensor scales.
+  Arena values_[5], grads_[5], masters_, grad_scales_, value_scales_;
+  size_t used_values_[5] = {}, used_grads_[5] = {}, used_masters_ = 0, used_scales_ = 0;
+};
+
+}  // namespace fp8::nn
