@@ -50,12 +50,16 @@ __global__ void __launch_bounds__(kSumThreads)
 
 __global__ void __launch_bounds__(kSumThreads)
     finish_kernel(const OptimTensor* tensors, int64_t tensor_count, const double* partials, int64_t count,
-                  OptimScalars* scalars, OptimHyper hyper) {
+                  OptimScalars* scalars, const OptimHyper* hyper_in, OptimElementArgs* args) {
   __shared__ double s[kSumThreads];
+  const OptimHyper hyper = *hyper_in;
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < count; i += kSumThreads) acc = __dadd_rn(acc, partials[i]);
   const double total = block_ordered_sum(acc, s);
-  if (threadIdx.x == 0) finish_step(*scalars, total, hyper);
+  if (threadIdx.x == 0) {
+    finish_step(*scalars, total, hyper);
+    *args = element_args(hyper);
+  }
   __syncthreads();
   const OptimScalars st = *scalars;
   for (int64_t i = threadIdx.x; i < tensor_count; i += kSumThreads) {
@@ -145,8 +149,9 @@ __device__ __forceinline__ void update16_any(const OptimTensor& t, int64_t first
 
 __global__ void __launch_bounds__(kSumThreads)
     update_kernel(const OptimTensor* tensors, const OptimChunk* chunks, const OptimScalars* scalars,
-                  OptimElementArgs a) {
+                  const OptimElementArgs* args) {
   const OptimScalars s = *scalars;
+  const OptimElementArgs a = *args;
   if (s.skip) return;
   const OptimChunk ch = chunks[blockIdx.x];
   const OptimTensor t = tensors[ch.tensor];
@@ -216,9 +221,9 @@ void optimizer_step(const OptimizerStepJob& job, cudaStream_t stream) {
   chunk_sumsq_kernel<<<blocks, kSumThreads, 0, stream>>>(job.tensors, job.chunks, job.partials);
   cuda_check(cudaGetLastError(), "optimizer norm kernel launch");
   finish_kernel<<<1, kSumThreads, 0, stream>>>(job.tensors, job.tensor_count, job.partials, job.chunk_count,
-                                               job.scalars, job.hyper);
+                                               job.scalars, job.hyper, job.args);
   cuda_check(cudaGetLastError(), "optimizer finish kernel launch");
-  update_kernel<<<blocks, kSumThreads, 0, stream>>>(job.tensors, job.chunks, job.scalars, element_args(job.hyper));
+  update_kernel<<<blocks, kSumThreads, 0, stream>>>(job.tensors, job.chunks, job.scalars, job.args);
   cuda_check(cudaGetLastError(), "optimizer update kernel launch");
   promote_kernel<<<1, kSumThreads, 0, stream>>>(job.tensors, job.tensor_count, job.scalars);
   cuda_check(cudaGetLastError(), "optimizer promote kernel launch");

@@ -29,6 +29,8 @@ class Backend {
 
   virtual void set_stream(CUstream_st* stream) = 0;
   virtual CUstream_st* stream() const = 0;
+  // The id of the CUDA graph capture under way on the stream, 0 when none (always 0 on the CPU).
+  virtual uint64_t capture_id() const { return 0; }
   virtual void synchronize() = 0;
 
   virtual void quantize(const QuantizeJob& job) = 0;

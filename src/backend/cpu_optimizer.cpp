@@ -28,14 +28,15 @@ void cpu_optimizer_step(const OptimizerStepJob& j) {
         ch.len);
   }
   const double* partials = j.partials;
-  finish_step(*j.scalars, ordered_sum([partials](int64_t i) { return partials[i]; }, j.chunk_count), j.hyper);
+  finish_step(*j.scalars, ordered_sum([partials](int64_t i) { return partials[i]; }, j.chunk_count), *j.hyper);
+  *j.args = element_args(*j.hyper);
   const OptimScalars& s = *j.scalars;
   if (s.skip) return;
   for (int64_t i = 0; i < j.tensor_count; ++i) {
     const OptimTensor& t = j.tensors[i];
-    if (t.scales) finish_compact(*t.scales, *t.grad_scales, s, j.hyper, t.layout);
+    if (t.scales) finish_compact(*t.scales, *t.grad_scales, s, *j.hyper, t.layout);
   }
-  const OptimElementArgs a = element_args(j.hyper);
+  const OptimElementArgs a = *j.args;
   const CompactScales none{};
   for (int64_t c = 0; c < j.chunk_count; ++c) {
     const OptimChunk& ch = j.chunks[c];

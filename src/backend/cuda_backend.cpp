@@ -71,8 +71,19 @@ class CudaBackend final : public Backend {
 
   int32_t device() const override { return limits_.device; }
 
+  uint64_t capture_id() const override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    if (!stream_ || cudaStreamGetCaptureInfo(stream_, &status, &id) != cudaSuccess) return 0;
+    return status == cudaStreamCaptureStatusActive ? id : 0;
+  }
+
   void* allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
+    if (capture_id())  // cudaMalloc would invalidate the capture; say what to do instead
+      fail(FP8_ERR_INVALID_STATE, "libfp8 needs ", bytes, " more bytes of device memory while the context's stream is ",
+           "being captured into a CUDA graph; run the same step once before capturing it (libfp8's buffers grow to ",
+           "fit the shapes they see and are kept)");
     DeviceScope scope(limits_.device);
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, bytes);

@@ -188,7 +188,8 @@ struct OptimizerStepJob {
   int64_t chunk_count;
   double* partials;  // chunk_count doubles
   OptimScalars* scalars;
-  OptimHyper hyper;
+  const OptimHyper* hyper;  // device memory: read by the step itself (settable between graph replays)
+  OptimElementArgs* args;   // device memory: element_args(*hyper), written by the step's finish
 };
 
 }  // namespace fp8

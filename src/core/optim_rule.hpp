@@ -192,7 +192,7 @@ FP8_HD void finish_step(OptimScalars& s, double sumsq, const OptimHyper& h) {
   }
 }
 
-// The per-element constants of a step, rounded to float once on the host.
+// The per-element constants of a step, rounded to float once per step.
 struct OptimElementArgs {
   float weight_decay;  // SGD/Adam: L2 added to g
   float decay;         // AdamW: 1 - lr * wd (1 otherwise)
@@ -201,16 +201,18 @@ struct OptimElementArgs {
   fp8_optimizer_kind_t kind;
 };
 
-inline OptimElementArgs element_args(const OptimHyper& h) {
+// Computed once per step where the step runs (one GPU thread, or the host), from the hyper-parameters
+// in device memory, so a captured step replays with the values set since.
+FP8_HD OptimElementArgs element_args(const OptimHyper& h) {
   OptimElementArgs a{};
   a.kind = h.kind;
   const bool adamw = h.kind == FP8_OPTIMIZER_ADAMW;
   a.weight_decay = adamw ? 0.0f : static_cast<float>(h.weight_decay);
-  a.decay = adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  a.decay = adamw ? static_cast<float>(dadd(1.0, -dmul(h.lr, h.weight_decay))) : 1.0f;
   a.beta1 = static_cast<float>(h.beta1);
-  a.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  a.one_minus_beta1 = static_cast<float>(dadd(1.0, -h.beta1));
   a.beta2 = static_cast<float>(h.beta2);
-  a.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  a.one_minus_beta2 = static_cast<float>(dadd(1.0, -h.beta2));
   a.eps = static_cast<float>(h.eps);
   a.momentum = static_cast<float>(h.momentum);
   return a;

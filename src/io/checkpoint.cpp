@@ -307,6 +307,7 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   }
   if (o) {
     std::copy(std::begin(optim.attrs), std::end(optim.attrs), std::begin(o->attrs));
+    optim::upload_hyper(*o);
     be.copy_from_host(o->scalars, &optim.scalars, sizeof optim.scalars);
   }
   model.training = training;

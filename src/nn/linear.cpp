@@ -100,7 +100,7 @@ class Linear final : public Layer {
     }
     converted_ = fp8;
     ++epoch_;
-    fp8_weight_version_ = kNever;
+    fp8_weight_ = CopyMark{};
     pinned_ = false;
   }
 
@@ -399,7 +399,7 @@ class Linear final : public Layer {
     const fp8_tensor& w = *params_[0].value;
     const int64_t n = out_ * in_;
     const bool w8 = p.fprop || (step.training && p.dgrad);
-    if (w8 && fp8_weight_version_ != version) {
+    if (w8 && !fp8_weight_.current(version, step.capture_id)) {
       float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale
       uint8_t* qwt = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
       if (w.dtype == FP8_DTYPE_E4M3) {
@@ -421,26 +421,26 @@ class Linear final : public Layer {
         be.quantize(q);
         pinned_ = false;  // (its memory stays until the next pin: the queued cast reads it)
       }
-      fp8_weight_version_ = version;
+      fp8_weight_.made(version, step.capture_id);
     }
     const bool hp_weight = (act != w.dtype) && (!p.fprop || (step.training && !p.dgrad));
-    if (hp_weight && (hp_weight_version_ != version || hp_weight_dtype_ != act)) {
+    if (hp_weight && (!hp_weight_.current(version, step.capture_id) || hp_weight_dtype_ != act)) {
       void* out = w_hp_.ensure(static_cast<size_t>(n) * dtype_size(act));
       if (dtype_is_fp8(w.dtype)) be.dequantize({static_cast<const uint8_t*>(w.data), false, w.scale_inv, out, act, n});
       else be.convert({w.data, w.dtype, out, act, n});
-      hp_weight_version_ = version;
+      hp_weight_.made(version, step.capture_id);
       hp_weight_dtype_ = act;
     }
     const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);
-    if (bf16_bias && bf16_bias_version_ != version) {
+    if (bf16_bias && !bf16_bias_.current(version, step.capture_id)) {
       be.convert({params_[1].value->data, FP8_DTYPE_F32, b_bf16_.ensure(static_cast<size_t>(out_) * 2), FP8_DTYPE_BF16,
                   out_});
-      bf16_bias_version_ = version;
+      bf16_bias_.made(version, step.capture_id);
     }
   }
 
   bool weight_copy_scale(uint64_t model_version, float* scale) const override {
-    if (!converted_ || params_[0].value->dtype == FP8_DTYPE_E4M3 || fp8_weight_version_ != weights_version(model_version))
+    if (!converted_ || params_[0].value->dtype == FP8_DTYPE_E4M3 || fp8_weight_.version != weights_version(model_version))
       return false;
     backend_->copy_to_host(scale, w_si_.get<float>() + kScaleSlot2, sizeof(float));
     return true;
@@ -468,7 +468,16 @@ class Linear final : public Layer {
   std::unique_ptr<fp8_scaling> pinned_w_;  // the next weight copy's state after a checkpoint load,
   bool pinned_ = false;                    // until that copy is made
   DeviceBuffer w_hp_, b_bf16_;  // the weight in the activation dtype (when the value is not), the bf16 bias
-  uint64_t fp8_weight_version_ = kNever, hp_weight_version_ = kNever, bf16_bias_version_ = kNever;
+  // Which weights a copy was made from, and in which CUDA graph capture. A captured sequence never
+  // relies on a copy made outside it (its replays come after weights changed by steps the capture
+  // cannot see), so the first forward of a capture remakes the copies; later micro-batches of the
+  // same capture reuse them, as eager ones do.
+  struct CopyMark {
+    uint64_t version = kNever, capture = 0;
+    bool current(uint64_t v, uint64_t capture_id) const { return version == v && capture == capture_id; }
+    void made(uint64_t v, uint64_t capture_id) { version = v, capture = capture_id; }
+  };
+  CopyMark fp8_weight_, hp_weight_, bf16_bias_;
   fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;
   DeviceBuffer qx_, x_si_;  // one forward's cast of x and its scale_inv
   DeviceBuffer qdy_, qdyt_, dy_si_, partials_;  // one backward's casts of dy, their scale_inv, dbias partials

@@ -21,6 +21,8 @@ fp8_optimizer::~fp8_optimizer() {
   backend->release(scales);
   backend->release(partials);
   backend->release(scalars);
+  backend->release(hyper);
+  backend->release(element_args);
 }
 
 namespace fp8::optim {
@@ -135,6 +137,19 @@ size_t training_bytes(const fp8_optimizer& o, const fp8_model& m) {
 
 }  // namespace
 
+void upload_hyper(fp8_optimizer& o) {
+  const OptimHyper h{o.kind,
+                     o.attrs[FP8_OPTIM_LR],
+                     o.attrs[FP8_OPTIM_BETA1],
+                     o.attrs[FP8_OPTIM_BETA2],
+                     o.attrs[FP8_OPTIM_EPS],
+                     o.attrs[FP8_OPTIM_WEIGHT_DECAY],
+                     o.attrs[FP8_OPTIM_MOMENTUM],
+                     o.attrs[FP8_OPTIM_MAX_GRAD_NORM]};
+  o.backend->copy_from_host(o.hyper, &h, sizeof h);
+}
+
+
 const char* kind_name(fp8_optimizer_kind_t k) {
   return k == FP8_OPTIMIZER_SGD ? "SGD" : k == FP8_OPTIMIZER_ADAM ? "Adam" : "AdamW";
 }
@@ -213,6 +228,9 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
   o->scalars = static_cast<OptimScalars*>(be.allocate(sizeof(OptimScalars)));
   const OptimScalars zero{};
   be.copy_from_host(o->scalars, &zero, sizeof zero);
+  o->hyper = static_cast<OptimHyper*>(be.allocate(sizeof(OptimHyper)));
+  o->element_args = static_cast<OptimElementArgs*>(be.allocate(sizeof(OptimElementArgs)));
+  upload_hyper(*o);
   for (const nn::Parameter* p : params) o->value_versions.push_back(p->value->version);
   model.optimizer_links.push_back(&o->model);  // (the destructor takes it out again)
   if (level != 0) model.weight_owner = o.get();
@@ -234,7 +252,14 @@ void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value) {
     fail(FP8_ERR_INVALID_ARGUMENT, s.name, " does not apply to ", kind_name(o.kind), "; it is for ",
          s.sgd ? "SGD" : "Adam and AdamW");
   check_attr(attr, value);
+  const double old = o.attrs[attr];
   o.attrs[attr] = value;
+  try {
+    upload_hyper(o);
+  } catch (...) {
+    o.attrs[attr] = old;
+    throw;
+  }
 }
 
 void check_attr(fp8_optimizer_attr_t attr, double value) {
@@ -280,16 +305,8 @@ void step(fp8_optimizer& o) {
       }
       ++i;
     }
-  OptimHyper h{o.kind,
-               o.attrs[FP8_OPTIM_LR],
-               o.attrs[FP8_OPTIM_BETA1],
-               o.attrs[FP8_OPTIM_BETA2],
-               o.attrs[FP8_OPTIM_EPS],
-               o.attrs[FP8_OPTIM_WEIGHT_DECAY],
-               o.attrs[FP8_OPTIM_MOMENTUM],
-               o.attrs[FP8_OPTIM_MAX_GRAD_NORM]};
-  o.backend->optimizer_step({o.device_tensors, static_cast<int64_t>(o.tensors.size()), o.device_chunks, static_cast<int64_t>(o.chunks.size()), o.partials,
-                             o.scalars, h});
+  o.backend->optimizer_step({o.device_tensors, static_cast<int64_t>(o.tensors.size()), o.device_chunks,
+                             static_cast<int64_t>(o.chunks.size()), o.partials, o.scalars, o.hyper, o.element_args});
   ++m.weights_version;  // the layers remake their FP8 and bf16 weight copies at the next forward
 }
 

@@ -39,6 +39,10 @@ struct fp8_optimizer {
   std::vector<uint64_t> value_versions;  // each parameter value's version at the last step
   double* partials = nullptr;
   fp8::OptimScalars* scalars = nullptr;
+  // Device memory the step reads: the hyper-parameters (uploaded by every set) and the per-element
+  // constants the step derives from them.
+  fp8::OptimHyper* hyper = nullptr;
+  fp8::OptimElementArgs* element_args = nullptr;
 
   fp8_optimizer() = default;
   fp8_optimizer(const fp8_optimizer&) = delete;
@@ -63,6 +67,8 @@ void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value);
 // The range check alone (FP8_ERR_INVALID_ARGUMENT naming the attribute and its range).
 void check_attr(fp8_optimizer_attr_t attr, double value);
 double get_attr(const fp8_optimizer& o, fp8_optimizer_attr_t attr);
+// Copies o.attrs to the device memory the step reads (after any change of them). Synchronous.
+void upload_hyper(fp8_optimizer& o);
 void step(fp8_optimizer& o);
 // The optimizer's model; FP8_ERR_INVALID_STATE once the model is destroyed.
 fp8_model& model_of(const fp8_optimizer& o);
