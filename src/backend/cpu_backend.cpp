@@ -146,8 +146,8 @@ void run_on_threads(unsigned threads, const F& work) {
 
 void cpu_gemm(const GemmJob& j) {
   const int64_t m = j.m, n = j.n, k = j.k;
-  const double scale = static_cast<double>(j.alpha) * (j.a_scale_inv ? *j.a_scale_inv : 1.0f) *
-                       (j.b_scale_inv ? *j.b_scale_inv : 1.0f);
+  const double scale = static_cast<double>(j.alpha) * (j.a_scale_inv.ptr ? *j.a_scale_inv.ptr : 1.0f) *
+                       (j.b_scale_inv.ptr ? *j.b_scale_inv.ptr : 1.0f);
   const bool fp8_out = j.d_state != nullptr;
   const float d_scale = fp8_out ? j.d_state->scale : 1.0f;
 
@@ -226,7 +226,7 @@ void cpu_gemm(const GemmJob& j) {
 
   if (fp8_out) {
     max_into(scaling_history(j.d_state), *std::max_element(amax.begin(), amax.end()));
-    *j.d_scale_inv = j.d_state->scale_inv;
+    *j.d_scale_inv.ptr = j.d_state->scale_inv;
   }
 }
 
@@ -265,13 +265,13 @@ class CpuBackend final : public Backend {
         amax = std::max(amax, abs_bits(x));
         const uint8_t q = encode_fp8(x * scale, j.e5m2);
         j.out[r * j.cols + c] = q;
-        if (j.out_t_scale_inv) j.out_t[c * j.rows + r] = q;
+        if (j.out_t_scale_inv.ptr) j.out_t[c * j.rows + r] = q;
       }
     }
     max_into(scaling_history(j.state), amax);
-    *j.out_scale_inv = j.state->scale_inv;
-    if (j.out_t_scale_inv) *j.out_t_scale_inv = j.state->scale_inv;
-    if (j.out_scale) *j.out_scale = j.state->scale;
+    *j.out_scale_inv.ptr = j.state->scale_inv;
+    if (j.out_t_scale_inv.ptr) *j.out_t_scale_inv.ptr = j.state->scale_inv;
+    if (j.out_scale.ptr) *j.out_scale.ptr = j.state->scale;
     if (j.dbias) add_column_sums(j.in, j.in_dtype, j.rows, j.cols, j.dbias);
   }
 
@@ -284,7 +284,7 @@ class CpuBackend final : public Backend {
   void transpose(const TransposeJob& j) override {
     for (int64_t r = 0; r < j.rows; ++r)
       for (int64_t c = 0; c < j.cols; ++c) j.out[c * j.rows + r] = j.in[r * j.cols + c];
-    *j.out_scale_inv = *j.in_scale_inv;
+    *j.out_scale_inv.ptr = *j.in_scale_inv.ptr;
   }
 
   void zero(void* p, size_t bytes) override {
@@ -295,7 +295,7 @@ class CpuBackend final : public Backend {
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
 
   void dequantize(const DequantizeJob& j) override {
-    const float scale_inv = *j.scale_inv;
+    const float scale_inv = *j.scale_inv.ptr;
     for (int64_t i = 0; i < j.n; ++i) store_wide(j.out, j.out_dtype, i, dequantize_fp8(j.in[i], j.e5m2, scale_inv));
   }
 
@@ -368,7 +368,7 @@ class CpuBackend final : public Backend {
     }
     if (fp8_out) {
       max_into(scaling_history(j.out_state), amax);
-      *j.out_scale_inv = j.out_state->scale_inv;
+      *j.out_scale_inv.ptr = j.out_state->scale_inv;
     }
   }
 
@@ -402,7 +402,7 @@ class CpuBackend final : public Backend {
       }
       if (fp8_out) {
         max_into(scaling_history(j.y_state), amax);
-        *j.y_scale_inv = j.y_state->scale_inv;
+        *j.y_scale_inv.ptr = j.y_state->scale_inv;
       }
       return;
     }

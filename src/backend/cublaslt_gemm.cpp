@@ -147,8 +147,8 @@ void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
   Plan& p = plan_for(j);
   const bool fp8_out = dtype_is_fp8(j.d_dtype);
   if (dtype_is_fp8(j.a_dtype)) {
-    set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(j.b_scale_inv));
-    set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(j.a_scale_inv));
+    set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(j.b_scale_inv.ptr));
+    set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(j.a_scale_inv.ptr));
   }
   if (fp8_out) {
     set(p.desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void*>(&j.d_state->scale));
@@ -166,7 +166,7 @@ void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
                              " n=" + std::to_string(j.n) + " k=" + std::to_string(j.k) + ")";
     check(st, what.c_str());
   }
-  if (fp8_out) kernels::gemm_fp8_output_epilogue(amax_, j.d_state, j.d_scale_inv, stream);
+  if (fp8_out) kernels::gemm_fp8_output_epilogue(amax_, j.d_state, j.d_scale_inv.ptr, stream);
 }
 
 }  // namespace fp8

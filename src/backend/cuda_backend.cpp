@@ -133,7 +133,7 @@ class CudaBackend final : public Backend {
 
   void quantize(const QuantizeJob& job) override {
     DeviceScope scope(limits_.device);
-    if (job.out_t_scale_inv) {
+    if (job.out_t_scale_inv.ptr) {
       kernels::cast_transpose(job, limits_, stream_);  // column sums fused in
     } else {
       kernels::quantize(job, limits_, stream_);

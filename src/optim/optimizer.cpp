@@ -174,7 +174,7 @@ ConvertedWeight convert_weight(Backend& be, const std::shared_ptr<Backend>& owne
     q.cols = n;
     q.out = static_cast<uint8_t*>(value->data);
     q.state = state->state;
-    q.out_scale_inv = value->scale_inv;
+    q.out_scale_inv = tensor_scale(value->scale_inv);
     if (n > 0) be.quantize(q);
     be.synchronize();  // before `state` is released
   }
@@ -256,8 +256,8 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
       } else {  // stored at this level by an earlier optimizer: start the states afresh from it
         be.zero(t.scales, sizeof(CompactScales));
         if (layout == kLayoutO3) {
-          be.dequantize({static_cast<const uint8_t*>(p->value->data), false, p->value->scale_inv, t.master,
-                         FP8_DTYPE_F16, t.n});
+          be.dequantize({static_cast<const uint8_t*>(p->value->data), false, tensor_scale(p->value->scale_inv),
+                         t.master, FP8_DTYPE_F16, t.n});
           be.amax({t.master, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
         } else {
           be.amax({p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
