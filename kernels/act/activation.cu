@@ -114,8 +114,8 @@ void launch_for_output(const ActivationJob& j, const LaunchLimits& lim, cudaStre
     using Raw = typename Wide<DT>::Raw;
     const bool vec = j.act != FP8_ACTIVATION_SWIGLU && aligned16(j.x) && aligned16(j.out) && (!j.backward || aligned16(j.dy));
     kernel<<<grid, kThreads, 0, stream>>>(j.act, j.backward, j.accumulate, static_cast<const Raw*>(j.x),
-                                          static_cast<const Raw*>(j.dy),
-                                          j.rows, j.cols, vec, j.out, j.out_state, j.out_scale_inv);
+                                          static_cast<const Raw*>(j.dy), j.rows, j.cols, vec, j.out, j.out_state,
+                                          j.out_scale_inv.ptr);
   };
   dispatch_any(j.out_dtype, go);
 }

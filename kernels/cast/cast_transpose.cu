@@ -158,9 +158,9 @@ void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t 
     auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(dbias)::value>;
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
-    kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out,
-                                          j.out_t, j.rows, j.cols, rows_aligned, cols_aligned, j.state, j.out_scale_inv,
-                                          j.out_t_scale_inv, j.out_scale, j.dbias_partials);
+    kernel<<<grid, kThreads, 0, stream>>>(
+        static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out, j.out_t, j.rows, j.cols, rows_aligned,
+        cols_aligned, j.state, j.out_scale_inv.ptr, j.out_t_scale_inv.ptr, j.out_scale.ptr, j.dbias_partials);
   };
   dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
     if (j.dbias) launch(dt, e5m2, std::true_type{});

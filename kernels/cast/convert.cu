@@ -72,7 +72,8 @@ void transpose(const TransposeJob& j, const LaunchLimits& lim, cudaStream_t stre
   const int64_t tiles = (j.rows + kT - 1) / kT * ((j.cols + kT - 1) / kT);
   const int grid = grid_size(reinterpret_cast<const void*>(transpose_kernel), kThreads, tiles > 0 ? tiles : 1, lim.sm_count);
   const bool vec = j.rows % 16 == 0 && j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out);
-  transpose_kernel<<<grid, kThreads, 0, stream>>>(j.in, j.rows, j.cols, vec, j.out, j.in_scale_inv, j.out_scale_inv);
+  transpose_kernel<<<grid, kThreads, 0, stream>>>(j.in, j.rows, j.cols, vec, j.out, j.in_scale_inv.ptr,
+                                                  j.out_scale_inv.ptr);
   cuda_check(cudaGetLastError(), "transpose kernel launch");
 }
 

@@ -41,7 +41,7 @@ void dequantize(const DequantizeJob& j, const LaunchLimits& lim, cudaStream_t st
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, (j.n / 16 + kThreads - 1) / kThreads + 1,
                                lim.sm_count);
     kernel<<<grid, kThreads, 0, stream>>>(j.in, static_cast<typename Wide<decltype(dt)::value>::Raw*>(j.out), j.n, vec,
-                                          j.scale_inv);
+                                          j.scale_inv.ptr);
   });
   cuda_check(cudaGetLastError(), "dequantize kernel launch");
 }

@@ -61,7 +61,7 @@ void quantize(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, (n / 16 + kThreads - 1) / kThreads + 1,
                                lim.sm_count);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out, n,
-                                          vec, j.state, j.out_scale_inv, j.out_scale);
+                                          vec, j.state, j.out_scale_inv.ptr, j.out_scale.ptr);
   });
   cuda_check(cudaGetLastError(), "quantize kernel launch");
 }

@@ -120,8 +120,8 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
         using Raw = typename Wide<decltype(dt)::value>::Raw;
         auto* kernel = norm_forward_kernel<decltype(dt)::value, decltype(out)::value>;
         const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
-        kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta, j.eps,
-                                              j.y, j.y_state, j.y_scale_inv, j.mean, j.rstd);
+        kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta,
+                                              j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
       };
       dispatch_any(j.y_dtype, go);
     });

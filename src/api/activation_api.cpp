@@ -34,7 +34,7 @@ fp8::ActivationJob check_common(fp8_context_t* ctx, fp8_activation_t activation,
   job.out = out->data;
   job.out_dtype = out->dtype;
   job.out_state = fp8_out ? scaling->state : nullptr;
-  job.out_scale_inv = fp8_out ? out->scale_inv : nullptr;
+  job.out_scale_inv = fp8::tensor_scale(fp8_out ? out->scale_inv : nullptr);
   return job;
 }
 

@@ -44,8 +44,8 @@ FP8_API fp8_status_t fp8_quantize(fp8_context_t* ctx, const fp8_tensor_t* in, fp
     job.out_t = out_transposed ? static_cast<uint8_t*>(out_transposed->data) : nullptr;
     job.e5m2 = scaling->dtype == FP8_DTYPE_E5M2;
     job.state = scaling->state;
-    job.out_scale_inv = out->scale_inv;
-    job.out_t_scale_inv = out_transposed ? out_transposed->scale_inv : nullptr;
+    job.out_scale_inv = fp8::tensor_scale(out->scale_inv);
+    job.out_t_scale_inv = fp8::tensor_scale(out_transposed ? out_transposed->scale_inv : nullptr);
     ctx->backend->quantize(job);
   });
 }
@@ -61,8 +61,8 @@ FP8_API fp8_status_t fp8_dequantize(fp8_context_t* ctx, const fp8_tensor_t* in, 
     fp8::require_wide(out, "out");
     fp8::require_same_shape(out, "out", in, "in");
     fp8::require_disjoint(out, "out", in, "in");
-    ctx->backend->dequantize({static_cast<const uint8_t*>(in->data), in->dtype == FP8_DTYPE_E5M2, in->scale_inv,
-                              out->data, out->dtype, in->numel});
+    ctx->backend->dequantize({static_cast<const uint8_t*>(in->data), in->dtype == FP8_DTYPE_E5M2,
+                              fp8::tensor_scale(in->scale_inv), out->data, out->dtype, in->numel});
   });
 }
 

@@ -105,8 +105,8 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
     job.b = b->data;
     job.a_dtype = a->dtype;
     job.b_dtype = b->dtype;
-    job.a_scale_inv = fp8_in ? a->scale_inv : nullptr;
-    job.b_scale_inv = fp8_in ? b->scale_inv : nullptr;
+    job.a_scale_inv = fp8::tensor_scale(fp8_in ? a->scale_inv : nullptr);
+    job.b_scale_inv = fp8::tensor_scale(fp8_in ? b->scale_inv : nullptr);
     job.m = m;
     job.n = n;
     job.k = k;
@@ -115,7 +115,7 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
     job.d = d->data;
     job.d_dtype = d->dtype;
     job.d_state = fp8_out ? d_scaling->state : nullptr;
-    job.d_scale_inv = fp8_out ? d->scale_inv : nullptr;
+    job.d_scale_inv = fp8::tensor_scale(fp8_out ? d->scale_inv : nullptr);
     job.alpha = opts.alpha;
     job.accumulate = opts.accumulate != 0;
     job.fast_accumulation = opts.fast_accumulation != 0;

@@ -89,7 +89,7 @@ FP8_API fp8_status_t fp8_norm_forward(fp8_context_t* ctx, fp8_norm_t kind, const
     job.y = y->data;
     job.y_dtype = y->dtype;
     job.y_state = fp8_out ? y_scaling->state : nullptr;
-    job.y_scale_inv = fp8_out ? y->scale_inv : nullptr;
+    job.y_scale_inv = fp8::tensor_scale(fp8_out ? y->scale_inv : nullptr);
     job.mean = mean ? static_cast<float*>(mean->data) : nullptr;
     job.rstd = rstd ? static_cast<float*>(rstd->data) : nullptr;
     if (job.rows > 0 || fp8_out) ctx->backend->norm(job);

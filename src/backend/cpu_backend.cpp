@@ -146,8 +146,8 @@ void run_on_threads(unsigned threads, const F& work) {
 
 void cpu_gemm(const GemmJob& j) {
   const int64_t m = j.m, n = j.n, k = j.k;
-  const double scale = static_cast<double>(j.alpha) * (j.a_scale_inv ? *j.a_scale_inv : 1.0f) *
-                       (j.b_scale_inv ? *j.b_scale_inv : 1.0f);
+  const double scale = static_cast<double>(j.alpha) * (j.a_scale_inv.ptr ? *j.a_scale_inv.ptr : 1.0f) *
+                       (j.b_scale_inv.ptr ? *j.b_scale_inv.ptr : 1.0f);
   const bool fp8_out = j.d_state != nullptr;
   const float d_scale = fp8_out ? j.d_state->scale : 1.0f;
 
@@ -226,8 +226,35 @@ void cpu_gemm(const GemmJob& j) {
 
   if (fp8_out) {
     max_into(scaling_history(j.d_state), *std::max_element(amax.begin(), amax.end()));
-    *j.d_scale_inv = j.d_state->scale_inv;
+    *j.d_scale_inv.ptr = j.d_state->scale_inv;
   }
+}
+
+// ---- scale descriptors --------------------------------------------------------------------------
+// The one place where this backend refuses scale modes it does not implement (all but per-tensor),
+// before any work: each operation that takes scales calls the overload of its job first.
+void require_tensor_scales(const QuantizeJob& j) {
+  require_tensor_scale(j.out_scale_inv, "quantize's out_scale_inv (CPU backend)");
+  require_tensor_scale(j.out_t_scale_inv, "quantize's out_t_scale_inv (CPU backend)");
+  require_tensor_scale(j.out_scale, "quantize's out_scale (CPU backend)");
+}
+void require_tensor_scales(const TransposeJob& j) {
+  require_tensor_scale(j.in_scale_inv, "transpose's in_scale_inv (CPU backend)");
+  require_tensor_scale(j.out_scale_inv, "transpose's out_scale_inv (CPU backend)");
+}
+void require_tensor_scales(const DequantizeJob& j) {
+  require_tensor_scale(j.scale_inv, "dequantize's scale_inv (CPU backend)");
+}
+void require_tensor_scales(const ActivationJob& j) {
+  require_tensor_scale(j.out_scale_inv, "activation's out_scale_inv (CPU backend)");
+}
+void require_tensor_scales(const NormJob& j) {
+  require_tensor_scale(j.y_scale_inv, "norm's y_scale_inv (CPU backend)");
+}
+void require_tensor_scales(const GemmJob& j) {
+  require_tensor_scale(j.a_scale_inv, "gemm's a_scale_inv (CPU backend)");
+  require_tensor_scale(j.b_scale_inv, "gemm's b_scale_inv (CPU backend)");
+  require_tensor_scale(j.d_scale_inv, "gemm's d_scale_inv (CPU backend)");
 }
 
 class CpuBackend final : public Backend {
@@ -257,6 +284,7 @@ class CpuBackend final : public Backend {
   void synchronize() override {}
 
   void quantize(const QuantizeJob& j) override {
+    require_tensor_scales(j);
     const float scale = j.state->scale;
     uint32_t amax = 0;
     for (int64_t r = 0; r < j.rows; ++r) {
@@ -265,13 +293,13 @@ class CpuBackend final : public Backend {
         amax = std::max(amax, abs_bits(x));
         const uint8_t q = encode_fp8(x * scale, j.e5m2);
         j.out[r * j.cols + c] = q;
-        if (j.out_t_scale_inv) j.out_t[c * j.rows + r] = q;
+        if (j.out_t_scale_inv.ptr) j.out_t[c * j.rows + r] = q;
       }
     }
     max_into(scaling_history(j.state), amax);
-    *j.out_scale_inv = j.state->scale_inv;
-    if (j.out_t_scale_inv) *j.out_t_scale_inv = j.state->scale_inv;
-    if (j.out_scale) *j.out_scale = j.state->scale;
+    *j.out_scale_inv.ptr = j.state->scale_inv;
+    if (j.out_t_scale_inv.ptr) *j.out_t_scale_inv.ptr = j.state->scale_inv;
+    if (j.out_scale.ptr) *j.out_scale.ptr = j.state->scale;
     if (j.dbias) add_column_sums(j.in, j.in_dtype, j.rows, j.cols, j.dbias);
   }
 
@@ -282,9 +310,10 @@ class CpuBackend final : public Backend {
   }
 
   void transpose(const TransposeJob& j) override {
+    require_tensor_scales(j);
     for (int64_t r = 0; r < j.rows; ++r)
       for (int64_t c = 0; c < j.cols; ++c) j.out[c * j.rows + r] = j.in[r * j.cols + c];
-    *j.out_scale_inv = *j.in_scale_inv;
+    *j.out_scale_inv.ptr = *j.in_scale_inv.ptr;
   }
 
   void zero(void* p, size_t bytes) override {
@@ -298,7 +327,8 @@ class CpuBackend final : public Backend {
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
 
   void dequantize(const DequantizeJob& j) override {
-    const float scale_inv = *j.scale_inv;
+    require_tensor_scales(j);
+    const float scale_inv = *j.scale_inv.ptr;
     for (int64_t i = 0; i < j.n; ++i) store_wide(j.out, j.out_dtype, i, dequantize_fp8(j.in[i], j.e5m2, scale_inv));
   }
 
@@ -332,6 +362,7 @@ class CpuBackend final : public Backend {
   }
 
   void activation(const ActivationJob& j) override {
+    require_tensor_scales(j);
     const bool fp8_out = j.out_state != nullptr;
     const float scale = fp8_out ? j.out_state->scale : 1.0f;
     uint32_t amax = 0;
@@ -371,11 +402,12 @@ class CpuBackend final : public Backend {
     }
     if (fp8_out) {
       max_into(scaling_history(j.out_state), amax);
-      *j.out_scale_inv = j.out_state->scale_inv;
+      *j.out_scale_inv.ptr = j.out_state->scale_inv;
     }
   }
 
   void norm(const NormJob& j) override {
+    require_tensor_scales(j);
     const int64_t d = j.cols;
     if (!j.backward) {
       const bool fp8_out = j.y_state != nullptr;
@@ -405,7 +437,7 @@ class CpuBackend final : public Backend {
       }
       if (fp8_out) {
         max_into(scaling_history(j.y_state), amax);
-        *j.y_scale_inv = j.y_state->scale_inv;
+        *j.y_scale_inv.ptr = j.y_state->scale_inv;
       }
       return;
     }
@@ -438,7 +470,10 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void gemm(const GemmJob& j) override { cpu_gemm(j); }
+  void gemm(const GemmJob& j) override {
+    require_tensor_scales(j);
+    cpu_gemm(j);
+  }
 };
 
 }  // namespace

@@ -38,6 +38,17 @@ uint32_t alignment(const void* p) {
   return a;
 }
 
+// cuBLASLt's scale mode (cublasLtMatmulMatrixScale_t) for an operand scaled in `mode`. Only
+// per-tensor scales reach cuBLASLt so far (CudaBackend refuses the others before the GEMM); the
+// scaling recipes will map, once the scale layouts cuBLASLt expects are in place,
+//   ScaleMode::kRow          -> CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F   (one float per row)
+//   ScaleMode::kBlock1x128   -> CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F      (per 128 elements along K)
+//   ScaleMode::kBlock128x128 -> CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F  (per 128x128 block)
+int32_t cublaslt_scale_mode(ScaleMode mode) {
+  if (mode == ScaleMode::kTensor) return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  fail(FP8_ERR_UNSUPPORTED, "cuBLASLt GEMM: ", scale_mode_name(mode), " scales are not implemented");
+}
+
 template <typename T>
 void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
   check(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof value), "cublasLtMatmulDescSetAttribute");
@@ -76,8 +87,9 @@ void CublasLtGemm::destroy(Plan& p) noexcept {
 // A transposed operand (stored [k][m] or [k][n], wide types only) flips its op and its layout.
 CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
   const uint32_t align_a = alignment(j.a), align_b = alignment(j.b), align_d = alignment(j.d);
-  const Key key{j.m, j.n, j.k, j.a_dtype, j.b_dtype, j.d_dtype, j.bias ? j.bias_dtype : -1, j.accumulate,
-                j.fast_accumulation, j.a_transposed, j.b_transposed, align_a, align_b, align_d};
+  const Key key(j.m, j.n, j.k, j.a_dtype, j.b_dtype, j.d_dtype, j.bias ? j.bias_dtype : -1, j.accumulate,
+                j.fast_accumulation, j.a_transposed, j.b_transposed, align_a, align_b, align_d, j.a_scale_inv.mode,
+                j.b_scale_inv.mode, j.d_scale_inv.mode);
   auto found = plans_.find(key);
   if (found != plans_.end()) return found->second;
 
@@ -114,6 +126,11 @@ CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
     if (fp8_in) {
       set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(amax_));
       set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(amax_));
+      // Per-tensor is cuBLASLt's default mode: set only the others (cuBLASLt's "A" is our b).
+      if (!j.b_scale_inv.is_tensor())
+        set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, cublaslt_scale_mode(j.b_scale_inv.mode));
+      if (!j.a_scale_inv.is_tensor())
+        set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, cublaslt_scale_mode(j.a_scale_inv.mode));
     }
 
     cublasLtMatmulPreference_t pref = nullptr;
@@ -147,8 +164,8 @@ void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
   Plan& p = plan_for(j);
   const bool fp8_out = dtype_is_fp8(j.d_dtype);
   if (dtype_is_fp8(j.a_dtype)) {
-    set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(j.b_scale_inv));
-    set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(j.a_scale_inv));
+    set(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(j.b_scale_inv.ptr));
+    set(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(j.a_scale_inv.ptr));
   }
   if (fp8_out) {
     set(p.desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void*>(&j.d_state->scale));
@@ -166,7 +183,7 @@ void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
                              " n=" + std::to_string(j.n) + " k=" + std::to_string(j.k) + ")";
     check(st, what.c_str());
   }
-  if (fp8_out) kernels::gemm_fp8_output_epilogue(amax_, j.d_state, j.d_scale_inv, stream);
+  if (fp8_out) kernels::gemm_fp8_output_epilogue(amax_, j.d_state, j.d_scale_inv.ptr, stream);
 }
 
 }  // namespace fp8

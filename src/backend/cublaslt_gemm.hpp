@@ -23,9 +23,11 @@ class CublasLtGemm {
   void run(const GemmJob& job, cudaStream_t stream);
 
  private:
-  // m, n, k, a, b, d, bias dtypes (-1: none), accumulate, fast accumulation, and the alignments of
-  // a, b and d (the algorithm must not assume more than the pointers have)
-  using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, bool, bool, bool, uint32_t, uint32_t, uint32_t>;
+  // m, n, k, a, b, d, bias dtypes (-1: none), accumulate, fast accumulation, a and b transposed, the
+  // alignments of a, b and d (the algorithm must not assume more than the pointers have), and the
+  // scale modes of a, b and d (plans of different modes never collide)
+  using Key = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, bool, bool, bool, bool, uint32_t, uint32_t,
+                         uint32_t, ScaleMode, ScaleMode, ScaleMode>;
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;

@@ -1,10 +1,13 @@
 // The work items the backends execute. Plain structs of pointers and sizes, shared by the API
 // layer, the CPU reference and the CUDA launchers; every pointer is device memory of the backend.
+// Every scale travels as a ScaleDesc (core/scale_desc.hpp); the backends implement per-tensor
+// scales only and refuse the other modes (FP8_ERR_UNSUPPORTED).
 #pragma once
 
 #include <cstdint>
 
 #include "core/optim_rule.hpp"
+#include "core/scale_desc.hpp"
 #include "core/scaling_rule.hpp"
 #include "fp8.h"
 
@@ -29,9 +32,9 @@ struct QuantizeJob {
   uint8_t* out_t;  // [cols][rows], or nullptr (also when out_t is requested but empty)
   bool e5m2;
   ScalingHeader* state;
-  float* out_scale_inv;
-  float* out_t_scale_inv;  // set exactly when a transposed copy is requested
-  float* out_scale = nullptr;       // if set, receives state.scale (the scale the codes were made with)
+  ScaleDesc out_scale_inv;
+  ScaleDesc out_t_scale_inv;        // ptr set exactly when a transposed copy is requested
+  ScaleDesc out_scale = {};         // if ptr is set, receives state.scale (the scale the codes were made with)
   float* dbias = nullptr;           // cols floats, accumulated into; nullptr: no column sums
   float* dbias_partials = nullptr;  // bias_grad_partials(rows, cols) floats when dbias is set
 };
@@ -60,15 +63,15 @@ struct TransposeJob {
   const uint8_t* in;
   int64_t rows, cols;
   uint8_t* out;
-  const float* in_scale_inv;
-  float* out_scale_inv;
+  ScaleDesc in_scale_inv;  // read only
+  ScaleDesc out_scale_inv;
 };
 
 // out[i] = convert(decode(in[i]) * *scale_inv)
 struct DequantizeJob {
   const uint8_t* in;
   bool e5m2;
-  const float* scale_inv;
+  ScaleDesc scale_inv;  // read only
   void* out;
   fp8_dtype_t out_dtype;
   int64_t n;
@@ -109,7 +112,7 @@ struct ActivationJob {
   void* out;
   fp8_dtype_t out_dtype;
   ScalingHeader* out_state;  // FP8 out only
-  float* out_scale_inv;      // FP8 out only
+  ScaleDesc out_scale_inv;   // FP8 out only
   bool accumulate = false;   // backward into a wide dx: dx = convert(float(dx) + value)
 };
 
@@ -127,7 +130,7 @@ struct NormJob {
   void* y;            // forward
   fp8_dtype_t y_dtype;
   ScalingHeader* y_state;  // FP8 y only
-  float* y_scale_inv;      // FP8 y only
+  ScaleDesc y_scale_inv;   // FP8 y only
   float* mean;             // forward: written if non-null; backward: read (LayerNorm)
   float* rstd;             // forward: written if non-null; backward: read
   const void* dy;          // backward
@@ -149,16 +152,16 @@ struct GemmJob {
   const void* b;
   fp8_dtype_t a_dtype, b_dtype;  // both FP8, or both the same wide dtype
   bool a_transposed = false, b_transposed = false;
-  const float* a_scale_inv;      // FP8 operands: device scalars, 16-byte aligned (cuBLASLt refuses
-                                 // others at run time); nullptr for wide operands
-  const float* b_scale_inv;
+  ScaleDesc a_scale_inv;  // FP8 operands (read only): device scalars, 16-byte aligned (cuBLASLt
+                          // refuses others at run time); ptr nullptr for wide operands
+  ScaleDesc b_scale_inv;
   int64_t m, n, k;
   const void* bias;  // nullptr or n elements of bias_dtype
   fp8_dtype_t bias_dtype;
   void* d;
   fp8_dtype_t d_dtype;
   ScalingHeader* d_state;  // FP8 d only
-  float* d_scale_inv;      // FP8 d only: receives d_state.scale_inv
+  ScaleDesc d_scale_inv;   // FP8 d only: receives d_state.scale_inv
   float alpha;
   bool accumulate;
   bool fast_accumulation;

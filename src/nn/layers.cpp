@@ -217,7 +217,7 @@ class Norm final : public ElementwiseBase {
     j.y = y->data;
     j.y_dtype = y->dtype;
     j.y_state = state;
-    j.y_scale_inv = state ? y->scale_inv : nullptr;
+    j.y_scale_inv = tensor_scale(state ? y->scale_inv : nullptr);
     if (step.training) {
       s->stats = PooledBuffer(step.pool, static_cast<size_t>(2 * rows) * sizeof(float));
       j.mean = rms_ ? nullptr : s->stats.get<float>();
@@ -285,7 +285,7 @@ class Activation final : public ElementwiseBase {
     j.out = y->data;
     j.out_dtype = y->dtype;
     j.out_state = state;
-    j.out_scale_inv = state ? y->scale_inv : nullptr;
+    j.out_scale_inv = tensor_scale(state ? y->scale_inv : nullptr);
     if (x->numel > 0) step.backend.activation(j);
     return s;
   }

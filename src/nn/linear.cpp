@@ -184,11 +184,11 @@ class Linear final : public Layer {
     }
     uint8_t* qxt = want_qxt ? s.qxt.get<uint8_t>() : nullptr;
     if (x_fp8) {
-      if (want_qxt) be.transpose({qx, m, in_, qxt, x->scale_inv, s.xt_scale_inv()});
+      if (want_qxt) be.transpose({qx, m, in_, qxt, tensor_scale(x->scale_inv), tensor_scale(s.xt_scale_inv())});
       if (need_x_hp) {
         s.x_copy = PooledBuffer(step.pool, static_cast<size_t>(m * in_) * dtype_size(act));
         x_hp = s.x_copy.get();
-        be.dequantize({qx, false, x->scale_inv, s.x_copy.get(), act, m * in_});
+        be.dequantize({qx, false, tensor_scale(x->scale_inv), s.x_copy.get(), act, m * in_});
       }
     } else if (plan.fprop || want_qxt) {
       float* si = x_si_.ensure<float>(16);
@@ -202,8 +202,8 @@ class Linear final : public Layer {
       q.e5m2 = false;
       q.state = s_x_->state;
       s_x_->pending = true;
-      q.out_scale_inv = si;
-      q.out_t_scale_inv = qxt ? s.xt_scale_inv() : nullptr;
+      q.out_scale_inv = tensor_scale(si);
+      q.out_t_scale_inv = tensor_scale(qxt ? s.xt_scale_inv() : nullptr);
       be.quantize(q);
       qx = q.out;
       qx_si = si;
@@ -274,8 +274,8 @@ class Linear final : public Layer {
       q.e5m2 = s_dy_->dtype == FP8_DTYPE_E5M2;
       q.state = s_dy_->state;
       if (m > 0) s_dy_->pending = true;
-      q.out_scale_inv = dy_si;
-      q.out_t_scale_inv = qdyt ? dy_si + kScaleSlot2 : nullptr;
+      q.out_scale_inv = tensor_scale(dy_si);
+      q.out_t_scale_inv = tensor_scale(qdyt ? dy_si + kScaleSlot2 : nullptr);
       q.dbias = dbias;
       q.dbias_partials = partials;
       if (m > 0) be.quantize(q);
@@ -340,10 +340,10 @@ class Linear final : public Layer {
                                fp8_dtype_t bt, const float* b_si) {
     g.a = a;
     g.a_dtype = at;
-    g.a_scale_inv = a_si;
+    g.a_scale_inv = tensor_scale(a_si);
     g.b = b;
     g.b_dtype = bt;
-    g.b_scale_inv = b_si;
+    g.b_scale_inv = tensor_scale(b_si);
   }
 
   // The rule of fp8.h (fp8_layer_forward): FP8 when the model is converted and FP8 is on, except
@@ -403,7 +403,8 @@ class Linear final : public Layer {
       float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale
       uint8_t* qwt = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
       if (w.dtype == FP8_DTYPE_E4M3) {
-        be.transpose({static_cast<const uint8_t*>(w.data), out_, in_, qwt, w.scale_inv, si});
+        be.transpose(
+            {static_cast<const uint8_t*>(w.data), out_, in_, qwt, tensor_scale(w.scale_inv), tensor_scale(si)});
       } else {
         QuantizeJob q{};
         q.in = w.data;
@@ -415,9 +416,9 @@ class Linear final : public Layer {
         q.e5m2 = false;
         q.state = pinned_ ? pinned_w_->state : s_w_->state;
         if (!pinned_) s_w_->pending = true;
-        q.out_scale_inv = si;
-        q.out_t_scale_inv = si;
-        q.out_scale = si + kScaleSlot2;
+        q.out_scale_inv = tensor_scale(si);
+        q.out_t_scale_inv = tensor_scale(si);
+        q.out_scale = tensor_scale(si + kScaleSlot2);
         be.quantize(q);
         pinned_ = false;  // (its memory stays until the next pin: the queued cast reads it)
       }
@@ -426,8 +427,10 @@ class Linear final : public Layer {
     const bool hp_weight = (act != w.dtype) && (!p.fprop || (step.training && !p.dgrad));
     if (hp_weight && (!hp_weight_.current(version, step.capture_id) || hp_weight_dtype_ != act)) {
       void* out = w_hp_.ensure(static_cast<size_t>(n) * dtype_size(act));
-      if (dtype_is_fp8(w.dtype)) be.dequantize({static_cast<const uint8_t*>(w.data), false, w.scale_inv, out, act, n});
-      else be.convert({w.data, w.dtype, out, act, n});
+      if (dtype_is_fp8(w.dtype))
+        be.dequantize({static_cast<const uint8_t*>(w.data), false, tensor_scale(w.scale_inv), out, act, n});
+      else
+        be.convert({w.data, w.dtype, out, act, n});
       hp_weight_.made(version, step.capture_id);
       hp_weight_dtype_ = act;
     }

@@ -101,7 +101,7 @@ void transfer(Backend& be, const std::shared_ptr<Backend>& owner, const Paramete
     q.cols = n;
     q.out = reinterpret_cast<uint8_t*>(value);
     q.state = state->state;
-    q.out_scale_inv = value_scale_inv;
+    q.out_scale_inv = tensor_scale(value_scale_inv);
     be.quantize(q);
     be.synchronize();  // before `state` goes
   } else {
@@ -114,14 +114,14 @@ void transfer(Backend& be, const std::shared_ptr<Backend>& owner, const Paramete
     be.copy(grad, g.data, g.nbytes());
     if (to8) be.copy(grad_scales, from_scales, sizeof(GradScales));
   } else if (!to8) {  // FP8 -> F32
-    be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2, &from_scales->scale_inv, grad,
+    be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2, tensor_scale(&from_scales->scale_inv), grad,
                    FP8_DTYPE_F32, n});
   } else {  // F32 (or the other FP8 format, through F32) -> FP8, by one requantising accumulation
     Arena widened;
     const float* f32 = static_cast<const float*>(g.data);
     if (from8) {
       widened = Arena(owner, static_cast<size_t>(n) * sizeof(float));
-      be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2, &from_scales->scale_inv,
+      be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2, tensor_scale(&from_scales->scale_inv),
                      widened.data(), FP8_DTYPE_F32, n});
       f32 = reinterpret_cast<const float*>(widened.data());
     }

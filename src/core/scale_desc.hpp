@@ -1,0 +1,115 @@
+// Scale descriptors: how a work item (backend/jobs.hpp) finds the scales of an FP8 operand.
+//
+// Today every FP8 tensor has one scale (per-tensor scaling, ScaleMode::kTensor): a single float in
+// device memory. The descriptor also names the finer modes of the scaling recipes, so that they
+// change the kernels and not every signature; until they are implemented, both backends refuse
+// any other mode with FP8_ERR_UNSUPPORTED (require_tensor_scale, called in one place per backend).
+//
+// The grid of scales of an operand viewed as a row-major [rows, cols] matrix, scaled along its
+// columns (K, the reduced dimension of a GEMM operand stored K-major):
+//   kTensor        one scale for the whole operand:              [1, 1]
+//   kRow           one scale per row:                            [rows, 1]
+//   kBlock1x128    one scale per 1x128 block of a row:           [rows, ceil(cols / 128)]
+//   kBlock128x128  one scale per 128x128 block:                  [ceil(rows / 128), ceil(cols / 128)]
+// (scale_grid() is this rule.) The grid itself is row-major: the scale of grid cell (i, j) is
+// ptr[i * ld + j], with ld >= the grid's columns.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/error.hpp"
+
+namespace fp8 {
+
+enum class ScaleMode : int32_t { kTensor = 0, kRow = 1, kBlock1x128 = 2, kBlock128x128 = 3 };
+
+// The side of a scaling block, along K for kBlock1x128 and along both dimensions for kBlock128x128.
+constexpr int64_t kScaleBlock = 128;
+
+inline const char* scale_mode_name(ScaleMode mode) {
+  switch (mode) {
+    case ScaleMode::kTensor:
+      return "per-tensor";
+    case ScaleMode::kRow:
+      return "per-row";
+    case ScaleMode::kBlock1x128:
+      return "1x128-block";
+    case ScaleMode::kBlock128x128:
+      return "128x128-block";
+  }
+  return "unknown";
+}
+
+// The shape of a grid of scales.
+struct ScaleGrid {
+  int64_t rows, cols;
+};
+
+// The grid `mode` implies for an operand of [rows, cols] scaled along its columns (the rule above).
+// An empty operand has an empty grid, except per-tensor, which always has its one scale.
+constexpr ScaleGrid scale_grid(ScaleMode mode, int64_t rows, int64_t cols) {
+  const auto blocks = [](int64_t n) { return (n + kScaleBlock - 1) / kScaleBlock; };
+  switch (mode) {
+    case ScaleMode::kRow:
+      return {rows, 1};
+    case ScaleMode::kBlock1x128:
+      return {rows, blocks(cols)};
+    case ScaleMode::kBlock128x128:
+      return {blocks(rows), blocks(cols)};
+    default:
+      return {1, 1};
+  }
+}
+
+// Where the dequantisation scales (scale_inv: value = code * scale_inv) of one FP8 operand are, or
+// the scales its codes were made with (QuantizeJob::out_scale). ptr is device memory of the
+// backend; it may be nullptr where the job says a scale is absent (a wide operand). A descriptor
+// of an input (a GemmJob's a_scale_inv, say) is only read, whatever the constness of ptr.
+struct ScaleDesc {
+  ScaleMode mode = ScaleMode::kTensor;
+  float* ptr = nullptr;
+  int64_t rows = 1, cols = 1;  // grid of scales
+  int64_t ld = 1;              // leading dimension of the grid, in floats
+
+  bool is_tensor() const { return mode == ScaleMode::kTensor; }
+};
+
+// One scale for the whole tensor at p (nullptr: none).
+inline ScaleDesc tensor_scale(float* p) {
+  return {ScaleMode::kTensor, p, 1, 1, 1};
+}
+// The same for a scale that the job only reads.
+inline ScaleDesc tensor_scale(const float* p) {
+  return tensor_scale(const_cast<float*>(p));
+}
+
+// Throws FP8_ERR_SHAPE naming `what` unless d's grid is the one its mode implies for a [rows, cols]
+// operand scaled along its columns and ld covers a grid row; FP8_ERR_INVALID_ARGUMENT for a mode
+// outside the enum.
+inline void check_scale_desc(const ScaleDesc& d, int64_t rows, int64_t cols, const char* what) {
+  switch (d.mode) {
+    case ScaleMode::kTensor:
+    case ScaleMode::kRow:
+    case ScaleMode::kBlock1x128:
+    case ScaleMode::kBlock128x128:
+      break;
+    default:
+      fail(FP8_ERR_INVALID_ARGUMENT, what, " has scale mode ", static_cast<int32_t>(d.mode), ", not a ScaleMode");
+  }
+  const ScaleGrid want = scale_grid(d.mode, rows, cols);
+  if (d.rows != want.rows || d.cols != want.cols || d.ld < std::max<int64_t>(want.cols, 1))
+    fail(FP8_ERR_SHAPE, what, " has a ", scale_mode_name(d.mode), " scale grid of [", d.rows, ", ", d.cols, "] (ld ",
+         d.ld, "); a [", rows, ", ", cols, "] operand needs [", want.rows, ", ", want.cols,
+         "] (ld >= ", std::max<int64_t>(want.cols, 1), ")");
+}
+
+// Throws FP8_ERR_UNSUPPORTED naming `what` and d's mode unless d is per-tensor: the only mode the
+// backends implement so far. Each backend calls it where it takes a job, before any work.
+inline void require_tensor_scale(const ScaleDesc& d, const char* what) {
+  if (!d.is_tensor())
+    fail(FP8_ERR_UNSUPPORTED, what, " has ", scale_mode_name(d.mode), " scales (mode ", static_cast<int32_t>(d.mode),
+         "); only per-tensor scales are implemented");
+}
+
+}  // namespace fp8
