@@ -179,7 +179,8 @@ typedef struct fp8_device_info {
   int32_t multiprocessor_count;    /**< SMs; 0 for the CPU */
   uint64_t total_memory_bytes;     /**< global memory; 0 for the CPU */
   int32_t fp8_gemm;                /**< 1 if FP8 tensor-core GEMMs run here (sm_89 and newer) */
-  int32_t fp8_block_scaling;       /**< 1 if block-scaled FP8 GEMMs run here (sm_100 and newer) */
+  int32_t fp8_block_scaling;       /**< 1 if block-scaled FP8 GEMMs run here: sm_90 with cuBLASLt
+                                        >= 12.9 (1x128 and 128x128 block scales), sm_100 and newer */
   int32_t fp8_nccl_reduction;      /**< 1 if NCCL can reduce FP8 data natively here (NCCL >= 2.24, sm_90+) */
   int32_t nccl_version;            /**< NCCL loaded by libfp8, e.g. 22807 for 2.28.7 */
   int64_t cublaslt_version;        /**< cuBLASLt loaded by libfp8, e.g. 130100 */
