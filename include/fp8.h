@@ -24,6 +24,17 @@
  *   returns, and "device memory" means ordinary host memory.
  * - Objects keep their context alive: fp8_context_destroy may come before the destruction of its
  *   tensors and scaling states; the context's resources go when the last of them goes.
+ * - Versioned structs (fp8_device_info_t, fp8_scaling_info_t, fp8_gemm_options_t,
+ *   fp8_convert_options_t, fp8_layer_report_t, fp8_optimizer_stats_t) begin with uint32_t
+ *   struct_size, which the caller sets to sizeof the struct as compiled (the matching *_init does);
+ *   later releases only append fields. Every struct_size from the struct's first release on is
+ *   accepted (each struct's comment names the last field of that release; a smaller size is
+ *   refused with FP8_ERR_INVALID_ARGUMENT). A struct the library reads (options) is read up to
+ *   min(struct_size, the library's sizeof), and the fields a shorter struct lacks take their
+ *   defaults; a longer one is accepted only if every byte past the library's sizeof is 0 (else
+ *   FP8_ERR_UNSUPPORTED naming the offset of the first nonzero byte). A struct the library fills
+ *   (info, report, stats) is written up to the same bound, struct_size and the bytes past the bound
+ *   left as they were.
  */
 #ifndef FP8_H
 #define FP8_H
@@ -170,7 +181,8 @@ FP8_API fp8_status_t fp8_context_get_stream(const fp8_context_t *ctx, struct CUs
 FP8_API fp8_status_t fp8_context_synchronize(fp8_context_t *ctx);
 
 /** What a device can do. Versioned: set struct_size = sizeof(fp8_device_info_t) before the call
- *  (fp8_device_info_init does it); later releases only append fields. */
+ *  (fp8_device_info_init does it); later releases only append fields. First release: through
+ *  cublaslt_version. */
 typedef struct fp8_device_info {
   uint32_t struct_size;            /**< [in] sizeof(fp8_device_info_t) as the caller compiled it */
   int32_t device;                  /**< ordinal, FP8_DEVICE_CPU for the CPU backend */
@@ -375,7 +387,7 @@ FP8_API void fp8_scaling_destroy(fp8_scaling_t *scaling);
 FP8_API fp8_status_t fp8_scaling_dtype(const fp8_scaling_t *scaling, fp8_dtype_t *dtype);
 
 /** A snapshot of a state, read after all queued work. Versioned: set struct_size first
- *  (fp8_scaling_info_init). Synchronous. */
+ *  (fp8_scaling_info_init); first release: through nonfinite_count. Synchronous. */
 typedef struct fp8_scaling_info {
   uint32_t struct_size;       /**< [in] sizeof(fp8_scaling_info_t) */
   float scale;                /**< multiply by this before the FP8 cast */
@@ -458,7 +470,8 @@ FP8_API fp8_status_t fp8_amax(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_te
  * writes nothing, not even D's scale_inv.
  * --------------------------------------------------------------------------------------------- */
 
-/** GEMM options. Versioned: fp8_gemm_options_init sets struct_size and the defaults. */
+/** GEMM options. Versioned: fp8_gemm_options_init sets struct_size and the defaults. First
+ *  release: through fast_accumulation. */
 typedef struct fp8_gemm_options {
   uint32_t struct_size;      /**< [in] sizeof(fp8_gemm_options_t) */
   float alpha;               /**< multiplies the product; default 1 */
@@ -662,7 +675,8 @@ FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t *model);
  *  nothing for a backward). */
 FP8_API fp8_status_t fp8_model_set_training(fp8_model_t *model, int32_t training);
 
-/** Which layer kinds fp8_convert_model converts, and in which direction. Versioned. */
+/** Which layer kinds fp8_convert_model converts, and in which direction. Versioned
+ *  (fp8_convert_options_init); first release: through activation. */
 typedef struct fp8_convert_options {
   uint32_t struct_size; /**< [in] sizeof(fp8_convert_options_t) */
   int32_t to_fp8;       /**< 1 (default): to FP8 under the recipe; 0: back to high precision */
@@ -748,7 +762,8 @@ FP8_API fp8_status_t fp8_model_backward(fp8_model_t *model, const fp8_tensor_t *
 FP8_API fp8_status_t fp8_layer_get_scaling(fp8_model_t *model, int32_t layer_id, int32_t slot,
                                            fp8_scaling_t **scaling);
 
-/** What a layer did, for users and tests. Versioned: fp8_layer_report_init first. */
+/** What a layer did, for users and tests. Versioned: fp8_layer_report_init first; first release:
+ *  through reason. */
 typedef struct fp8_layer_report {
   uint32_t struct_size;   /**< [in] sizeof(fp8_layer_report_t) */
   fp8_layer_kind_t kind;  /**< FP8_LAYER_* */
@@ -867,7 +882,8 @@ FP8_API fp8_status_t fp8_optimizer_step(fp8_optimizer_t *optimizer);
 /** Sets every gradient of the model to zero (fp8_model_zero_grad). Asynchronous. */
 FP8_API fp8_status_t fp8_optimizer_zero_grad(fp8_optimizer_t *optimizer);
 
-/** What the optimizer did. Versioned: fp8_optimizer_stats_init first. */
+/** What the optimizer did. Versioned: fp8_optimizer_stats_init first; first release: through
+ *  state_bytes (opt_level and training_bytes came later). */
 typedef struct fp8_optimizer_stats {
   uint32_t struct_size;     /**< [in] sizeof(fp8_optimizer_stats_t) */
   int64_t steps;            /**< steps applied (t) */

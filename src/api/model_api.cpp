@@ -213,10 +213,7 @@ FP8_API fp8_status_t fp8_convert_model(fp8_model_t* model, const fp8_recipe_t* r
     require_arg(model, "model");
     fp8_convert_options_t opts;
     fp8_convert_options_init(&opts);
-    if (options) {
-      fp8::require_struct_size(options, sizeof(fp8_convert_options_t), "options", "fp8_convert_options_init");
-      opts = *options;
-    }
+    if (options) fp8::read_versioned(opts, options, fp8::kConvertOptionsV1Size, "options", "fp8_convert_options_init");
     for (auto [v, name] : {std::pair<int32_t, const char*>{opts.to_fp8, "to_fp8"}, {opts.linear, "linear"},
                            {opts.norm, "norm"}, {opts.activation, "activation"}})
       if (v != 0 && v != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->", name, " = ", v, "; expected 0 or 1");
@@ -333,7 +330,7 @@ FP8_API fp8_status_t fp8_layer_get_report(const fp8_model_t* model, int32_t laye
   return guard("fp8_layer_get_report", [&] {
     require_arg(model, "model");
     require_arg(report, "report");
-    fp8::require_struct_size(report, sizeof(fp8_layer_report_t), "report", "fp8_layer_report_init");
+    fp8::require_struct_size(report, fp8::kLayerReportV1Size, "report", "fp8_layer_report_init");
     const fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     const fp8::nn::LayerStats& s = layer.stats();
     fp8_layer_report_t r{};

@@ -3,6 +3,12 @@
 // library lends, the recipe keys the header documents, and the limits of the norm layers.
 #include <gtest/gtest.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "api/guard.hpp"
 #include "backend/device_info.hpp"
 #include "fp8_test_util.hpp"
 
@@ -33,6 +39,164 @@ TEST(DeviceInfo, TheCpuBackendReportsNoBlockScaling) {
   FP8_ASSERT_OK(fp8_device_query(FP8_DEVICE_CPU, &info));
   EXPECT_EQ(info.fp8_block_scaling, 0);
   EXPECT_GT(info.cublaslt_version, 0);
+}
+
+// ---- Versioned structs ----------------------------------------------------------------------------
+
+#if defined(__x86_64__) || defined(_M_X64)
+// The first-release sizes the library accepts, pinned (tests/headertest pins every field).
+static_assert(fp8::kDeviceInfoV1Size == 304, "fp8_device_info_t's first release ends at 304 bytes");
+static_assert(fp8::kScalingInfoV1Size == 40, "fp8_scaling_info_t's first release ends at 40 bytes");
+static_assert(fp8::kGemmOptionsV1Size == 16, "fp8_gemm_options_t's first release ends at 16 bytes");
+static_assert(fp8::kConvertOptionsV1Size == 20, "fp8_convert_options_t's first release ends at 20 bytes");
+static_assert(fp8::kLayerReportV1Size == 240, "fp8_layer_report_t's first release ends at 240 bytes");
+static_assert(fp8::kOptimizerStatsV1Size == 48, "fp8_optimizer_stats_t's first release ends at 48 bytes");
+#endif
+
+// A caller's struct of `size` bytes (struct_size = size) that starts as `init` (as far as it
+// reaches) and is filled with `fill` past it: what a program built against another release of the
+// header passes.
+template <typename T>
+struct Versioned {
+  std::vector<uint64_t> storage;  // 8-byte aligned
+  size_t size;
+  Versioned(const T& init, size_t size_, unsigned char fill) : storage((size_ + sizeof(T) + 64) / 8), size(size_) {
+    std::memset(storage.data(), fill, storage.size() * 8);
+    std::memcpy(storage.data(), &init, std::min(size, sizeof(T)));
+    get()->struct_size = static_cast<uint32_t>(size);
+  }
+  T* get() { return reinterpret_cast<T*>(storage.data()); }
+  unsigned char* bytes() { return reinterpret_cast<unsigned char*>(storage.data()); }
+  // Every byte from `from` to the end of the storage still `fill`.
+  bool untouched_from(size_t from, unsigned char fill) {
+    for (size_t i = from; i < storage.size() * 8; ++i)
+      if (bytes()[i] != fill) return false;
+    return true;
+  }
+};
+
+struct ModelFixture : ::testing::Test {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  Recipe recipe = make_recipe();
+  void SetUp() override {
+    FP8_ASSERT_OK(fp8_model_add_linear(model.get(), "fc", 32, 32, 1, nullptr));
+    FP8_ASSERT_OK(fp8_model_add_layernorm(model.get(), "ln", 32, 1e-5f, nullptr));
+  }
+  int32_t converted(int32_t layer) {
+    fp8_layer_report_t r;
+    fp8_layer_report_init(&r);
+    EXPECT_OK(fp8_layer_get_report(model.get(), layer, &r));
+    return r.converted;
+  }
+};
+
+using VersionedStructs = ModelFixture;
+
+TEST_F(VersionedStructs, ConvertOptionsFromANewerHeaderWithZeroNewFieldsAreRead) {
+  fp8_convert_options_t o;
+  fp8_convert_options_init(&o);
+  o.norm = 0;  // a field inside this release: must be honoured
+  Versioned<fp8_convert_options_t> newer(o, sizeof o + 12, 0);
+  FP8_ASSERT_OK(fp8_convert_model(model.get(), recipe.get(), newer.get()));
+  EXPECT_EQ(converted(0), 1);
+  EXPECT_EQ(converted(1), 0) << "options->norm = 0 was not read";
+  EXPECT_EQ(newer.get()->struct_size, sizeof o + 12) << "the caller's struct was changed";
+}
+
+TEST_F(VersionedStructs, ConvertOptionsWithANonzeroUnknownFieldAreRefusedNamingTheOffset) {
+  fp8_convert_options_t o;
+  fp8_convert_options_init(&o);
+  Versioned<fp8_convert_options_t> newer(o, sizeof o + 12, 0);
+  newer.bytes()[24] = 1;  // a newer field at offset 24, not at its zero default
+  EXPECT_REFUSED_WORDS(fp8_convert_model(model.get(), recipe.get(), newer.get()), FP8_ERR_UNSUPPORTED,
+                       "fp8_convert_model", "options", "offset 24", "20");
+  EXPECT_EQ(converted(0), 0) << "a refused call changed the model";
+  int32_t has = -1;
+  FP8_ASSERT_OK(fp8_model_has_fp8_layers(model.get(), &has));
+  EXPECT_EQ(has, 0);
+  // The bytes past struct_size are not the struct's: never read, whatever they hold.
+  Versioned<fp8_convert_options_t> exact(o, sizeof o, 0xFF);
+  FP8_ASSERT_OK(fp8_convert_model(model.get(), recipe.get(), exact.get()));
+  EXPECT_EQ(converted(0), 1);
+}
+
+TEST_F(VersionedStructs, ConvertOptionsBelowTheFirstReleaseAreRefused) {
+  fp8_convert_options_t o;
+  fp8_convert_options_init(&o);
+  Versioned<fp8_convert_options_t> old(o, fp8::kConvertOptionsV1Size - 4, 0);
+  EXPECT_REFUSED_WORDS(fp8_convert_model(model.get(), recipe.get(), old.get()), FP8_ERR_INVALID_ARGUMENT,
+                       "fp8_convert_model", "options->struct_size", "at least 20");
+  EXPECT_EQ(converted(0), 0);
+}
+
+TEST_F(VersionedStructs, GemmOptionsFollowTheSameRule) {
+  Tensor a = make_tensor(ctx.get(), FP8_DTYPE_F32, {2, 16}), b = make_tensor(ctx.get(), FP8_DTYPE_F32, {16, 16});
+  Tensor d = make_tensor(ctx.get(), FP8_DTYPE_F32, {2, 16});
+  upload(a.get(), std::vector<float>(32, 1.0f));
+  upload(b.get(), std::vector<float>(256, 0.5f));
+  upload(d.get(), std::vector<float>(32, 3.0f));
+  fp8_gemm_options_t o;
+  fp8_gemm_options_init(&o);
+  o.alpha = 2.0f;
+  Versioned<fp8_gemm_options_t> newer(o, sizeof o + 8, 0);
+  FP8_ASSERT_OK(fp8_gemm(ctx.get(), a.get(), b.get(), nullptr, d.get(), nullptr, newer.get()));
+  EXPECT_EQ(download<float>(d.get())[0], 16.0f);  // 2 * 16 * 0.5
+  newer.bytes()[sizeof o + 4] = 0x80;
+  upload(d.get(), std::vector<float>(32, 3.0f));
+  EXPECT_REFUSED_WORDS(fp8_gemm(ctx.get(), a.get(), b.get(), nullptr, d.get(), nullptr, newer.get()),
+                       FP8_ERR_UNSUPPORTED, "fp8_gemm", "options", "offset 20");
+  EXPECT_EQ(download<float>(d.get())[0], 3.0f) << "a refused call wrote d";
+}
+
+TEST_F(VersionedStructs, OutputStructsAreWrittenOnlyUpToTheCallersSize) {
+  const unsigned char fill = 0xA5;
+  {  // newer caller: the bytes past the library's struct stay as they were
+    fp8_device_info_t i;
+    fp8_device_info_init(&i);
+    Versioned<fp8_device_info_t> newer(i, sizeof i + 16, 0);
+    std::memset(newer.bytes() + sizeof i, fill, newer.storage.size() * 8 - sizeof i);
+    FP8_ASSERT_OK(fp8_device_query(FP8_DEVICE_CPU, newer.get()));
+    EXPECT_EQ(newer.get()->struct_size, sizeof i + 16);
+    EXPECT_EQ(newer.get()->device, FP8_DEVICE_CPU);
+    EXPECT_TRUE(newer.untouched_from(sizeof i, fill));
+  }
+  {  // the first release of fp8_optimizer_stats_t (through state_bytes): nothing written past it
+    Optimizer opt = make_optimizer(model.get(), FP8_OPTIMIZER_SGD);
+    fp8_optimizer_stats_t s;
+    fp8_optimizer_stats_init(&s);
+    Versioned<fp8_optimizer_stats_t> old(s, fp8::kOptimizerStatsV1Size, fill);
+    FP8_ASSERT_OK(fp8_optimizer_get_stats(opt.get(), old.get()));
+    EXPECT_EQ(old.get()->struct_size, fp8::kOptimizerStatsV1Size);
+    EXPECT_EQ(old.get()->parameters, 32 * 32 + 32 + 32 + 32);
+    EXPECT_TRUE(old.untouched_from(fp8::kOptimizerStatsV1Size, fill));
+    Versioned<fp8_optimizer_stats_t> newer(s, sizeof s + 8, fill);
+    FP8_ASSERT_OK(fp8_optimizer_get_stats(opt.get(), newer.get()));
+    EXPECT_EQ(newer.get()->training_bytes, stats_of(opt.get()).training_bytes);
+    EXPECT_TRUE(newer.untouched_from(sizeof s, fill));
+  }
+  {
+    fp8_layer_report_t r;
+    fp8_layer_report_init(&r);
+    Versioned<fp8_layer_report_t> newer(r, sizeof r + 24, fill);
+    FP8_ASSERT_OK(fp8_layer_get_report(model.get(), 1, newer.get()));
+    EXPECT_EQ(newer.get()->kind, FP8_LAYER_LAYERNORM);
+    EXPECT_TRUE(newer.untouched_from(sizeof r, fill));
+    Versioned<fp8_layer_report_t> short_(r, fp8::kLayerReportV1Size - 1, fill);
+    const std::vector<uint64_t> before = short_.storage;
+    EXPECT_REFUSED(fp8_layer_get_report(model.get(), 1, short_.get()), FP8_ERR_INVALID_ARGUMENT, "fp8_layer_get_report",
+                   "struct_size");
+    EXPECT_EQ(short_.storage, before) << "a refused call wrote the report";
+  }
+  {
+    Scaling sc = make_scaling(ctx.get(), recipe.get(), FP8_ROLE_FORWARD);
+    fp8_scaling_info_t i;
+    fp8_scaling_info_init(&i);
+    Versioned<fp8_scaling_info_t> newer(i, sizeof i + 8, fill);
+    FP8_ASSERT_OK(fp8_scaling_get_info(sc.get(), newer.get()));
+    EXPECT_EQ(newer.get()->scale, 1.0f);
+    EXPECT_TRUE(newer.untouched_from(sizeof i, fill));
+  }
 }
 
 }  // namespace
