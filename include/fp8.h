@@ -330,6 +330,10 @@ FP8_API fp8_status_t fp8_tensor_create(fp8_tensor_t **out, fp8_context_t *ctx, f
 FP8_API fp8_status_t fp8_tensor_wrap(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
                                      int32_t ndim, const int64_t *shape, void *data);
 
+/** Releases a tensor from fp8_tensor_create or fp8_tensor_wrap (wrapped memory stays the caller's).
+ *  A tensor the library lends out (a model's parameter value or gradient, from fp8_model_parameter
+ *  or fp8_model_parameter_at) belongs to its model: it is left as it is, and
+ *  fp8_last_error_message() says that the model owns it (the function returns nothing). */
 FP8_API void fp8_tensor_destroy(fp8_tensor_t *tensor);
 
 /** [out] dtype. */
@@ -646,7 +650,8 @@ FP8_API fp8_status_t fp8_model_layer_name(const fp8_model_t *model, int32_t laye
 
 /** The parameter "<layer>.<param>" ("fc1.weight", "fc1.bias", "ln.gamma", "ln.beta"). [out] value,
  *  grad (either may be NULL): borrowed tensors, valid while the model lives (until an optimizer at
- *  O1..O3 converts a Linear weight: fetch them again after fp8_optimizer_create). They are FP32,
+ *  O1..O3 converts a Linear weight: fetch them again after fp8_optimizer_create). The model owns
+ *  them: fp8_tensor_destroy leaves them alone (and says so). They are FP32,
  *  except a Linear weight under an MS-AMP level (see "Optimizer"): value F16 (O1/O2) or E4M3 (O3),
  *  grad E5M2 (HYBRID) or E4M3 with its scale_inv. Writing a value with fp8_tensor_copy_from_host is
  *  seen by the layer; after writing one any other way (your own optimizer kernel), call

@@ -178,7 +178,7 @@ ConvertedWeight convert_weight(Backend& be, const std::shared_ptr<Backend>& owne
     if (n > 0) be.quantize(q);
     be.synchronize();  // before `state` is released
   }
-  return {&p, std::move(value), std::move(grad)};
+  return {&p, lent_by_model(std::move(value)), lent_by_model(std::move(grad))};
 }
 
 }  // namespace

@@ -199,4 +199,76 @@ TEST_F(VersionedStructs, OutputStructsAreWrittenOnlyUpToTheCallersSize) {
   }
 }
 
+// ---- Tensors the library lends --------------------------------------------------------------------
+
+// fp8_tensor_destroy(t) left t alone and said that its model owns it.
+void expect_destroy_refused(fp8_tensor_t* t, const std::string& what) {
+  fp8_tensor_destroy(t);
+  const std::string msg = fp8_last_error_message();
+  EXPECT_EQ(msg.rfind("fp8_tensor_destroy:", 0), 0u) << what << ": " << msg;
+  EXPECT_NE(msg.find("model"), std::string::npos) << what << ": " << msg;
+}
+
+using LentTensors = ModelFixture;
+
+TEST_F(LentTensors, DestroyingAParameterTensorLeavesItToTheModel) {
+  FP8_ASSERT_OK(fp8_model_add_linear(model.get(), "fc2", 32, 16, 1, nullptr));
+  set_param(model.get(), "fc.weight", randn(32 * 32, 3, 0.1f));
+  set_param(model.get(), "fc2.weight", randn(16 * 32, 4, 0.1f));
+  int32_t count = 0;
+  FP8_ASSERT_OK(fp8_model_parameter_count(model.get(), &count));
+  ASSERT_EQ(count, 6);
+  std::vector<std::vector<uint8_t>> before;
+  for (int32_t i = 0; i < count; ++i) {
+    const char* name = nullptr;
+    fp8_tensor_t *value = nullptr, *grad = nullptr;
+    FP8_ASSERT_OK(fp8_model_parameter_at(model.get(), i, &name, &value, &grad));
+    before.push_back(tensor_bytes(value));
+    expect_destroy_refused(value, std::string(name) + " value");
+    expect_destroy_refused(grad, std::string(name) + " grad");
+  }
+  expect_destroy_refused(param_tensor(model.get(), "fc.bias"), "fc.bias from fp8_model_parameter");
+  // Every tensor is still the model's and intact, and the model trains.
+  for (int32_t i = 0; i < count; ++i) {
+    fp8_tensor_t* value = nullptr;
+    FP8_ASSERT_OK(fp8_model_parameter_at(model.get(), i, nullptr, &value, nullptr));
+    EXPECT_EQ(tensor_bytes(value), before[static_cast<size_t>(i)]) << i;
+  }
+  Optimizer o = make_optimizer(model.get(), FP8_OPTIMIZER_ADAM);
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {4, 32}), y = make_tensor(ctx.get(), FP8_DTYPE_F32, {4, 16});
+  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {4, 16});
+  upload(x.get(), randn(128, 1, 1.0f));
+  upload(dy.get(), randn(64, 2, 1.0f));
+  FP8_ASSERT_OK(fp8_model_forward(model.get(), x.get(), y.get()));
+  FP8_ASSERT_OK(fp8_model_backward(model.get(), dy.get(), nullptr));
+  FP8_ASSERT_OK(fp8_optimizer_step(o.get()));
+  EXPECT_NE(tensor_bytes(param_tensor(model.get(), "fc.weight")), before[0]) << "the step changed nothing";
+  // A tensor of the caller's is still released as before (and the error message is not touched).
+  Tensor own = make_tensor(ctx.get(), FP8_DTYPE_F32, {3});
+  fp8_tensor_destroy(own.release());
+}
+
+TEST_F(LentTensors, TheWeightsAnOptimizerStoresAreLentToo) {
+  Recipe r = make_recipe("backend=msamp, opt_level=O1");
+  FP8_ASSERT_OK(fp8_convert_model(model.get(), r.get(), nullptr));
+  set_param(model.get(), "fc.weight", randn(32 * 32, 3, 0.1f));
+  Optimizer o = make_optimizer(model.get(), FP8_OPTIMIZER_ADAM);
+  fp8_tensor_t *value = nullptr, *grad = nullptr;
+  FP8_ASSERT_OK(fp8_model_parameter(model.get(), "fc.weight", &value, &grad));
+  ASSERT_EQ(dtype_of(value), FP8_DTYPE_F16);  // the optimizer's new storage
+  const auto bytes = tensor_bytes(value);
+  expect_destroy_refused(value, "O1 weight");
+  expect_destroy_refused(grad, "O1 FP8 gradient");
+  EXPECT_EQ(tensor_bytes(value), bytes);
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {4, 32}), y = make_tensor(ctx.get(), FP8_DTYPE_F32, {4, 32});
+  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {4, 32});
+  upload(x.get(), randn(128, 1, 1.0f));
+  upload(dy.get(), randn(128, 2, 1.0f));
+  FP8_ASSERT_OK(fp8_model_forward(model.get(), x.get(), y.get()));
+  FP8_ASSERT_OK(fp8_model_backward(model.get(), dy.get(), nullptr));
+  FP8_ASSERT_OK(fp8_optimizer_step(o.get()));
+  EXPECT_EQ(stats_of(o.get()).steps, 1);
+  EXPECT_NE(tensor_bytes(value), bytes);
+}
+
 }  // namespace
