@@ -226,6 +226,7 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  *     (also accepted one at a time: override_fprop=, override_dgrad=, override_wgrad=, which are
  *     the keys fp8_recipe_attr_bounds returns for those attributes)
  *   use_autocast_during_eval=on|off|true|false|1|0
+ *   small_layer_fallback=on|off|true|false|1|0
  * --------------------------------------------------------------------------------------------- */
 
 typedef struct fp8_recipe fp8_recipe_t;

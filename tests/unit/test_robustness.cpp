@@ -6,6 +6,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "api/guard.hpp"
@@ -269,6 +275,86 @@ TEST_F(LentTensors, TheWeightsAnOptimizerStoresAreLentToo) {
   FP8_ASSERT_OK(fp8_optimizer_step(o.get()));
   EXPECT_EQ(stats_of(o.get()).steps, 1);
   EXPECT_NE(tensor_bytes(value), bytes);
+}
+
+// ---- Recipe keys: what the parser accepts is what fp8.h lists ------------------------------------
+
+// The list of keys in the comment block above `typedef struct fp8_recipe` in fp8.h.
+std::string header_recipe_keys_block() {
+  std::ifstream in(FP8_HEADER_PATH);
+  EXPECT_TRUE(in.good()) << "cannot read " << FP8_HEADER_PATH;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string h = ss.str();
+  const size_t begin = h.find("Keys and values:", h.find("Text form (fp8_recipe_parse"));
+  const size_t end = h.find("typedef struct fp8_recipe ");
+  EXPECT_NE(begin, std::string::npos);
+  EXPECT_NE(end, std::string::npos);
+  if (begin == std::string::npos || end == std::string::npos || end < begin) return "";
+  return h.substr(begin, end - begin);
+}
+
+// key -> value of the recipe's text form ("backend=auto, opt_level=O2, ...").
+std::map<std::string, std::string> text_form(const fp8_recipe_t* r) {
+  char buf[1024];
+  EXPECT_OK(fp8_recipe_to_string(r, buf, sizeof buf, nullptr));
+  std::map<std::string, std::string> pairs;
+  std::stringstream ss(buf);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const size_t eq = item.find('=');
+    const size_t b = item.find_first_not_of(' ');
+    pairs[item.substr(b, eq - b)] = item.substr(eq + 1);
+  }
+  return pairs;
+}
+
+TEST(RecipeKeys, EveryAttributeKeyParsesAndIsListedInTheHeader) {
+  const std::string block = header_recipe_keys_block();
+  std::set<std::string> listed;
+  const std::regex key_re("([a-z_0-9]+)=");
+  for (auto it = std::sregex_iterator(block.begin(), block.end(), key_re); it != std::sregex_iterator(); ++it)
+    listed.insert((*it)[1]);
+  ASSERT_FALSE(listed.empty());
+
+  Recipe defaults = make_recipe();
+  const auto form = text_form(defaults.get());
+  const auto overrides = form.find("override_linear_precision");
+  ASSERT_NE(overrides, form.end());
+  std::set<std::string> keys;
+  for (fp8_recipe_attr_t a = 0; a < FP8_RECIPE_ATTR_COUNT; ++a) {
+    int64_t lo = 0, hi = 0, def = 0;
+    const char* key = nullptr;
+    FP8_ASSERT_OK(fp8_recipe_attr_bounds(a, &lo, &hi, &def, &key));
+    ASSERT_NE(key, nullptr);
+    SCOPED_TRACE(key);
+    keys.insert(key);
+    EXPECT_EQ(listed.count(key), 1u) << "fp8.h's list of recipe keys does not name '" << key << "'";
+    // The default's text: from the text form, where override_fprop/dgrad/wgrad are one f/d/w key.
+    std::string value;
+    if (form.count(key)) {
+      value = form.at(key);
+    } else {
+      const int part = a == FP8_RECIPE_OVERRIDE_FPROP ? 0 : a == FP8_RECIPE_OVERRIDE_DGRAD ? 1 : 2;
+      ASSERT_TRUE(a == FP8_RECIPE_OVERRIDE_FPROP || a == FP8_RECIPE_OVERRIDE_DGRAD || a == FP8_RECIPE_OVERRIDE_WGRAD)
+          << "fp8_recipe_to_string does not write this key";
+      std::stringstream flags(overrides->second);
+      for (int i = 0; i <= part; ++i) std::getline(flags, value, '/');
+    }
+    // "key=<default>" parses, and sets this attribute back from another value.
+    Recipe r = make_recipe();
+    FP8_ASSERT_OK(fp8_recipe_set_int(r.get(), a, def != lo ? lo : hi));
+    const std::string text = std::string(key) + "=" + value;
+    FP8_ASSERT_OK(fp8_recipe_parse(r.get(), text.c_str()));
+    int64_t got = -1;
+    FP8_ASSERT_OK(fp8_recipe_get_int(r.get(), a, &got));
+    EXPECT_EQ(got, def) << text;
+  }
+  // And the other way: every key the header lists is one the parser knows.
+  for (const std::string& k : listed) {
+    if (k == "override_linear_precision") continue;  // the three override flags at once (checked above)
+    EXPECT_EQ(keys.count(k), 1u) << "fp8.h lists recipe key '" << k << "', which is no attribute's key";
+  }
 }
 
 }  // namespace
