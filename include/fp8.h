@@ -632,10 +632,12 @@ FP8_API void fp8_model_destroy(fp8_model_t *model);
  *  in order of addition. Synchronous (allocates and initialises the parameters). */
 FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t *model, const char *name, int64_t in_features,
                                           int64_t out_features, int32_t with_bias, int32_t *layer_id);
-/** Adds a LayerNorm over the last dimension `dim` (gamma and beta), eps > 0. */
+/** Adds a LayerNorm over the last dimension `dim` (gamma and beta), eps > 0. dim is 1..2^20, the
+ *  largest d fp8_norm_backward takes (the layer's backward runs it); a larger one is refused with
+ *  FP8_ERR_INVALID_ARGUMENT. */
 FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t *model, const char *name, int64_t dim, float eps,
                                              int32_t *layer_id);
-/** Adds an RMSNorm over the last dimension `dim` (gamma), eps > 0. */
+/** Adds an RMSNorm over the last dimension `dim` (gamma), eps > 0, dim 1..2^20 as for LayerNorm. */
 FP8_API fp8_status_t fp8_model_add_rmsnorm(fp8_model_t *model, const char *name, int64_t dim, float eps,
                                            int32_t *layer_id);
 /** Adds an activation layer (FP8_ACTIVATION_*; no parameters). */

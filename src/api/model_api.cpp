@@ -25,6 +25,13 @@ void require_dim(int64_t v, const char* name) {
   if (v <= 0 || v > (int64_t{1} << 31)) fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " = ", v, "; expected 1..2^31");
 }
 
+// A norm layer's dim: at most what fp8_norm_backward takes, since the layer's backward runs it.
+void require_norm_dim(int64_t dim) {
+  if (dim <= 0 || dim > fp8::kMaxNormBackwardDim)
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "dim = ", dim, "; expected 1..", fp8::kMaxNormBackwardDim,
+              " (2^20, the largest d a norm's backward takes: its partial column sums live in the context's scratch)");
+}
+
 void require_eps(float eps) {
   if (!(std::isfinite(eps) && eps > 0.0f)) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "eps = ", eps, "; expected a finite value > 0");
 }
@@ -70,7 +77,7 @@ FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t* model, const char* name, 
 FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t* model, const char* name, int64_t dim, float eps,
                                              int32_t* layer_id) {
   return guard("fp8_model_add_layernorm", [&] {
-    require_dim(dim, "dim");
+    require_norm_dim(dim);
     require_eps(eps);
     add_layer(model, name, layer_id, [&] { return fp8::nn::make_norm(model->backend, name, false, dim, eps); });
   });
@@ -79,7 +86,7 @@ FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t* model, const char* nam
 FP8_API fp8_status_t fp8_model_add_rmsnorm(fp8_model_t* model, const char* name, int64_t dim, float eps,
                                            int32_t* layer_id) {
   return guard("fp8_model_add_rmsnorm", [&] {
-    require_dim(dim, "dim");
+    require_norm_dim(dim);
     require_eps(eps);
     add_layer(model, name, layer_id, [&] { return fp8::nn::make_norm(model->backend, name, true, dim, eps); });
   });

@@ -2,6 +2,7 @@
 // layer, the CPU reference and the CUDA launchers; every pointer is device memory of the backend.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/optim_rule.hpp"
@@ -112,8 +113,16 @@ struct ActivationJob {
   float* out_scale_inv;      // FP8 out only
 };
 
+// The largest d (cols) a norm backward takes, on every backend: the CUDA backend sums dgamma and
+// dbeta through partial rows in its context's scratch, which holds two partial rows of both at this
+// d. fp8_norm_backward refuses a larger x, fp8_model_add_layernorm / add_rmsnorm a larger dim.
+constexpr int64_t kMaxNormBackwardDim = int64_t{1} << 20;
+// Floats of that scratch.
+constexpr size_t kNormScratchFloats = 4 * static_cast<size_t>(kMaxNormBackwardDim);
+
 // Per row of x (rows x cols): LayerNorm (rms = false) or RMSNorm. Forward writes y (FP8 when
-// y_state), mean (LayerNorm) and rstd when non-null. Backward writes dx, dgamma, dbeta (if non-null).
+// y_state), mean (LayerNorm) and rstd when non-null. Backward writes dx, dgamma, dbeta (if non-null);
+// cols <= kMaxNormBackwardDim.
 struct NormJob {
   bool rms;
   bool backward;

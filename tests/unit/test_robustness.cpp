@@ -357,4 +357,39 @@ TEST(RecipeKeys, EveryAttributeKeyParsesAndIsListedInTheHeader) {
   }
 }
 
+// ---- Norm layers: dim at most what fp8_norm_backward takes ---------------------------------------
+
+TEST(NormLimits, ANormLayerWiderThanTheBackwardTakesIsRefused) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model m = make_model(ctx.get());
+  const int64_t max_d = int64_t{1} << 20;
+  int32_t id = -7;
+  EXPECT_REFUSED_WORDS(fp8_model_add_layernorm(m.get(), "ln", max_d + 1, 1e-5f, &id), FP8_ERR_INVALID_ARGUMENT,
+                       "fp8_model_add_layernorm", "dim = 1048577", "1..1048576", "2^20");
+  EXPECT_REFUSED_WORDS(fp8_model_add_rmsnorm(m.get(), "rms", int64_t{1} << 31, 1e-5f, &id), FP8_ERR_INVALID_ARGUMENT,
+                       "fp8_model_add_rmsnorm", "dim = 2147483648", "1..1048576");
+  EXPECT_EQ(id, -7);
+  int32_t count = -1;
+  FP8_ASSERT_OK(fp8_model_layer_count(m.get(), &count));
+  EXPECT_EQ(count, 0);
+
+  // At the limit: the layer is made, and its backward (which runs fp8_norm_backward's rule) works.
+  FP8_ASSERT_OK(fp8_model_add_layernorm(m.get(), "ln", max_d, 1e-5f, &id));
+  FP8_ASSERT_OK(fp8_model_add_rmsnorm(m.get(), "rms", max_d, 1e-5f, nullptr));
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {1, max_d}), y = make_tensor(ctx.get(), FP8_DTYPE_F32, {1, max_d});
+  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {1, max_d}), dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {1, max_d});
+  upload(x.get(), randn(static_cast<size_t>(max_d), 1, 1.0f));
+  upload(dy.get(), randn(static_cast<size_t>(max_d), 2, 1.0f));
+  FP8_ASSERT_OK(fp8_model_forward(m.get(), x.get(), y.get()));
+  FP8_ASSERT_OK(fp8_model_backward(m.get(), dy.get(), dx.get()));
+  EXPECT_GT(amax_of(download<float>(param_tensor(m.get(), "ln.gamma", true))), 0.0f);
+
+  // fp8_norm_backward itself: the same limit.
+  Tensor wide = make_tensor(ctx.get(), FP8_DTYPE_F32, {1, max_d + 1});
+  Tensor gamma = make_tensor(ctx.get(), FP8_DTYPE_F32, {max_d + 1}), rstd = make_tensor(ctx.get(), FP8_DTYPE_F32, {1});
+  EXPECT_REFUSED_WORDS(fp8_norm_backward(ctx.get(), FP8_NORM_RMSNORM, wide.get(), gamma.get(), nullptr, rstd.get(),
+                                         wide.get(), wide.get(), gamma.get(), nullptr),
+                       FP8_ERR_SHAPE, "fp8_norm_backward", "1048577", "at most 1048576");
+}
+
 }  // namespace
