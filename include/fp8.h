@@ -24,6 +24,17 @@
  *   returns, and "device memory" means ordinary host memory.
  * - Objects keep their context alive: fp8_context_destroy may come before the destruction of its
  *   tensors and scaling states; the context's resources go when the last of them goes.
+ * - Versioned structs (fp8_device_info_t, fp8_scaling_info_t, fp8_gemm_options_t,
+ *   fp8_convert_options_t, fp8_layer_report_t, fp8_optimizer_stats_t) begin with uint32_t
+ *   struct_size, which the caller sets to sizeof the struct as compiled (the matching *_init does);
+ *   later releases only append fields. Every struct_size from the struct's first release on is
+ *   accepted (each struct's comment names the last field of that release; a smaller size is
+ *   refused with FP8_ERR_INVALID_ARGUMENT). A struct the library reads (options) is read up to
+ *   min(struct_size, the library's sizeof), and the fields a shorter struct lacks take their
+ *   defaults; a longer one is accepted only if every byte past the library's sizeof is 0 (else
+ *   FP8_ERR_UNSUPPORTED naming the offset of the first nonzero byte). A struct the library fills
+ *   (info, report, stats) is written up to the same bound, struct_size and the bytes past the bound
+ *   left as they were.
  */
 #ifndef FP8_H
 #define FP8_H
@@ -170,7 +181,8 @@ FP8_API fp8_status_t fp8_context_get_stream(const fp8_context_t *ctx, struct CUs
 FP8_API fp8_status_t fp8_context_synchronize(fp8_context_t *ctx);
 
 /** What a device can do. Versioned: set struct_size = sizeof(fp8_device_info_t) before the call
- *  (fp8_device_info_init does it); later releases only append fields. */
+ *  (fp8_device_info_init does it); later releases only append fields. First release: through
+ *  cublaslt_version. */
 typedef struct fp8_device_info {
   uint32_t struct_size;            /**< [in] sizeof(fp8_device_info_t) as the caller compiled it */
   int32_t device;                  /**< ordinal, FP8_DEVICE_CPU for the CPU backend */
@@ -179,7 +191,8 @@ typedef struct fp8_device_info {
   int32_t multiprocessor_count;    /**< SMs; 0 for the CPU */
   uint64_t total_memory_bytes;     /**< global memory; 0 for the CPU */
   int32_t fp8_gemm;                /**< 1 if FP8 tensor-core GEMMs run here (sm_89 and newer) */
-  int32_t fp8_block_scaling;       /**< 1 if block-scaled FP8 GEMMs run here (sm_100 and newer) */
+  int32_t fp8_block_scaling;       /**< 1 if block-scaled FP8 GEMMs run here: sm_90 with cuBLASLt
+                                        >= 12.9 (1x128 and 128x128 block scales), sm_100 and newer */
   int32_t fp8_nccl_reduction;      /**< 1 if NCCL can reduce FP8 data natively here (NCCL >= 2.24, sm_90+) */
   int32_t nccl_version;            /**< NCCL loaded by libfp8, e.g. 22807 for 2.28.7 */
   int64_t cublaslt_version;        /**< cuBLASLt loaded by libfp8, e.g. 130100 */
@@ -213,6 +226,7 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  *     (also accepted one at a time: override_fprop=, override_dgrad=, override_wgrad=, which are
  *     the keys fp8_recipe_attr_bounds returns for those attributes)
  *   use_autocast_during_eval=on|off|true|false|1|0
+ *   small_layer_fallback=on|off|true|false|1|0
  * --------------------------------------------------------------------------------------------- */
 
 typedef struct fp8_recipe fp8_recipe_t;
@@ -317,6 +331,10 @@ FP8_API fp8_status_t fp8_tensor_create(fp8_tensor_t **out, fp8_context_t *ctx, f
 FP8_API fp8_status_t fp8_tensor_wrap(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
                                      int32_t ndim, const int64_t *shape, void *data);
 
+/** Releases a tensor from fp8_tensor_create or fp8_tensor_wrap (wrapped memory stays the caller's).
+ *  A tensor the library lends out (a model's parameter value or gradient, from fp8_model_parameter
+ *  or fp8_model_parameter_at) belongs to its model: it is left as it is, and
+ *  fp8_last_error_message() says that the model owns it (the function returns nothing). */
 FP8_API void fp8_tensor_destroy(fp8_tensor_t *tensor);
 
 /** [out] dtype. */
@@ -374,7 +392,7 @@ FP8_API void fp8_scaling_destroy(fp8_scaling_t *scaling);
 FP8_API fp8_status_t fp8_scaling_dtype(const fp8_scaling_t *scaling, fp8_dtype_t *dtype);
 
 /** A snapshot of a state, read after all queued work. Versioned: set struct_size first
- *  (fp8_scaling_info_init). Synchronous. */
+ *  (fp8_scaling_info_init); first release: through nonfinite_count. Synchronous. */
 typedef struct fp8_scaling_info {
   uint32_t struct_size;       /**< [in] sizeof(fp8_scaling_info_t) */
   float scale;                /**< multiply by this before the FP8 cast */
@@ -457,7 +475,8 @@ FP8_API fp8_status_t fp8_amax(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_te
  * writes nothing, not even D's scale_inv.
  * --------------------------------------------------------------------------------------------- */
 
-/** GEMM options. Versioned: fp8_gemm_options_init sets struct_size and the defaults. */
+/** GEMM options. Versioned: fp8_gemm_options_init sets struct_size and the defaults. First
+ *  release: through fast_accumulation. */
 typedef struct fp8_gemm_options {
   uint32_t struct_size;      /**< [in] sizeof(fp8_gemm_options_t) */
   float alpha;               /**< multiplies the product; default 1 */
@@ -617,10 +636,12 @@ FP8_API void fp8_model_destroy(fp8_model_t *model);
  *  in order of addition. Synchronous (allocates and initialises the parameters). */
 FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t *model, const char *name, int64_t in_features,
                                           int64_t out_features, int32_t with_bias, int32_t *layer_id);
-/** Adds a LayerNorm over the last dimension `dim` (gamma and beta), eps > 0. */
+/** Adds a LayerNorm over the last dimension `dim` (gamma and beta), eps > 0. dim is 1..2^20, the
+ *  largest d fp8_norm_backward takes (the layer's backward runs it); a larger one is refused with
+ *  FP8_ERR_INVALID_ARGUMENT. */
 FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t *model, const char *name, int64_t dim, float eps,
                                              int32_t *layer_id);
-/** Adds an RMSNorm over the last dimension `dim` (gamma), eps > 0. */
+/** Adds an RMSNorm over the last dimension `dim` (gamma), eps > 0, dim 1..2^20 as for LayerNorm. */
 FP8_API fp8_status_t fp8_model_add_rmsnorm(fp8_model_t *model, const char *name, int64_t dim, float eps,
                                            int32_t *layer_id);
 /** Adds an activation layer (FP8_ACTIVATION_*; no parameters). */
@@ -636,7 +657,8 @@ FP8_API fp8_status_t fp8_model_layer_name(const fp8_model_t *model, int32_t laye
 
 /** The parameter "<layer>.<param>" ("fc1.weight", "fc1.bias", "ln.gamma", "ln.beta"). [out] value,
  *  grad (either may be NULL): borrowed tensors, valid while the model lives (until an optimizer at
- *  O1..O3 converts a Linear weight: fetch them again after fp8_optimizer_create). They are FP32,
+ *  O1..O3 converts a Linear weight: fetch them again after fp8_optimizer_create). The model owns
+ *  them: fp8_tensor_destroy leaves them alone (and says so). They are FP32,
  *  except a Linear weight under an MS-AMP level (see "Optimizer"): value F16 (O1/O2) or E4M3 (O3),
  *  grad E5M2 (HYBRID) or E4M3 with its scale_inv. Writing a value with fp8_tensor_copy_from_host is
  *  seen by the layer; after writing one any other way (your own optimizer kernel), call
@@ -700,7 +722,8 @@ FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t *model);
  *  nothing for a backward). */
 FP8_API fp8_status_t fp8_model_set_training(fp8_model_t *model, int32_t training);
 
-/** Which layer kinds fp8_convert_model converts, and in which direction. Versioned. */
+/** Which layer kinds fp8_convert_model converts, and in which direction. Versioned
+ *  (fp8_convert_options_init); first release: through activation. */
 typedef struct fp8_convert_options {
   uint32_t struct_size; /**< [in] sizeof(fp8_convert_options_t) */
   int32_t to_fp8;       /**< 1 (default): to FP8 under the recipe; 0: back to high precision */
@@ -823,7 +846,8 @@ FP8_API fp8_status_t fp8_model_backward(fp8_model_t *model, const fp8_tensor_t *
 FP8_API fp8_status_t fp8_layer_get_scaling(fp8_model_t *model, int32_t layer_id, int32_t slot,
                                            fp8_scaling_t **scaling);
 
-/** What a layer did, for users and tests. Versioned: fp8_layer_report_init first. */
+/** What a layer did, for users and tests. Versioned: fp8_layer_report_init first; first release:
+ *  through reason. */
 typedef struct fp8_layer_report {
   uint32_t struct_size;   /**< [in] sizeof(fp8_layer_report_t) */
   fp8_layer_kind_t kind;  /**< FP8_LAYER_* */
@@ -942,7 +966,8 @@ FP8_API fp8_status_t fp8_optimizer_step(fp8_optimizer_t *optimizer);
 /** Sets every gradient of the model to zero (fp8_model_zero_grad). Asynchronous. */
 FP8_API fp8_status_t fp8_optimizer_zero_grad(fp8_optimizer_t *optimizer);
 
-/** What the optimizer did. Versioned: fp8_optimizer_stats_init first. */
+/** What the optimizer did. Versioned: fp8_optimizer_stats_init first; first release: through
+ *  state_bytes (opt_level and training_bytes came later). */
 typedef struct fp8_optimizer_stats {
   uint32_t struct_size;     /**< [in] sizeof(fp8_optimizer_stats_t) */
   int64_t steps;            /**< steps applied (t) */

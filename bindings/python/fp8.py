@@ -218,25 +218,52 @@ class Tensor(_Handle):
         raw = self.read()
         return list(struct.unpack(f"{len(raw) // 4}f", raw))
 
-    @classmethod
-    def _borrowed(cls, owner, handle):
-        """A tensor that belongs to `owner` (a model's parameter): not destroyed here, kept with it."""
-        t = cls.__new__(cls)
-        t.handle, t._destroy, t.owner = _p(handle), None, owner
-        dt, ndim, dims = _i32(), _i32(), (_i64 * 8)()
-        _check(_lib.fp8_tensor_dtype(t.handle, ctypes.byref(dt)))
-        _check(_lib.fp8_tensor_shape(t.handle, ctypes.byref(ndim), dims))
-        t.dtype, t.shape = dt.value, tuple(dims[:ndim.value])
-        t.nbytes = _lib.fp8_dtype_size(t.dtype)
-        for d in t.shape:
-            t.nbytes *= d
-        return t
-
     @property
     def scale_inv(self):
         v = _f32()
         _check(_lib.fp8_tensor_get_scale_inv(self.handle, ctypes.byref(v)))
         return v.value
+
+
+class Parameter(Tensor):
+    """A model's parameter value or gradient ("<layer>.<param>"), borrowed from the model.
+
+    The C tensor belongs to the model, so it is never destroyed here, and it can be replaced: an
+    optimizer at O1..O3 gives a Linear weight new storage (fp8_optimizer_create), freeing the tensors
+    fetched before. So this object holds the Model (which holds its context) and looks its tensor up
+    again at every use: handle, dtype, shape and nbytes are always those of the current storage.
+    """
+    _destroy = None  # the model's
+
+    def __init__(self, model, name, grad=False):  # pylint: disable=super-init-not-called
+        self.model, self.ctx, self.name, self.is_grad = model, model.ctx, name, grad
+        self.handle  # an unknown name raises here
+
+    @property
+    def handle(self):
+        value, grad = _p(), _p()
+        _check(_lib.fp8_model_parameter(self.model.handle, self.name.encode(), ctypes.byref(value),
+                                        ctypes.byref(grad)))
+        return grad if self.is_grad else value
+
+    @property
+    def dtype(self):
+        dt = _i32()
+        _check(_lib.fp8_tensor_dtype(self.handle, ctypes.byref(dt)))
+        return dt.value
+
+    @property
+    def shape(self):
+        ndim, dims = _i32(), (_i64 * 8)()
+        _check(_lib.fp8_tensor_shape(self.handle, ctypes.byref(ndim), dims))
+        return tuple(dims[:ndim.value])
+
+    @property
+    def nbytes(self):
+        n = _lib.fp8_dtype_size(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
 
 
 class Scaling(_Handle):
@@ -294,6 +321,9 @@ class Model(_Handle):
     def __init__(self, ctx):
         super().__init__()
         self.ctx = ctx
+        # The inputs of the latest forwards (per layer id; None for run), which the backward reads:
+        # kept alive here, since the C model holds on to their memory until then.
+        self._inputs = {}
         _check(_lib.fp8_model_create(ctypes.byref(self.handle), ctx.handle))
 
     def _add(self, fn, name, *args):
@@ -314,10 +344,9 @@ class Model(_Handle):
         return self._add("fp8_model_add_activation", name, activation)
 
     def parameter(self, name):
-        """(value, grad) of "<layer>.<param>", borrowed FP32 tensors."""
-        value, grad = _p(), _p()
-        _check(_lib.fp8_model_parameter(self.handle, name.encode(), ctypes.byref(value), ctypes.byref(grad)))
-        return Tensor._borrowed(self, value.value), Tensor._borrowed(self, grad.value)
+        """(value, grad) of "<layer>.<param>": Parameter tensors that keep this model alive and always
+        refer to its current storage (FP32, or what an MS-AMP optimizer made of a Linear weight)."""
+        return Parameter(self, name), Parameter(self, name, grad=True)
 
     def convert(self, recipe=None):
         """To FP8 under `recipe`; back to high precision with recipe=None (weights kept)."""
@@ -360,8 +389,9 @@ class Model(_Handle):
         _check(_lib.fp8_model_set_autowrap(self.handle, int(on)))
 
     def forward(self, layer_id, x, y):
-        """One layer: y = layer(x)."""
+        """One layer: y = layer(x). x is kept (the layer's backward reads it)."""
         _check(_lib.fp8_layer_forward(self.handle, layer_id, x.handle, y.handle))
+        self._inputs[layer_id] = x
 
     def backward(self, layer_id, dy, dx=None):
         _check(_lib.fp8_layer_backward(self.handle, layer_id, dy.handle, dx.handle if dx else None))
@@ -382,8 +412,9 @@ class Model(_Handle):
         _check(_lib.fp8_model_import_safetensors(self.handle, path.encode()))
 
     def run(self, x, y):
-        """The whole model, layers in order (fp8_model_forward)."""
+        """The whole model, layers in order (fp8_model_forward). x is kept (the backward reads it)."""
         _check(_lib.fp8_model_forward(self.handle, x.handle, y.handle))
+        self._inputs[None] = x
 
     def run_backward(self, dy, dx=None):
         """Backward of the latest run (fp8_model_backward); dx=None when the input needs no gradient."""

@@ -1,8 +1,11 @@
 """The ctypes binding against the real library on the CPU reference backend (run by CTest)."""
+import gc
 import os
 import re
+import struct
 import sys
 import unittest
+import weakref
 
 import fp8
 
@@ -99,6 +102,47 @@ class BindingTest(unittest.TestCase):
         model.convert(None)
         self.assertFalse(model.has_fp8_layers)
         self.assertEqual(weight.read_floats()[:18], [1.0] + [0.0] * 16 + [1.0])  # kept
+
+    def test_no_python_object_outlives_the_c_tensor_it_uses(self):
+        ctx = fp8.Context()
+        model = fp8.Model(ctx)
+        model.add_linear("fc", 16, 16)
+        weight, grad = model.parameter("fc.weight")
+        values = [0.25 * ((i % 9) - 4) for i in range(256)]  # exact in F16
+        weight.write_floats(values)
+        # An MS-AMP optimizer gives the weight new storage (F16 value, FP8 gradient) and frees the
+        # tensors fetched before: the Parameter objects follow.
+        model.convert(fp8.Recipe("backend=msamp, opt_level=O2"))
+        opt = fp8.Optimizer(model, fp8.OPTIMIZER_ADAM)
+        self.assertEqual(weight.dtype, fp8.DTYPE_F16)
+        self.assertEqual(grad.dtype, fp8.DTYPE_E5M2)
+        self.assertEqual(weight.shape, (16, 16))
+        self.assertEqual(list(struct.unpack("256e", weight.read())), values)
+        # The model, its context and its optimizer dropped: the parameter tensors keep the model alive.
+        model_ref = weakref.ref(model)
+        del model, ctx, opt
+        gc.collect()
+        self.assertIsNotNone(model_ref())
+        self.assertEqual(list(struct.unpack("256e", weight.read())), values)
+        self.assertEqual(len(grad.read()), 256)
+        del weight
+        gc.collect()
+        self.assertIsNotNone(model_ref())  # grad still holds it
+        del grad
+        gc.collect()
+        self.assertIsNone(model_ref())
+        # The model keeps the input of its latest forward alive until the backward reads it.
+        ctx = fp8.Context()
+        model = fp8.Model(ctx)
+        fc = model.add_linear("fc", 4, 4)
+        x, y = fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 4)), fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 4))
+        x.write_floats([1.0] * 8)
+        x_ref = weakref.ref(x)
+        model.run(x, y)
+        model.forward(fc, fp8.Tensor(ctx, fp8.DTYPE_F32, (2, 4)), y)
+        del x
+        gc.collect()
+        self.assertIsNotNone(x_ref())
 
     def test_whole_model_run_and_an_sgd_step(self):
         ctx = fp8.Context()

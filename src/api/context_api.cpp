@@ -60,9 +60,7 @@ FP8_API void fp8_device_info_init(fp8_device_info_t* info) {
 FP8_API fp8_status_t fp8_device_query(int32_t device, fp8_device_info_t* info) {
   return guard("fp8_device_query", [&] {
     require_arg(info, "info");
-    // The first release of the struct ends with cublaslt_version.
-    constexpr size_t v1_size = offsetof(fp8_device_info_t, cublaslt_version) + sizeof(int64_t);
-    fp8::require_struct_size(info, v1_size, "info", "fp8_device_info_init");
+    fp8::require_struct_size(info, fp8::kDeviceInfoV1Size, "info", "fp8_device_info_init");
     fp8_device_info_t result;
     fp8_device_info_init(&result);
     fp8::query_device(device, &result);

@@ -41,11 +41,7 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
     require_arg(d, "d");
     fp8_gemm_options_t opts;
     fp8_gemm_options_init(&opts);
-    if (options) {
-      constexpr size_t v1_size = offsetof(fp8_gemm_options_t, fast_accumulation) + sizeof(int32_t);
-      fp8::require_struct_size(options, v1_size, "options", "fp8_gemm_options_init");
-      std::memcpy(&opts, options, std::min<size_t>(options->struct_size, sizeof opts));
-    }
+    if (options) fp8::read_versioned(opts, options, fp8::kGemmOptionsV1Size, "options", "fp8_gemm_options_init");
     for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"}, {b, "b"}, {d, "d"}, {bias, "bias"}})
       if (t) fp8::require_same_context(ctx, t, name);
     if (d_scaling) fp8::require_same_context(ctx, d_scaling, "d_scaling");

@@ -106,19 +106,52 @@ inline void write_text(const std::string& text, char* buf, size_t cap, size_t* n
   std::memcpy(buf, text.c_str(), size);
 }
 
-// Versioned out-structs (fp8_device_info_t, ...): the caller's struct_size must cover at least the
-// struct's first release, `v1_size`; the result is then copied up to the caller's size, keeping
-// struct_size, so a program built against an older, shorter struct keeps working.
+// ---- Versioned structs (the rule is in fp8.h's conventions) --------------------------------------
+// Each begins with uint32_t struct_size, the size the caller compiled against; releases only append
+// fields. The size of each struct's first release, named by its last field: the smallest struct_size
+// a call accepts. These never change (tests/headertest pins the layouts).
+constexpr size_t kDeviceInfoV1Size = offsetof(fp8_device_info_t, cublaslt_version) + sizeof(int64_t);
+constexpr size_t kScalingInfoV1Size = offsetof(fp8_scaling_info_t, nonfinite_count) + sizeof(int64_t);
+constexpr size_t kGemmOptionsV1Size = offsetof(fp8_gemm_options_t, fast_accumulation) + sizeof(int32_t);
+constexpr size_t kConvertOptionsV1Size = offsetof(fp8_convert_options_t, activation) + sizeof(int32_t);
+constexpr size_t kLayerReportV1Size = offsetof(fp8_layer_report_t, reason) + sizeof(char[200]);
+constexpr size_t kOptimizerStatsV1Size = offsetof(fp8_optimizer_stats_t, state_bytes) + sizeof(int64_t);
+
+// The caller's struct_size must cover at least the struct's first release, `v1_size`.
 template <typename T>
 void require_struct_size(const T* s, size_t v1_size, const char* name, const char* init_fn) {
   if (s->struct_size < v1_size)
     fail(FP8_ERR_INVALID_ARGUMENT, name, "->struct_size = ", s->struct_size, "; expected at least ", v1_size,
          " (call ", init_fn, " first)");
 }
+
+// Versioned out-structs (fp8_device_info_t, ...): after require_struct_size, the result is copied up
+// to the caller's size (at most sizeof(T)), keeping struct_size, so a program built against an
+// older, shorter struct keeps working and the bytes of a newer, longer one past sizeof(T) stay as
+// they were.
 template <typename T>
 void write_versioned(T* dst, T full) {
   full.struct_size = dst->struct_size;
   std::memcpy(dst, &full, dst->struct_size < sizeof(T) ? dst->struct_size : sizeof(T));
+}
+
+// Versioned in-structs (fp8_gemm_options_t, fp8_convert_options_t): `opts` holds the defaults; the
+// caller's struct is copied over them up to min(struct_size, sizeof(T)), so the fields an older
+// caller lacks keep their defaults. Bytes past sizeof(T) are fields of a newer release this build
+// does not know: accepted only if zero, else FP8_ERR_UNSUPPORTED naming the first nonzero offset.
+// Nothing is read before every check has passed.
+template <typename T>
+void read_versioned(T& opts, const T* s, size_t v1_size, const char* name, const char* init_fn) {
+  require_struct_size(s, v1_size, name, init_fn);
+  const size_t size = s->struct_size;
+  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(s);
+  for (size_t i = sizeof(T); i < size; ++i)
+    if (bytes[i] != 0)
+      fail(FP8_ERR_UNSUPPORTED, name, "->struct_size = ", size, " but the byte at offset ", i,
+           " is nonzero: a field newer than this libfp8, which knows the first ", sizeof(T),
+           " bytes; expected every byte from offset ", sizeof(T), " on to be 0");
+  std::memcpy(&opts, s, size < sizeof(T) ? size : sizeof(T));
+  opts.struct_size = static_cast<uint32_t>(sizeof(T));
 }
 
 }  // namespace fp8

@@ -26,6 +26,13 @@ void require_dim(int64_t v, const char* name) {
   if (v <= 0 || v > (int64_t{1} << 31)) fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " = ", v, "; expected 1..2^31");
 }
 
+// A norm layer's dim: at most what fp8_norm_backward takes, since the layer's backward runs it.
+void require_norm_dim(int64_t dim) {
+  if (dim <= 0 || dim > fp8::kMaxNormBackwardDim)
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "dim = ", dim, "; expected 1..", fp8::kMaxNormBackwardDim,
+              " (2^20, the largest d a norm's backward takes: its partial column sums live in the context's scratch)");
+}
+
 void require_eps(float eps) {
   if (!(std::isfinite(eps) && eps > 0.0f)) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "eps = ", eps, "; expected a finite value > 0");
 }
@@ -71,7 +78,7 @@ FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t* model, const char* name, 
 FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t* model, const char* name, int64_t dim, float eps,
                                              int32_t* layer_id) {
   return guard("fp8_model_add_layernorm", [&] {
-    require_dim(dim, "dim");
+    require_norm_dim(dim);
     require_eps(eps);
     add_layer(model, name, layer_id, [&] { return fp8::nn::make_norm(model->backend, name, false, dim, eps); });
   });
@@ -80,7 +87,7 @@ FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t* model, const char* nam
 FP8_API fp8_status_t fp8_model_add_rmsnorm(fp8_model_t* model, const char* name, int64_t dim, float eps,
                                            int32_t* layer_id) {
   return guard("fp8_model_add_rmsnorm", [&] {
-    require_dim(dim, "dim");
+    require_norm_dim(dim);
     require_eps(eps);
     add_layer(model, name, layer_id, [&] { return fp8::nn::make_norm(model->backend, name, true, dim, eps); });
   });
@@ -241,10 +248,7 @@ FP8_API fp8_status_t fp8_convert_model(fp8_model_t* model, const fp8_recipe_t* r
     require_arg(model, "model");
     fp8_convert_options_t opts;
     fp8_convert_options_init(&opts);
-    if (options) {
-      fp8::require_struct_size(options, sizeof(fp8_convert_options_t), "options", "fp8_convert_options_init");
-      opts = *options;
-    }
+    if (options) fp8::read_versioned(opts, options, fp8::kConvertOptionsV1Size, "options", "fp8_convert_options_init");
     for (auto [v, name] : {std::pair<int32_t, const char*>{opts.to_fp8, "to_fp8"}, {opts.linear, "linear"},
                            {opts.norm, "norm"}, {opts.activation, "activation"}})
       if (v != 0 && v != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->", name, " = ", v, "; expected 0 or 1");
@@ -405,7 +409,7 @@ FP8_API fp8_status_t fp8_layer_get_report(const fp8_model_t* model, int32_t laye
   return guard("fp8_layer_get_report", [&] {
     require_arg(model, "model");
     require_arg(report, "report");
-    fp8::require_struct_size(report, sizeof(fp8_layer_report_t), "report", "fp8_layer_report_init");
+    fp8::require_struct_size(report, fp8::kLayerReportV1Size, "report", "fp8_layer_report_init");
     const fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     const fp8::nn::LayerStats& s = layer.stats();
     fp8_layer_report_t r{};

@@ -11,8 +11,6 @@ using fp8::require_arg;
 
 namespace {
 
-constexpr int64_t kMaxBackwardDim = int64_t{1} << 20;  // the CUDA backend's scratch holds 2 partial rows of this
-
 void check_kind(fp8_norm_t kind) {
   if (kind != FP8_NORM_LAYERNORM && kind != FP8_NORM_RMSNORM)
     fp8::fail(FP8_ERR_INVALID_ARGUMENT, "kind = ", kind, "; expected FP8_NORM_LAYERNORM (0) or FP8_NORM_RMSNORM (1)");
@@ -104,8 +102,9 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t* ctx, fp8_norm_t kind, cons
     require_arg(ctx, "ctx");
     check_kind(kind);
     const int64_t d = check_x(ctx, x);
-    if (d > kMaxBackwardDim)
-      fp8::fail(FP8_ERR_SHAPE, "x has d = ", d, "; the backward supports at most ", kMaxBackwardDim);
+    if (d > fp8::kMaxNormBackwardDim)
+      fp8::fail(FP8_ERR_SHAPE, "x has d = ", d, "; the backward supports at most ", fp8::kMaxNormBackwardDim,
+                " (2^20)");
     require_arg(gamma, "gamma");
     require_arg(rstd, "rstd");
     require_arg(dy, "dy");

@@ -60,8 +60,7 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t* optimizer, f
   return guard("fp8_optimizer_get_stats", [&] {
     require_arg(optimizer, "optimizer");
     require_arg(stats, "stats");
-    // Callers built against the first version (up to state_bytes) are still served.
-    fp8::require_struct_size(stats, offsetof(fp8_optimizer_stats_t, opt_level), "stats", "fp8_optimizer_stats_init");
+    fp8::require_struct_size(stats, fp8::kOptimizerStatsV1Size, "stats", "fp8_optimizer_stats_init");
     fp8::write_versioned(stats, fp8::optim::stats(*optimizer));
   });
 }

@@ -50,9 +50,7 @@ FP8_API fp8_status_t fp8_scaling_get_info(const fp8_scaling_t* scaling, fp8_scal
   return guard("fp8_scaling_get_info", [&] {
     require_arg(scaling, "scaling");
     require_arg(info, "info");
-    // The first release of the struct ends with nonfinite_count.
-    constexpr size_t v1_size = offsetof(fp8_scaling_info_t, nonfinite_count) + sizeof(int64_t);
-    fp8::require_struct_size(info, v1_size, "info", "fp8_scaling_info_init");
+    fp8::require_struct_size(info, fp8::kScalingInfoV1Size, "info", "fp8_scaling_info_init");
     const fp8::ScalingHeader h = read_header(scaling);
     fp8_scaling_info_t result{};
     scaling->backend->copy_to_host(&result.amax, fp8::scaling_history(scaling->state), sizeof result.amax);

@@ -1,5 +1,6 @@
 // Tensors: creation, wrapping, metadata, host copies, scale_inv.
 #include <cmath>
+#include <cstdio>
 
 #include "api/guard.hpp"
 
@@ -36,7 +37,15 @@ FP8_API fp8_status_t fp8_tensor_wrap(fp8_tensor_t** out, fp8_context_t* ctx, fp8
   });
 }
 
-FP8_API void fp8_tensor_destroy(fp8_tensor_t* tensor) { delete tensor; }
+FP8_API void fp8_tensor_destroy(fp8_tensor_t* tensor) {
+  if (tensor && tensor->lent_by) {  // not the caller's: its owner releases it
+    char what[256];
+    std::snprintf(what, sizeof what, "tensor belongs to %s, which releases it; nothing was done", tensor->lent_by);
+    fp8::report("fp8_tensor_destroy", what);
+    return;
+  }
+  delete tensor;
+}
 
 FP8_API fp8_status_t fp8_tensor_dtype(const fp8_tensor_t* tensor, fp8_dtype_t* dtype) {
   return guard("fp8_tensor_dtype", [&] {

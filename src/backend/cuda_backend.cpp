@@ -248,9 +248,9 @@ class CudaBackend final : public Backend {
   kernels::LaunchLimits limits_{};
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<CublasLtGemm> gemm_;
-  // Scratch for reductions in several passes (the norm backward's partial column sums): 16 MiB,
-  // allocated once so that no call allocates.
-  static constexpr size_t kScratchFloats = size_t{4} << 20;
+  // Scratch for reductions in several passes (the norm backward's partial column sums, which set its
+  // size: see kMaxNormBackwardDim): 16 MiB, allocated once so that no call allocates.
+  static constexpr size_t kScratchFloats = kNormScratchFloats;
   float* scratch_ = nullptr;
 };
 

@@ -41,7 +41,7 @@ void query_device(int32_t device, fp8_device_info_t* info) {
   info->multiprocessor_count = prop.multiProcessorCount;
   info->total_memory_bytes = prop.totalGlobalMem;
   info->fp8_gemm = info->compute_capability >= 89;
-  info->fp8_block_scaling = info->compute_capability >= 100;
+  info->fp8_block_scaling = fp8_block_scaling_supported(info->compute_capability, info->cublaslt_version);
   // NCCL reduces ncclFloat8e4m3/e5m2 from 2.24 on, on sm_90 and newer.
   info->fp8_nccl_reduction = info->nccl_version >= 22400 && info->compute_capability >= 90;
 }

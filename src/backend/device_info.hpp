@@ -1,9 +1,19 @@
 // Device discovery for fp8_device_count / fp8_device_query.
 #pragma once
 
+#include <cstdint>
+
 #include "fp8.h"
 
 namespace fp8 {
+
+// cuBLASLt runs FP8 GEMMs with 1x128 and 128x128 block scales on Hopper (sm_90) from 12.9 on
+// (cublasLtGetVersion() 120900); sm_100 and newer have block-scaled FP8 in hardware.
+constexpr int64_t kCublasLtHopperBlockScalingVersion = 120900;
+constexpr bool fp8_block_scaling_supported(int32_t compute_capability, int64_t cublaslt_version) {
+  return compute_capability >= 100 ||
+         (compute_capability == 90 && cublaslt_version >= kCublasLtHopperBlockScalingVersion);
+}
 
 int32_t cuda_device_count();  // 0 without a driver or GPU
 // Fills every field of `info` but struct_size; throws FP8_ERR_NO_DEVICE for a bad ordinal.

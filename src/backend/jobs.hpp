@@ -4,6 +4,7 @@
 // scales only and refuse the other modes (FP8_ERR_UNSUPPORTED).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/optim_rule.hpp"
@@ -116,8 +117,16 @@ struct ActivationJob {
   bool accumulate = false;   // backward into a wide dx: dx = convert(float(dx) + value)
 };
 
+// The largest d (cols) a norm backward takes, on every backend: the CUDA backend sums dgamma and
+// dbeta through partial rows in its context's scratch, which holds two partial rows of both at this
+// d. fp8_norm_backward refuses a larger x, fp8_model_add_layernorm / add_rmsnorm a larger dim.
+constexpr int64_t kMaxNormBackwardDim = int64_t{1} << 20;
+// Floats of that scratch.
+constexpr size_t kNormScratchFloats = 4 * static_cast<size_t>(kMaxNormBackwardDim);
+
 // Per row of x (rows x cols): LayerNorm (rms = false) or RMSNorm. Forward writes y (FP8 when
-// y_state), mean (LayerNorm) and rstd when non-null. Backward writes dx, dgamma, dbeta (if non-null).
+// y_state), mean (LayerNorm) and rstd when non-null. Backward writes dx, dgamma, dbeta (if non-null);
+// cols <= kMaxNormBackwardDim.
 struct NormJob {
   bool rms;
   bool backward;

@@ -35,6 +35,9 @@ struct fp8_tensor {
   // Set when the library keeps state the tensor's bytes must agree with (an FP8 gradient's amax,
   // O3's F16 master): fp8_tensor_copy_from_host and fp8_tensor_set_scale_inv refuse with this.
   const char* write_refusal = nullptr;
+  // Set on a tensor the library lends out (a model's parameter value or gradient): its owner keeps
+  // and releases it, and fp8_tensor_destroy refuses it, naming the owner with this text.
+  const char* lent_by = nullptr;
 
   fp8_tensor() = default;
   fp8_tensor(const fp8_tensor&) = delete;
@@ -80,6 +83,14 @@ inline size_t scale_inv_offset(size_t nbytes) { return (nbytes + 15) / 16 * 16; 
 std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend, fp8_dtype_t dtype, int32_t ndim,
                                         const int64_t* shape, bool borrow, void* data,
                                         size_t scale_bytes = sizeof(float));
+
+// Marks `t` as a model's parameter tensor (see fp8_tensor::lent_by) and passes it on.
+constexpr const char* kLentByModel =
+    "its model (a parameter value or gradient from fp8_model_parameter / fp8_model_parameter_at)";
+inline std::unique_ptr<fp8_tensor> lent_by_model(std::unique_ptr<fp8_tensor> t) {
+  t->lent_by = kLentByModel;
+  return t;
+}
 
 // A state with scale `scale`, scale_inv 1/scale (as every update sets it) and a zeroed history.
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,

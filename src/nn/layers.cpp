@@ -11,8 +11,8 @@
 namespace fp8::nn {
 
 fp8_tensor* Layer::add_parameter(const char* name, int32_t ndim, const int64_t* shape, float init) {
-  Parameter p{name_ + "." + name, make_tensor(backend_, FP8_DTYPE_F32, ndim, shape, false, nullptr),
-              make_tensor(backend_, FP8_DTYPE_F32, ndim, shape, false, nullptr)};
+  Parameter p{name_ + "." + name, lent_by_model(make_tensor(backend_, FP8_DTYPE_F32, ndim, shape, false, nullptr)),
+              lent_by_model(make_tensor(backend_, FP8_DTYPE_F32, ndim, shape, false, nullptr))};
   const std::vector<float> values(static_cast<size_t>(p.value->numel), init);
   backend_->copy_from_host(p.value->data, values.data(), p.value->nbytes());
   backend_->zero(p.grad->data, p.grad->nbytes());

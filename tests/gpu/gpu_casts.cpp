@@ -320,4 +320,76 @@ TEST_F(GpuVsCpu, QuantizeHandlesTensorsLargerThan2To31Elements) {
   EXPECT_EQ(download<uint8_t>(flat_out.get()), q);
 }
 
+// The bias gradient of more than 65535 row tiles of kBiasGradRows (128) rows: more tiles than a
+// grid's y dimension holds. Three paths: the column-sum kernel alone (high precision), fused into
+// the dy cast with its transpose (FP8 wgrad), and after the cast without transpose (FP8 dgrad with
+// override_wgrad). The values are multiples of 1/4 whose running sums stay small, so every order of
+// summation is exact and the GPU's float sums equal the CPU's double ones bit for bit; the rows past
+// the 65535th tile hold +1 so that losing them shows.
+TEST_F(GpuVsCpu, BiasGradientOfMoreThan65535RowTilesIsBitExact) {
+  const int64_t rows = int64_t{65535} * 128 + 256, cols = 16;
+  std::vector<uint16_t> dy_host(static_cast<size_t>(rows * cols)), x_host(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float dy = r >= int64_t{65535} * 128 ? 1.0f : static_cast<float>((r + 3 * c) % 9 - 4) * 0.25f;
+      dy_host[static_cast<size_t>(r * cols + c)] = fp8::float_to_bf16(dy);
+      x_host[static_cast<size_t>(r * cols + c)] = fp8::float_to_bf16(static_cast<float>((r + c) % 5 - 2) * 0.5f);
+    }
+  }
+  std::vector<float> want(static_cast<size_t>(cols), 0.0f);
+  for (int64_t c = 0; c < cols; ++c) {
+    double sum = 0;
+    for (int64_t r = 0; r < rows; ++r) sum += fp8::bf16_to_float(dy_host[static_cast<size_t>(r * cols + c)]);
+    want[static_cast<size_t>(c)] = static_cast<float>(sum);
+  }
+  const std::vector<float> weight = normal_floats(static_cast<size_t>(cols * cols), 5, 0.0f, 0.1f);
+  struct Side {
+    fp8_context_t* ctx;
+    Tensor x, dy, dx, y;
+  };
+  Side sides[2] = {{cpu.get(), {}, {}, {}, {}}, {gpu.get(), {}, {}, {}, {}}};
+  for (Side& side : sides) {
+    side.x = make_tensor(side.ctx, FP8_DTYPE_BF16, {rows, cols});
+    side.dy = make_tensor(side.ctx, FP8_DTYPE_BF16, {rows, cols});
+    side.dx = make_tensor(side.ctx, FP8_DTYPE_BF16, {rows, cols});
+    side.y = make_tensor(side.ctx, FP8_DTYPE_BF16, {rows, cols});
+    upload(side.x.get(), x_host);
+    upload(side.dy.get(), dy_host);
+  }
+  const struct {
+    const char* recipe;  // nullptr: not converted
+    bool dx;
+    int dgrad, wgrad;  // the precisions the layer's report must show (1 FP8)
+  } cases[] = {{nullptr, false, 0, 0},
+               {"small_layer_fallback=0", false, 1, 1},
+               {"small_layer_fallback=0, override_wgrad=on", true, 1, 0}};
+  for (const auto& k : cases) {
+    SCOPED_TRACE(k.recipe ? k.recipe : "high precision");
+    std::vector<uint32_t> got[2];
+    for (int i = 0; i < 2; ++i) {
+      Side& side = sides[i];
+      Model m = make_model(side.ctx);
+      FP8_ASSERT_OK(fp8_model_add_linear(m.get(), "fc", cols, cols, 1, nullptr));
+      set_param(m.get(), "fc.weight", weight);
+      if (k.recipe) {
+        Recipe r = make_recipe(k.recipe);
+        FP8_ASSERT_OK(fp8_convert_model(m.get(), r.get(), nullptr));
+        FP8_ASSERT_OK(fp8_model_set_autowrap(m.get(), 1));
+      }
+      FP8_ASSERT_OK(fp8_layer_forward(m.get(), 0, side.x.get(), side.y.get()));
+      FP8_ASSERT_OK(fp8_layer_backward(m.get(), 0, side.dy.get(), k.dx ? side.dx.get() : nullptr));
+      fp8_layer_report_t report;
+      fp8_layer_report_init(&report);
+      FP8_ASSERT_OK(fp8_layer_get_report(m.get(), 0, &report));
+      EXPECT_EQ(report.dgrad, k.dgrad);
+      EXPECT_EQ(report.wgrad, k.wgrad);
+      for (float v : download<float>(param_tensor(m.get(), "fc.bias", true))) got[i].push_back(bits_of(v));
+    }
+    ASSERT_EQ(got[0].size(), static_cast<size_t>(cols));
+    EXPECT_EQ(got[1], got[0]) << "GPU bias gradient differs from the CPU reference";
+    for (int64_t c = 0; c < cols; ++c)
+      EXPECT_EQ(got[0][static_cast<size_t>(c)], bits_of(want[static_cast<size_t>(c)])) << c;
+  }
+}
+
 }  // namespace
