@@ -180,6 +180,24 @@ FP8_API fp8_status_t fp8_context_get_stream(const fp8_context_t *ctx, struct CUs
  */
 FP8_API fp8_status_t fp8_context_synchronize(fp8_context_t *ctx);
 
+/** An application's device allocator (a framework's caching allocator): returns `bytes` bytes of the
+ *  context's device memory (host memory on the CPU backend), 256-byte aligned, usable in stream
+ *  order on `stream`, or NULL when it has none; the free function takes back a block it gave. */
+typedef void *(*fp8_alloc_fn)(void *user, size_t bytes, int32_t device, struct CUstream_st *stream);
+typedef void (*fp8_free_fn)(void *user, void *ptr, int32_t device, struct CUstream_st *stream);
+
+/**
+ * Makes the context take the device memory of everything created from it from now on (tensors,
+ * models, optimizers, states) through `alloc`, and give it back through `free_fn`, called with
+ * `user` (which must outlive those blocks). Both NULL: libfp8's own allocator again. A block goes
+ * back to the allocator that gave it, so memory allocated before the call is unaffected. A NULL from
+ * `alloc` makes the calling function fail with FP8_ERR_OUT_OF_MEMORY and change nothing. The
+ * context's own workspace (made by fp8_context_create) stays libfp8's. Both functions may be called
+ * from any thread that uses the context or destroys its objects. Not during graph capture.
+ */
+FP8_API fp8_status_t fp8_context_set_allocator(fp8_context_t *ctx, fp8_alloc_fn alloc, fp8_free_fn free_fn,
+                                               void *user);
+
 /** What a device can do. Versioned: set struct_size = sizeof(fp8_device_info_t) before the call
  *  (fp8_device_info_init does it); later releases only append fields. First release: through
  *  cublaslt_version. */

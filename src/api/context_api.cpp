@@ -29,6 +29,17 @@ FP8_API fp8_status_t fp8_context_device(const fp8_context_t* ctx, int32_t* devic
   });
 }
 
+FP8_API fp8_status_t fp8_context_set_allocator(fp8_context_t* ctx, fp8_alloc_fn alloc, fp8_free_fn free_fn,
+                                               void* user) {
+  return guard("fp8_context_set_allocator", [&] {
+    require_arg(ctx, "ctx");
+    if (!alloc != !free_fn)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, alloc ? "free_fn is NULL but alloc is not" : "alloc is NULL but free_fn is not",
+                "; expected both set, or both NULL for libfp8's own allocator");
+    ctx->backend->set_allocator(alloc, free_fn, user);
+  });
+}
+
 FP8_API fp8_status_t fp8_context_set_stream(fp8_context_t* ctx, struct CUstream_st* stream) {
   return guard("fp8_context_set_stream", [&] {
     require_arg(ctx, "ctx");

@@ -5,6 +5,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
 
 #include "backend/jobs.hpp"
 
@@ -18,9 +21,13 @@ class Backend {
 
   virtual int32_t device() const = 0;
 
-  // Memory of this backend's device. allocate() throws FP8_ERR_OUT_OF_MEMORY; size 0 gives nullptr.
-  virtual void* allocate(size_t bytes) = 0;
-  virtual void release(void* p) noexcept = 0;
+  // Memory of this backend's device, from the application's allocator when one is set
+  // (fp8_context_set_allocator), else the backend's own. allocate() throws FP8_ERR_OUT_OF_MEMORY;
+  // size 0 gives nullptr. release() hands each block back to whichever allocator gave it.
+  void* allocate(size_t bytes);
+  void release(void* p) noexcept;
+  // Later allocations come from `alloc`/`free_fn` (both null: the backend's own again).
+  void set_allocator(fp8_alloc_fn alloc, fp8_free_fn free_fn, void* user);
   // Synchronous copies between host memory and this device's memory.
   virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
@@ -49,6 +56,17 @@ class Backend {
   virtual void zero(void* p, size_t bytes) = 0;
   // Copies `bytes` bytes between two places of this device's memory (asynchronously on the GPU).
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+
+ protected:
+  virtual void* native_allocate(size_t bytes) = 0;
+  virtual void native_release(void* p) noexcept = 0;
+
+ private:
+  std::mutex allocator_mutex_;  // release() may come from any thread (destroy calls)
+  fp8_alloc_fn alloc_ = nullptr;
+  fp8_free_fn free_ = nullptr;
+  void* allocator_user_ = nullptr;
+  std::unordered_map<void*, std::pair<fp8_free_fn, void*>> hooked_;  // blocks from an application's allocator
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

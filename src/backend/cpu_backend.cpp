@@ -261,13 +261,12 @@ class CpuBackend final : public Backend {
  public:
   int32_t device() const override { return FP8_DEVICE_CPU; }
 
-  void* allocate(size_t bytes) override {
-    if (bytes == 0) return nullptr;
+  void* native_allocate(size_t bytes) override {
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!p) fail(FP8_ERR_OUT_OF_MEMORY, "could not allocate ", bytes, " bytes of host memory");
     return p;
   }
-  void release(void* p) noexcept override { std::free(p); }
+  void native_release(void* p) noexcept override { std::free(p); }
   void copy_from_host(void* dst, const void* src, size_t bytes) override {
     if (bytes) std::memcpy(dst, src, bytes);
   }

@@ -105,8 +105,7 @@ class CudaBackend final : public Backend {
     return status == cudaStreamCaptureStatusActive ? id : 0;
   }
 
-  void* allocate(size_t bytes) override {
-    if (bytes == 0) return nullptr;
+  void* native_allocate(size_t bytes) override {
     if (capture_id())  // cudaMalloc would invalidate the capture; say what to do instead
       fail(FP8_ERR_INVALID_STATE, "libfp8 needs ", bytes, " more bytes of device memory while the context's stream is ",
            "being captured into a CUDA graph; run the same step once before capturing it (libfp8's buffers grow to ",
@@ -121,8 +120,7 @@ class CudaBackend final : public Backend {
     }
     return p;
   }
-  void release(void* p) noexcept override {
-    if (!p) return;
+  void native_release(void* p) noexcept override {
     DeviceScope scope(limits_.device, std::nothrow);
     cudaFree(p);
   }
