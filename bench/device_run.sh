@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
-# RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
+# RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0, RUN_GRAPH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
 # benchmarks. Dependencies missing on the GPU image (GoogleTest, zlib headers, the Fashion-MNIST
 # files) come from .device/ when present.
 set -uo pipefail
@@ -41,6 +41,8 @@ if [ "${RUN_EXAMPLE:-1}" = 1 ]; then
 fi
 
 [ "${RUN_BENCH:-1}" = 1 ] || exit 0
+# A captured training step replayed as a CUDA graph against the same step queued call by call.
+[ "${RUN_GRAPH:-1}" = 1 ] && build/device/bench/bench_graph "$OUT/bench_graph.json" 2>&1 | tee "$OUT/graph.md"
 # BENCHES picks among quantize, gemm, linear and optimizer (default: all); each has bench_<name>,
 # peer_<name>.py and report_<name>.py.
 BENCHES=${BENCHES:-quantize gemm linear optimizer}

@@ -1,0 +1,101 @@
+// Forward states owned by the caller on the GPU: two forwards of one layer in flight, differentiated
+// in either order, give the same bits as the pairs run one after the other and as two twin layers
+// (on the GPU), and agree with the CPU reference (bit for bit where no GEMM is involved, within
+// accumulation-order rounding for the Linear); FP8_BACKWARD_ACCUMULATE_DX adds exactly.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "fp8_test_util.hpp"
+#include "saved_cases.hpp"
+
+using namespace fp8test;
+namespace sc = fp8test::saved_cases;
+
+namespace {
+
+double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
+  double e = 0, r = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    e += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    r += double(want[i]) * want[i];
+  }
+  return std::sqrt(e / (r > 0 ? r : 1));
+}
+
+class GpuTwoInFlight : public ::testing::TestWithParam<sc::Kind> {};
+
+TEST_P(GpuTwoInFlight, SameBitsAsPairsAndTwinsAndCloseToTheCpu) {
+  const sc::Kind kind = GetParam();
+  const sc::Outputs twins = sc::run(0, kind, sc::Mode::kTwins, false);
+  // LayerNorm and GELU compute in float on the GPU and in double (norm statistics) or with another
+  // tanhf on the CPU: a few ulps. The Linear's GEMMs sum in another order.
+  // (FP8 operands are the same codes on both; the forward GEMM's fast accumulation rounds more.)
+  const double tol = kind == sc::Kind::kLinearFp8 ? 2e-3 : 1e-5;
+  for (bool second_first : {false, true}) {
+    SCOPED_TRACE(second_first ? "backward of forward 2 first" : "backward of forward 1 first");
+    const sc::Outputs flight = sc::run(0, kind, sc::Mode::kInFlight, second_first);
+    const sc::Outputs pairs = sc::run(0, kind, sc::Mode::kPairs, second_first);
+    const sc::Outputs cpu = sc::run(FP8_DEVICE_CPU, kind, sc::Mode::kInFlight, second_first);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(flight.y[i], pairs.y[i]) << "y " << i + 1;
+      EXPECT_EQ(flight.dx[i], pairs.dx[i]) << "dx " << i + 1;
+      EXPECT_EQ(flight.y[i], twins.y[i]) << "y " << i + 1 << " vs its twin";
+      EXPECT_EQ(flight.dx[i], twins.dx[i]) << "dx " << i + 1 << " vs its twin";
+      EXPECT_LT(rel_err(flight.y[i], cpu.y[i]), tol) << "y " << i + 1 << " vs the CPU";
+      EXPECT_LT(rel_err(flight.dx[i], cpu.dx[i]), tol) << "dx " << i + 1 << " vs the CPU";
+    }
+    EXPECT_EQ(flight.grads, pairs.grads);
+    ASSERT_EQ(flight.grads.size(), cpu.grads.size());
+    for (size_t p = 0; p < cpu.grads.size(); ++p) EXPECT_LT(rel_err(flight.grads[p], cpu.grads[p]), std::max(tol, 1e-4)) << "grad " << p;
+    if (!second_first)
+      std::printf("[ %-9s ] in flight == pairs == twins bit for bit; vs CPU: y %.2e, dx %.2e\n", sc::kind_name(kind),
+                  rel_err(flight.y[0], cpu.y[0]), rel_err(flight.dx[0], cpu.dx[0]));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, GpuTwoInFlight,
+                         ::testing::Values(sc::Kind::kLinear, sc::Kind::kLinearFp8, sc::Kind::kLayerNorm, sc::Kind::kGelu),
+                         [](const auto& info) { return std::string(sc::kind_name(info.param)); });
+
+// dx += the gradient on the GPU: one float addition of the old dx for norms and activations.
+TEST(GpuAccumulateDx, AddsTheInputGradientToDx) {
+  for (sc::Kind kind : {sc::Kind::kLinearFp8, sc::Kind::kLayerNorm, sc::Kind::kGelu}) {
+    SCOPED_TRACE(sc::kind_name(kind));
+    Context ctx = make_context(0);
+    Model model = make_model(ctx.get());
+    const int32_t id = sc::add_layer(model.get(), kind, "a");
+    if (kind == sc::Kind::kLinearFp8) {
+      Recipe r = make_recipe("small_layer_fallback=0, backend=te");
+      FP8_ASSERT_OK(fp8_convert_model(model.get(), r.get(), nullptr));
+      FP8_ASSERT_OK(fp8_model_set_autowrap(model.get(), 1));
+    }
+    const int64_t out = sc::out_features(kind);
+    Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+    upload(x.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 3, 1.0f));
+    Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, out});
+    Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, out});
+    upload(dy.get(), randn(static_cast<size_t>(sc::kRows * out), 4, 1.0f));
+    const std::vector<float> old = randn(static_cast<size_t>(sc::kRows * sc::kIn), 5, 2.0f);
+    auto backward = [&](uint32_t flags) {
+      Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+      upload(dx.get(), old);
+      fp8_saved_t* s = nullptr;
+      EXPECT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &s));
+      Saved saved(s);
+      EXPECT_OK(fp8_layer_backward_saved(model.get(), id, saved.get(), dy.get(), dx.get(), flags));
+      return download<float>(dx.get());
+    };
+    const std::vector<float> plain = backward(0), acc = backward(FP8_BACKWARD_ACCUMULATE_DX);
+    for (size_t i = 0; i < acc.size(); ++i) {
+      const float want = old[i] + plain[i];
+      if (kind == sc::Kind::kLinearFp8)  // cuBLASLt adds the old dx inside the GEMM's epilogue
+        ASSERT_NEAR(acc[i], want, 1e-5f * (std::fabs(old[i]) + std::fabs(plain[i]))) << i;
+      else
+        ASSERT_EQ(acc[i], want) << i;
+    }
+  }
+}
+
+}  // namespace
