@@ -108,7 +108,6 @@ Small make_small(fp8_context_t* ctx, const Level& lv) {
   CHECK_FP8(fp8_model_create(&s.model, ctx));
   CHECK_FP8(fp8_model_add_linear(s.model, "l0", 512, 256, 1, nullptr));
   CHECK_FP8(fp8_model_add_linear(s.model, "l1", 256, 512, 0, nullptr));
-  make_converted(s.model, lv);
   int32_t count = 0;
   CHECK_FP8(fp8_model_parameter_count(s.model, &count));
   for (int32_t i = 0; i < count; ++i) {
@@ -119,6 +118,7 @@ Small make_small(fp8_context_t* ctx, const Level& lv) {
     const std::vector<float> w = normals(static_cast<size_t>(n), 0.02f, 100 + i);
     CHECK_FP8(fp8_tensor_copy_from_host(value, w.data(), w.size() * sizeof(float)));
   }
+  make_converted(s.model, lv);  // FP32 weights written first: the conversion stores them at the level
   CHECK_FP8(fp8_optimizer_create(&s.opt, s.model, FP8_OPTIMIZER_ADAMW));
   CHECK_FP8(fp8_optimizer_set_float(s.opt, FP8_OPTIM_LR, 1e-3));
   CHECK_FP8(fp8_optimizer_set_float(s.opt, FP8_OPTIM_WEIGHT_DECAY, 0.01));
@@ -206,12 +206,12 @@ void bench_level(fp8_context_t* ctx, const Level& lv, const std::vector<float>& 
     const std::string name = "l" + std::to_string(i);
     CHECK_FP8(fp8_model_add_linear(model, name.c_str(), kDim, kDim, 0, nullptr));
   }
-  make_converted(model, lv);
-  for (int i = 0; i < kLayers; ++i) {  // FP32 weights, one 256 MiB layer at a time, before the optimizer
+  for (int i = 0; i < kLayers; ++i) {  // FP32 weights, one 256 MiB layer at a time, before the conversion
     fp8_tensor_t* value = nullptr;
     CHECK_FP8(fp8_model_parameter_at(model, i, nullptr, &value, nullptr));
     CHECK_FP8(fp8_tensor_copy_from_host(value, wpool.data() + i * kShift, kPerLayer * sizeof(float)));
   }
+  make_converted(model, lv);  // stores them at the level
   fp8_optimizer_t* opt = nullptr;
   CHECK_FP8(fp8_optimizer_create(&opt, model, FP8_OPTIMIZER_ADAMW));
   CHECK_FP8(fp8_optimizer_set_float(opt, FP8_OPTIM_LR, 1e-3));

@@ -364,19 +364,17 @@ TEST(GpuOptimizerLevels, StepsAreBitIdenticalToTheCpuReference) {
     Model models[2] = {make_model(gpu.get()), make_model(cpu.get())};
     Recipe recipe = make_recipe("backend=msamp");
     FP8_ASSERT_OK(fp8_recipe_set_int(recipe.get(), FP8_RECIPE_OPT_LEVEL, c.level));
-    for (auto& m : models) {
-      ASSERT_NO_FATAL_FAILURE(add_awkward_layers(m.get()));
-      FP8_ASSERT_OK(fp8_convert_model(m.get(), recipe.get(), nullptr));
-    }
+    for (auto& m : models) ASSERT_NO_FATAL_FAILURE(add_awkward_layers(m.get()));
     const int32_t n_params = param_count(models[0].get());
     std::vector<int64_t> sizes;
-    for (int32_t i = 0; i < n_params; ++i) {
+    for (int32_t i = 0; i < n_params; ++i) {  // FP32 values, then the conversion stores them at the level
       int64_t n = 0;
       fp8_tensor_numel(param_at(models[0].get(), i, false), &n);
       sizes.push_back(n);
       const auto v = normal_floats(static_cast<size_t>(n), 700 + static_cast<uint32_t>(i), 0.0f, 0.2f);
       for (auto& m : models) upload(param_at(m.get(), i, false), v);
     }
+    for (auto& m : models) FP8_ASSERT_OK(fp8_convert_model(m.get(), recipe.get(), nullptr));
     std::vector<Optimizer> optims;
     for (auto& m : models) {
       optims.push_back(make_optimizer(m.get(), c.kind));
