@@ -170,6 +170,12 @@ inline fp8_dtype_t dtype_of(const fp8_tensor_t* t) {
   EXPECT_OK(fp8_tensor_dtype(t, &dt));
   return dt;
 }
+// A tensor's data pointer (fp8_tensor_data).
+inline void* data_of(const fp8_tensor_t* t) {
+  void* d = nullptr;
+  EXPECT_OK(fp8_tensor_data(t, &d));
+  return d;
+}
 // The stored bytes, whatever the dtype.
 inline std::vector<uint8_t> tensor_bytes(const fp8_tensor_t* t) {
   int64_t n = 0;

@@ -134,6 +134,12 @@ void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
     fail(FP8_ERR_INVALID_STATE, "the conversion stores the Linear weights at ", layout_name(level), " instead of ",
          layout_name(old_level), ", but ", m.optimizer_links.size(),
          " optimizer(s) of this model hold the current storage; destroy them first");
+  // The same level in the other FP8 format moves the gradients to another arena just the same.
+  const fp8_dtype_t grad8 = target ? target->dtype_for(FP8_ROLE_BACKWARD) : FP8_DTYPE_E5M2;
+  if (level != 0 && m.store && grad8 != m.store->grad_dtype() && !m.optimizer_links.empty())
+    fail(FP8_ERR_INVALID_STATE, "the conversion stores the Linear weight gradients in ", dtype_name(grad8),
+         " instead of ", dtype_name(m.store->grad_dtype()), ", but ", m.optimizer_links.size(),
+         " optimizer(s) of this model hold the current storage; destroy them first");
   // 1. Everything that can fail: the layers' new scaling states, then the storage.
   std::vector<Layer::States> states;
   for (auto& l : m.layers) {
@@ -142,7 +148,6 @@ void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
     states.push_back(l->new_states(chosen ? target : nullptr));
   }
   if (m.store) {
-    const fp8_dtype_t grad8 = target ? target->dtype_for(FP8_ROLE_BACKWARD) : FP8_DTYPE_E5M2;
     // Exact sizes from now on (no room for layers, which a converted model does not take), unless
     // an optimizer holds the storage's pointers.
     m.store->layout(all_parameters(m), level, grad8, !m.optimizer_links.empty());

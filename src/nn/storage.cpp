@@ -136,8 +136,8 @@ const char* const kFp8GradRefusal =
     "this FP8 gradient keeps its per-tensor amax with it (MS-AMP level); add to it with fp8_model_accumulate_grad, "
     "clear it with fp8_model_zero_grad";
 const char* const kO3WeightRefusal =
-    "at O3 the model's F16 master is the weight and this E4M3 tensor its copy; write the weights before "
-    "fp8_convert_model, or load them with fp8_model_import_safetensors or fp8_checkpoint_load";
+    "at O3 the model's F16 master is the weight and this E4M3 tensor its copy; write the weights with "
+    "fp8_model_write_parameter, or load them with fp8_model_import_safetensors or fp8_checkpoint_load";
 
 }  // namespace
 

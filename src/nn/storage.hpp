@@ -47,6 +47,7 @@ class ParamStore {
 
   // The MS-AMP level the Linear weights are stored at (0: FP32) and the FP8 gradients' dtype.
   int32_t level() const { return level_; }
+  fp8_dtype_t grad_dtype() const { return grad_dtype_; }
 
   // Lays every parameter of `params` (the model's, in order) out at `level` (FP8 gradients in
   // `grad_dtype`), carrying values and gradients over (converted where the dtype changes; a

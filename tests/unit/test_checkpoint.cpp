@@ -1082,32 +1082,51 @@ TEST(Safetensors, ExportAtEachLevelImportsIntoTeBitExactlyWithTheRightHeader) {
   }
 }
 
-// At O3 with the optimizer gone, the export falls back to the E4M3 copy, widened to F32.
-TEST(Safetensors, AnO3ExportWithoutItsOptimizerWritesTheE4m3CopyAsF32) {
+// At O3 the F16 master is the model's (made by the conversion), not the optimizer's: with the
+// optimizer gone the export still writes it as F16, the same bytes as with the optimizer alive, and
+// they are the model's master slices (fp8_model_flat_storage: in parameter order, each at a 256-byte
+// boundary; host memory on the CPU backend), of which the E4M3 weight is a copy within one E4M3 step.
+TEST(Safetensors, AnO3ExportWithoutItsOptimizerStillWritesTheF16Master) {
   TempDir dir;
   Net src(3, FP8_OPTIMIZER_ADAM);
   for (int k = 0; k < 2; ++k) src.train_step(k);
+  const auto with_optimizer = exported_f16(src, dir.path("with.safetensors"));
   src.opt.reset();
   const std::string p = dir.path("o3.safetensors");
   FP8_ASSERT_OK(fp8_model_export_safetensors(src.m(), p.c_str()));
   const StFile f = parse_safetensors(read_bytes(p));
   ASSERT_EQ(f.error, "");
+  void* masters = nullptr;
+  size_t master_bytes = 0;
+  FP8_ASSERT_OK(fp8_model_flat_storage(src.m(), FP8_STORAGE_MASTERS, FP8_DTYPE_F16, &masters, &master_bytes));
+  ASSERT_NE(masters, nullptr);
+  size_t at = 0;  // the slice of the next master
   for (const char* name : {"fc1.weight", "fc2.weight"}) {
     SCOPED_TRACE(name);
     const StTensor& t = f.tensors.at(name);
-    EXPECT_EQ(t.dtype, "F32");
+    EXPECT_EQ(t.dtype, "F16");
     const fp8_tensor_t* v = param_tensor(src.m(), name);
     EXPECT_EQ(dtype_of(v), FP8_DTYPE_E4M3);
-    const std::vector<float> want = decoded(v);
-    ASSERT_EQ(t.data.size(), want.size() * 4);
-    size_t bad = 0;
-    for (size_t k = 0; k < want.size(); ++k) {
-      float got;
-      std::memcpy(&got, t.data.data() + 4 * k, 4);
-      bad += bits_of(got) != bits_of(want[k]);
+    int64_t n = 0;
+    EXPECT_OK(fp8_tensor_numel(v, &n));
+    const size_t bytes = static_cast<size_t>(n) * 2;
+    ASSERT_EQ(t.data.size(), bytes);
+    std::vector<uint16_t> h(static_cast<size_t>(n));
+    std::memcpy(h.data(), t.data.data(), bytes);
+    EXPECT_EQ(h, with_optimizer.at(name)) << "the export changed when the optimizer went";
+    ASSERT_LE(at + bytes, master_bytes);
+    EXPECT_EQ(std::memcmp(static_cast<const uint8_t*>(masters) + at, t.data.data(), bytes), 0)
+        << "the exported F16 weight is not the model's master";
+    at += (bytes + 255) / 256 * 256;
+    const std::vector<float> e4m3 = decoded(v);
+    float si = 0.0f;
+    EXPECT_OK(fp8_tensor_get_scale_inv(v, &si));
+    for (size_t k = 0; k < e4m3.size(); ++k) {
+      const float m = fp8::f16_to_float(h[k]);
+      ASSERT_LE(std::fabs(m - e4m3[k]), std::fabs(m) / 8 + 16 * si) << k;  // one E4M3 step (+ saturation slack)
     }
-    EXPECT_EQ(bad, 0u);
   }
+  EXPECT_EQ(at, master_bytes) << "the masters arena holds the two Linear weights' masters and nothing else";
 }
 
 // A file written here with BF16 tensors (and one F16, one F32) imports exactly into te, and rounded

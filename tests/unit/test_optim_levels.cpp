@@ -94,12 +94,14 @@ struct TwoLinears {
   Context ctx = make_context(FP8_DEVICE_CPU);
   Model model = make_model(ctx.get());
   Optimizer opt;
+  Params w32;  // the FP32 weights written before the conversion
 
   // `recipe`: the recipe text for fp8_convert_model, or nullptr for an unconverted model.
   explicit TwoLinears(const char* recipe, uint32_t seed = 1) {
     for (int k = 0; k < 2; ++k) {
       EXPECT_OK(fp8_model_add_linear(model.get(), kLinears[k], kIn[k], kOut[k], 0, nullptr));
-      upload(weight(k), randn(static_cast<size_t>(kIn[k] * kOut[k]), seed * 10 + static_cast<uint32_t>(k), 0.5f));
+      w32.push_back(randn(static_cast<size_t>(kIn[k] * kOut[k]), seed * 10 + static_cast<uint32_t>(k), 0.5f));
+      upload(weight(k), w32.back());
     }
     if (recipe) {
       Recipe r = make_recipe(recipe);
@@ -113,14 +115,12 @@ struct TwoLinears {
     for (int k = 0; k < 2; ++k) p.push_back(decoded(weight(k)));
     return p;
   }
-  // The FP32 weights rounded to F16, as an O1..O3 optimizer stores them (call before creating it).
-  Params f16_weights() {
-    Params p;
-    for (int k = 0; k < 2; ++k) {
-      std::vector<float> w = download<float>(weight(k));
+  // The FP32 weights rounded to F16, as the conversion to O1..O3 stores them (the values at O1/O2,
+  // the masters at O3).
+  Params f16_weights() const {
+    Params p = w32;
+    for (auto& w : p)
       for (float& f : w) f = fp8::f16_to_float(fp8::float_to_f16(f));
-      p.push_back(w);
-    }
     return p;
   }
   Params grads() {
@@ -128,14 +128,22 @@ struct TwoLinears {
     for (int k = 0; k < 2; ++k) g.push_back(decoded(grad(k)));
     return g;
   }
-  // FP32 gradients written before the optimizer exists (carried over into FP8 at O1..O3).
+  // FP32 gradients from outside libfp8, added with fp8_model_accumulate_grad onto zeroed gradients
+  // (requantised into FP8 at O1..O3 in one pass; exact into FP32 at te). Returns them.
   Params set_fp32_grads(uint32_t seed) {
     Params g;
+    EXPECT_OK(fp8_model_zero_grad(model.get()));
     for (int k = 0; k < 2; ++k) {
       g.push_back(randn(static_cast<size_t>(kIn[k] * kOut[k]), seed * 100 + static_cast<uint32_t>(k), 0.05f));
-      upload(grad(k), g.back());
+      accumulate(k, g.back());
     }
     return g;
+  }
+  // grad(k) += g (fc1.weight and fc2.weight are the parameters 0 and 1: the Linears have no bias).
+  void accumulate(int k, const std::vector<float>& g) {
+    Tensor t = make_tensor(ctx.get(), FP8_DTYPE_F32, {kOut[k], kIn[k]});
+    upload(t.get(), g);
+    EXPECT_OK(fp8_model_accumulate_grad(model.get(), k, t.get()));
   }
   void create(fp8_optimizer_kind_t kind) { opt = make_optimizer(model.get(), kind); }
   // One micro-batch through each Linear (high precision: no autocast): dW += dy^T x. `poison` puts an
@@ -168,43 +176,95 @@ const char* recipe_for_level(int level) {
 // 1. Which level a recipe gives, the storage at each level, and the refusals
 // =================================================================================================
 
+// A TwoLinears' weights and gradients as they are now: the handles, their data pointers, their bytes
+// and (FP8 tensors) their scale_inv.
+struct Snapshot {
+  std::vector<const fp8_tensor_t*> handles;
+  std::vector<void*> data;
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<uint32_t> scale_inv_bits;
+};
+Snapshot snapshot(TwoLinears& t) {
+  Snapshot s;
+  for (int k = 0; k < 2; ++k)
+    for (const fp8_tensor_t* x : {t.weight(k), t.grad(k)}) {
+      s.handles.push_back(x);
+      s.data.push_back(data_of(x));
+      s.bytes.push_back(tensor_bytes(x));
+      const fp8_dtype_t dt = dtype_of(x);
+      s.scale_inv_bits.push_back(dt == FP8_DTYPE_E4M3 || dt == FP8_DTYPE_E5M2 ? bits_of(scale_inv_of(x)) : 0u);
+    }
+  return s;
+}
+void expect_same_storage(const Snapshot& got, const Snapshot& want, const char* what) {
+  EXPECT_EQ(got.handles, want.handles) << what << ": other tensor handles";
+  EXPECT_EQ(got.data, want.data) << what << ": the storage moved";
+  EXPECT_EQ(got.bytes, want.bytes) << what << ": the stored bytes changed";
+  EXPECT_EQ(got.scale_inv_bits, want.scale_inv_bits) << what << ": a scale_inv changed";
+}
+
+int32_t storage_level_of(const fp8_model_t* m) {
+  int32_t level = -1;
+  EXPECT_OK(fp8_model_storage_level(m, &level));
+  return level;
+}
+// How a level stores a Linear weight (under HYBRID) and its gradient.
+fp8_dtype_t weight_dtype_at(int level) {
+  return level == 0 ? FP8_DTYPE_F32 : level == 3 ? FP8_DTYPE_E4M3 : FP8_DTYPE_F16;
+}
+fp8_dtype_t grad_dtype_at(int level) {
+  return level == 0 ? FP8_DTYPE_F32 : FP8_DTYPE_E5M2;
+}
+
 struct LevelCase {
   const char* recipe;
+  int32_t storage;           // the model's storage level after fp8_convert_model
   int32_t adam, adamw, sgd;  // expected opt_level, or -1: refused with FP8_ERR_UNSUPPORTED
 };
 
+// The conversion fixes the storage level (te: FP32; msamp or auto: opt_level) and stores the weights
+// at it; the optimizer adopts it (SGD runs O1 on O2 storage, which is O1's; backend=msamp O2 and O3
+// storage refuse SGD). Neither a creation nor a refusal moves or rewrites anything.
 TEST(OptimLevelSelection, BackendAndOptLevelChooseTheLevelPerKind) {
   const LevelCase cases[] = {
-      {"backend=te, opt_level=O1", 0, 0, 0},
-      {"backend=te, opt_level=O2", 0, 0, 0},
-      {"backend=te, opt_level=O3", 0, 0, 0},
-      {"backend=msamp, opt_level=O1", 1, 1, 1},
-      {"backend=msamp, opt_level=O2", 2, 2, -1},
-      {"backend=msamp, opt_level=O3", 3, 3, -1},
-      {"backend=auto, opt_level=O1", 1, 1, 1},
-      {"backend=auto, opt_level=O2", 2, 2, 1},  // auto caps SGD at O1
-      {"backend=auto, opt_level=O3", 3, 3, 1},
-      {"", 2, 2, 1},  // Accelerate's defaults: auto, O2
+      {"backend=te, opt_level=O1", 0, 0, 0, 0},
+      {"backend=te, opt_level=O2", 0, 0, 0, 0},
+      {"backend=te, opt_level=O3", 0, 0, 0, 0},
+      {"backend=msamp, opt_level=O1", 1, 1, 1, 1},
+      {"backend=msamp, opt_level=O2", 2, 2, 2, -1},
+      {"backend=msamp, opt_level=O3", 3, 3, 3, -1},
+      {"backend=auto, opt_level=O1", 1, 1, 1, 1},
+      {"backend=auto, opt_level=O2", 2, 2, 2, 1},   // auto: SGD runs O1 on the O2 storage
+      {"backend=auto, opt_level=O3", 3, 3, 3, -1},  // E4M3 weights with masters: no SGD
+      {"", 2, 2, 2, 1},                             // Accelerate's defaults: auto, O2
   };
   for (const LevelCase& c : cases) {
     const int32_t want[] = {c.sgd, c.adam, c.adamw};
     for (fp8_optimizer_kind_t kind : {FP8_OPTIMIZER_SGD, FP8_OPTIMIZER_ADAM, FP8_OPTIMIZER_ADAMW}) {
       SCOPED_TRACE(std::string("recipe \"") + c.recipe + "\", kind " + std::to_string(kind));
       TwoLinears t(c.recipe);
+      // Stored at the level by the conversion itself, before any optimizer.
+      EXPECT_EQ(storage_level_of(t.model.get()), c.storage);
+      for (int k = 0; k < 2; ++k) {
+        EXPECT_EQ(dtype_of(t.weight(k)), weight_dtype_at(c.storage));
+        EXPECT_EQ(dtype_of(t.grad(k)), grad_dtype_at(c.storage));
+      }
+      t.set_fp32_grads(3);  // gradients with something in them, which creation must keep
+      const Snapshot before = snapshot(t);
       fp8_optimizer_t* o = nullptr;
       if (want[kind] < 0) {
         EXPECT_REFUSED_WORDS(fp8_optimizer_create(&o, t.model.get(), kind), FP8_ERR_UNSUPPORTED, "fp8_optimizer_create",
-                       std::string(c.recipe).find("O2") != std::string::npos ? "O2" : "O3", "SGD");
+                             c.storage == 2 ? "O2" : "O3", "SGD");
         EXPECT_EQ(o, nullptr);
-        // Nothing was converted by the refused call: a te-style optimizer could not follow, but the
-        // weights are still FP32.
-        EXPECT_EQ(dtype_of(t.weight(0)), FP8_DTYPE_F32);
-        EXPECT_EQ(dtype_of(t.grad(0)), FP8_DTYPE_F32);
+        expect_same_storage(snapshot(t), before, "the refused fp8_optimizer_create");
+        EXPECT_EQ(storage_level_of(t.model.get()), c.storage);
         continue;
       }
       FP8_ASSERT_OK(fp8_optimizer_create(&o, t.model.get(), kind));
       Optimizer opt(o);
       EXPECT_EQ(stats_of(o).opt_level, want[kind]);
+      expect_same_storage(snapshot(t), before, "fp8_optimizer_create");
+      EXPECT_EQ(storage_level_of(t.model.get()), c.storage);
     }
   }
 }
@@ -212,23 +272,29 @@ TEST(OptimLevelSelection, BackendAndOptLevelChooseTheLevelPerKind) {
 TEST(OptimLevelSelection, AnUnconvertedModelAlwaysGetsLevelZero) {
   for (fp8_optimizer_kind_t kind : {FP8_OPTIMIZER_SGD, FP8_OPTIMIZER_ADAM, FP8_OPTIMIZER_ADAMW}) {
     TwoLinears never(nullptr);
+    EXPECT_EQ(storage_level_of(never.model.get()), 0);
     never.create(kind);
     EXPECT_EQ(stats_of(never.opt.get()).opt_level, 0);
     EXPECT_EQ(dtype_of(never.weight(0)), FP8_DTYPE_F32);
-    // Converted to O3, then back to high precision (to_fp8 = 0): no recipe, level 0.
+    // Converted to O3, then back to high precision (to_fp8 = 0): no recipe, level 0, and the FP32
+    // weights come back from the F16 masters (not from their E4M3 copies).
     TwoLinears back("backend=msamp, opt_level=O3");
+    EXPECT_EQ(storage_level_of(back.model.get()), 3);
     fp8_convert_options_t opts;
     fp8_convert_options_init(&opts);
     opts.to_fp8 = 0;
     FP8_ASSERT_OK(fp8_convert_model(back.model.get(), nullptr, &opts));
+    EXPECT_EQ(storage_level_of(back.model.get()), 0);
     back.create(kind);
     EXPECT_EQ(stats_of(back.opt.get()).opt_level, 0);
     EXPECT_EQ(dtype_of(back.weight(1)), FP8_DTYPE_F32);
+    EXPECT_EQ(download<float>(back.weight(1)), back.f16_weights()[1]);
   }
 }
 
-// The dtypes of every parameter after creation: Linear weights take the level's storage, biases and
-// norm parameters stay FP32 with FP32 gradients; the FP8 gradient is E5M2 under HYBRID, E4M3 under E4M3.
+// The dtypes of every parameter from the conversion on (and unchanged by the optimizer): Linear
+// weights take the level's storage, biases and norm parameters stay FP32 with FP32 gradients; the FP8
+// gradient is E5M2 under HYBRID, E4M3 under E4M3.
 TEST(OptimLevelSelection, WeightAndGradientDtypesAtEachLevel) {
   struct Want {
     int level;
@@ -254,99 +320,156 @@ TEST(OptimLevelSelection, WeightAndGradientDtypesAtEachLevel) {
     const std::string text = std::string(recipe_for_level(w.level)) + ", fp8_format=" + w.format;
     Recipe r = make_recipe(text.c_str());
     FP8_ASSERT_OK(fp8_convert_model(m, r.get(), nullptr));
-    Optimizer o = make_optimizer(m, FP8_OPTIMIZER_ADAM);
-    EXPECT_EQ(stats_of(o.get()).opt_level, w.level);
-    for (const char* name : {"fc1.weight", "fc2.weight"}) {
-      SCOPED_TRACE(name);
-      EXPECT_EQ(dtype_of(param_tensor(m, name)), w.value);
-      EXPECT_EQ(dtype_of(param_tensor(m, name, true)), w.grad);
-      int32_t ndim = 0;
-      int64_t shape[FP8_MAX_DIMS] = {};
-      EXPECT_OK(fp8_tensor_shape(param_tensor(m, name), &ndim, shape));
-      EXPECT_EQ(ndim, 2);
-    }
-    for (const char* name : {"fc1.bias", "ln.gamma", "ln.beta"}) {
-      SCOPED_TRACE(name);
-      EXPECT_EQ(dtype_of(param_tensor(m, name)), FP8_DTYPE_F32);
-      EXPECT_EQ(dtype_of(param_tensor(m, name, true)), FP8_DTYPE_F32);
-    }
-    // fp8_model_parameter_at hands out the same tensors.
-    fp8_tensor_t *v = nullptr, *g = nullptr;
-    const char* name = nullptr;
-    FP8_ASSERT_OK(fp8_model_parameter_at(m, 0, &name, &v, &g));
-    EXPECT_EQ(std::string(name), "fc1.weight");
-    EXPECT_EQ(v, param_tensor(m, "fc1.weight"));
-    EXPECT_EQ(g, param_tensor(m, "fc1.weight", true));
-    if (w.level == 3) {  // the E4M3 weight's scale_inv maps its amax to 448
-      const float si = scale_inv_of(param_tensor(m, "fc1.weight"));
-      EXPECT_GT(si, 0.0f);
-      const std::vector<float> dec = decoded(param_tensor(m, "fc1.weight"));
-      EXPECT_NEAR(amax_of(dec), 448.0f * si, 1e-6f * 448.0f * si);
+    EXPECT_EQ(storage_level_of(m), w.level);
+    Optimizer o;
+    for (int pass = 0; pass < 2; ++pass) {  // right after the conversion, then with the optimizer
+      SCOPED_TRACE(pass == 0 ? "after fp8_convert_model" : "after fp8_optimizer_create");
+      if (pass == 1) {
+        o = make_optimizer(m, FP8_OPTIMIZER_ADAM);
+        EXPECT_EQ(stats_of(o.get()).opt_level, w.level);
+      }
+      for (const char* name : {"fc1.weight", "fc2.weight"}) {
+        SCOPED_TRACE(name);
+        EXPECT_EQ(dtype_of(param_tensor(m, name)), w.value);
+        EXPECT_EQ(dtype_of(param_tensor(m, name, true)), w.grad);
+        int32_t ndim = 0;
+        int64_t shape[FP8_MAX_DIMS] = {};
+        EXPECT_OK(fp8_tensor_shape(param_tensor(m, name), &ndim, shape));
+        EXPECT_EQ(ndim, 2);
+      }
+      for (const char* name : {"fc1.bias", "ln.gamma", "ln.beta"}) {
+        SCOPED_TRACE(name);
+        EXPECT_EQ(dtype_of(param_tensor(m, name)), FP8_DTYPE_F32);
+        EXPECT_EQ(dtype_of(param_tensor(m, name, true)), FP8_DTYPE_F32);
+      }
+      // fp8_model_parameter_at hands out the same tensors.
+      fp8_tensor_t *v = nullptr, *g = nullptr;
+      const char* name = nullptr;
+      FP8_ASSERT_OK(fp8_model_parameter_at(m, 0, &name, &v, &g));
+      EXPECT_EQ(std::string(name), "fc1.weight");
+      EXPECT_EQ(v, param_tensor(m, "fc1.weight"));
+      EXPECT_EQ(g, param_tensor(m, "fc1.weight", true));
+      if (w.level == 3) {  // the E4M3 weight's scale_inv maps its amax to 448
+        const float si = scale_inv_of(param_tensor(m, "fc1.weight"));
+        EXPECT_GT(si, 0.0f);
+        const std::vector<float> dec = decoded(param_tensor(m, "fc1.weight"));
+        EXPECT_NEAR(amax_of(dec), 448.0f * si, 1e-6f * 448.0f * si);
+      }
     }
   }
 }
 
-// A second optimizer while one holds the weights at O1+ is refused; after the first is destroyed a new
-// one at the same level works (and leaves the stored weights as they are); a different level is refused.
-TEST(OptimLevelSelection, OneOptimizerAtATimeAndTheLevelStaysFixed) {
+// A second optimizer while one keeps the MS-AMP state of the weights is refused; after the first is
+// destroyed a new one works on the same storage (handles, pointers and bits kept). The storage level
+// is the model's, fixed while an optimizer exists: a conversion to another level is refused, naming
+// both levels, and leaves the storage as it was (so does one that would change the FP8 gradients'
+// format); the same level again goes through in place. Once the optimizer is gone the level can change.
+TEST(OptimLevelSelection, OneOptimizerAtATimeAndTheLevelStaysFixedWhileOneExists) {
   TwoLinears t(recipe_for_level(2));
   t.create(FP8_OPTIMIZER_ADAM);
   fp8_optimizer_t* o = nullptr;
   EXPECT_REFUSED_WORDS(fp8_optimizer_create(&o, t.model.get(), FP8_OPTIMIZER_ADAMW), FP8_ERR_INVALID_STATE,
-                 "fp8_optimizer_create", "O2", "destroy");
+                       "fp8_optimizer_create", "O2", "destroy");
   EXPECT_EQ(o, nullptr);
+  const std::vector<uint8_t> initial = tensor_bytes(t.weight(0));
   t.backward(1);
   FP8_ASSERT_OK(fp8_optimizer_step(t.opt.get()));
-  const std::vector<uint16_t> before = download<uint16_t>(t.weight(0));
+  const Snapshot stepped = snapshot(t);
+  EXPECT_NE(stepped.bytes[0], initial) << "the step changed nothing";
   t.opt.reset();
-  // The same level again: allowed, and the stored weights are kept bit for bit.
+  // The same level again: allowed, and the stored weights are kept bit for bit, where they were.
   t.create(FP8_OPTIMIZER_ADAMW);
   ASSERT_NE(t.opt, nullptr);
   EXPECT_EQ(stats_of(t.opt.get()).opt_level, 2);
   EXPECT_EQ(stats_of(t.opt.get()).steps, 0);
-  EXPECT_EQ(download<uint16_t>(t.weight(0)), before);
+  expect_same_storage(snapshot(t), stepped, "a new optimizer on the same storage");
+  // Another level while it lives: refused, naming both, nothing changed.
+  for (int level : {3, 1, 0}) {
+    SCOPED_TRACE(std::string("to ") + level_name(level));
+    Recipe r = make_recipe(recipe_for_level(level));
+    EXPECT_REFUSED_WORDS(fp8_convert_model(t.model.get(), r.get(), nullptr), FP8_ERR_INVALID_STATE, "fp8_convert_model",
+                         "O2", level_name(level), "destroy");
+    EXPECT_EQ(storage_level_of(t.model.get()), 2);
+    expect_same_storage(snapshot(t), stepped, "the refused conversion");
+  }
+  fp8_convert_options_t back;
+  fp8_convert_options_init(&back);
+  back.to_fp8 = 0;
+  EXPECT_REFUSED_WORDS(fp8_convert_model(t.model.get(), nullptr, &back), FP8_ERR_INVALID_STATE, "fp8_convert_model",
+                       "O2", "te", "destroy");
+  expect_same_storage(snapshot(t), stepped, "the refused conversion to high precision");
+  // The same level with the other FP8 format would store the gradients as E4M3: refused as well.
+  const std::string e4m3 = std::string(recipe_for_level(2)) + ", fp8_format=E4M3";
+  Recipe other_format = make_recipe(e4m3.c_str());
+  EXPECT_REFUSED_WORDS(fp8_convert_model(t.model.get(), other_format.get(), nullptr), FP8_ERR_INVALID_STATE,
+                       "fp8_convert_model", "e4m3", "e5m2", "destroy");
+  expect_same_storage(snapshot(t), stepped, "the refused conversion to E4M3 gradients");
+  // The same level and format (another margin): goes through, in place.
+  const std::string margin = std::string(recipe_for_level(2)) + ", margin=1";
+  Recipe same = make_recipe(margin.c_str());
+  FP8_ASSERT_OK(fp8_convert_model(t.model.get(), same.get(), nullptr));
+  expect_same_storage(snapshot(t), stepped, "a conversion at the same level");
+  // The optimizer still runs on that storage.
+  t.backward(2);
+  FP8_ASSERT_OK(fp8_optimizer_step(t.opt.get()));
+  EXPECT_EQ(stats_of(t.opt.get()).steps, 1);
+  EXPECT_EQ(data_of(t.weight(0)), stepped.data[0]);
+  EXPECT_NE(tensor_bytes(t.weight(0)), stepped.bytes[0]) << "the step did not reach the weights";
+  // Once it is gone, the conversion to O3 goes through and the next optimizer runs at O3.
   t.opt.reset();
-  // Another level (re-converted with O3, then with te): refused, naming both levels.
   Recipe o3 = make_recipe(recipe_for_level(3));
   FP8_ASSERT_OK(fp8_convert_model(t.model.get(), o3.get(), nullptr));
-  EXPECT_REFUSED_WORDS(fp8_optimizer_create(&o, t.model.get(), FP8_OPTIMIZER_ADAM), FP8_ERR_INVALID_STATE,
-                 "fp8_optimizer_create", "O2", "O3");
-  Recipe te = make_recipe(recipe_for_level(0));
-  FP8_ASSERT_OK(fp8_convert_model(t.model.get(), te.get(), nullptr));
-  EXPECT_REFUSED_WORDS(fp8_optimizer_create(&o, t.model.get(), FP8_OPTIMIZER_ADAM), FP8_ERR_INVALID_STATE,
-                 "fp8_optimizer_create", "O2", "te");
-  EXPECT_EQ(o, nullptr);
-  EXPECT_EQ(dtype_of(t.weight(0)), FP8_DTYPE_F16);
+  EXPECT_EQ(storage_level_of(t.model.get()), 3);
+  EXPECT_EQ(dtype_of(t.weight(0)), FP8_DTYPE_E4M3);
+  t.create(FP8_OPTIMIZER_ADAM);
+  EXPECT_EQ(stats_of(t.opt.get()).opt_level, 3);
 }
 
-// At te (level 0) two optimizers on one model are allowed, as before.
-// Tensors whose bytes must agree with state the library keeps refuse direct writes, naming the way
-// that keeps it: an FP8 gradient (its amax) at every level, O3's E4M3 weight (a copy of the master).
+// Tensors whose bytes must agree with state the library keeps refuse direct writes, from the
+// conversion on (with or without an optimizer), naming the way that keeps it: an FP8 gradient (its
+// amax) at every level, O3's E4M3 weight (a copy of the model's F16 master), which
+// fp8_model_write_parameter writes.
 TEST(OptimLevelSelection, DirectWritesToAnFp8GradientOrAnO3WeightAreRefused) {
   for (int level : {1, 3}) {
-    SCOPED_TRACE(level_name(level));
-    TwoLinears t(recipe_for_level(level));
-    t.create(FP8_OPTIMIZER_ADAM);
-    const int64_t n = kIn[0] * kOut[0];
-    const std::vector<uint8_t> codes(static_cast<size_t>(n), 0x38);
-    const std::vector<uint8_t> before = download<uint8_t>(t.grad(0));
-    EXPECT_REFUSED_WORDS(fp8_tensor_copy_from_host(t.grad(0), codes.data(), codes.size()), FP8_ERR_INVALID_STATE,
-                   "fp8_tensor_copy_from_host", "amax", "fp8_model_accumulate_grad");
-    EXPECT_REFUSED_WORDS(fp8_tensor_set_scale_inv(t.grad(0), 2.0f), FP8_ERR_INVALID_STATE, "fp8_tensor_set_scale_inv",
-                   "amax", "fp8_model_accumulate_grad");
-    EXPECT_EQ(download<uint8_t>(t.grad(0)), before);
-    if (level == 3) {
-      const std::vector<uint8_t> w_before = download<uint8_t>(t.weight(0));
-      EXPECT_REFUSED_WORDS(fp8_tensor_copy_from_host(t.weight(0), codes.data(), codes.size()), FP8_ERR_INVALID_STATE,
-                     "fp8_tensor_copy_from_host", "master", "fp8_optimizer_create");
-      EXPECT_EQ(download<uint8_t>(t.weight(0)), w_before);
-    } else {  // an F16 weight is the weight itself: writable
-      const std::vector<uint16_t> half(static_cast<size_t>(n), 0x3C00);
-      EXPECT_OK(fp8_tensor_copy_from_host(t.weight(0), half.data(), half.size() * 2));
+    for (bool with_optimizer : {false, true}) {
+      SCOPED_TRACE(std::string(level_name(level)) + (with_optimizer ? " with an optimizer" : " without optimizer"));
+      TwoLinears t(recipe_for_level(level));
+      if (with_optimizer) t.create(FP8_OPTIMIZER_ADAM);
+      const int64_t n = kIn[0] * kOut[0];
+      const std::vector<uint8_t> codes(static_cast<size_t>(n), 0x38);
+      t.set_fp32_grads(4);
+      const std::vector<uint8_t> before = download<uint8_t>(t.grad(0));
+      const float before_si = scale_inv_of(t.grad(0));
+      EXPECT_REFUSED_WORDS(fp8_tensor_copy_from_host(t.grad(0), codes.data(), codes.size()), FP8_ERR_INVALID_STATE,
+                           "fp8_tensor_copy_from_host", "amax", "fp8_model_accumulate_grad");
+      EXPECT_REFUSED_WORDS(fp8_tensor_set_scale_inv(t.grad(0), 2.0f), FP8_ERR_INVALID_STATE, "fp8_tensor_set_scale_inv",
+                           "amax", "fp8_model_accumulate_grad");
+      EXPECT_EQ(download<uint8_t>(t.grad(0)), before);
+      EXPECT_EQ(bits_of(scale_inv_of(t.grad(0))), bits_of(before_si));
+      if (level == 3) {
+        const std::vector<uint8_t> w_before = download<uint8_t>(t.weight(0));
+        const float w_si = scale_inv_of(t.weight(0));
+        EXPECT_REFUSED_WORDS(fp8_tensor_copy_from_host(t.weight(0), codes.data(), codes.size()), FP8_ERR_INVALID_STATE,
+                             "fp8_tensor_copy_from_host", "master", "fp8_model_write_parameter");
+        EXPECT_REFUSED_WORDS(fp8_tensor_set_scale_inv(t.weight(0), 2.0f), FP8_ERR_INVALID_STATE,
+                             "fp8_tensor_set_scale_inv", "master", "fp8_model_write_parameter");
+        EXPECT_EQ(download<uint8_t>(t.weight(0)), w_before);
+        EXPECT_EQ(bits_of(scale_inv_of(t.weight(0))), bits_of(w_si));
+        // The way it names: the weight becomes the E4M3 copy of the new values (here all 0.875, whose
+        // amax maps to 448 with scale 512: every code 448, scale_inv 2^-9).
+        set_param(t.model.get(), "fc1.weight", std::vector<float>(static_cast<size_t>(n), 0.875f));
+        EXPECT_EQ(bits_of(scale_inv_of(t.weight(0))), bits_of(1.0f / 512.0f));
+        for (float v : decoded(t.weight(0))) ASSERT_EQ(v, 0.875f);
+      } else {  // an F16 weight is the weight itself: writable
+        const std::vector<uint16_t> half(static_cast<size_t>(n), 0x3C00);
+        EXPECT_OK(fp8_tensor_copy_from_host(t.weight(0), half.data(), half.size() * 2));
+        EXPECT_EQ(download<uint16_t>(t.weight(0)), half);
+      }
     }
   }
 }
 
+// At te (level 0) two optimizers on one model are allowed, as before.
 TEST(OptimLevelSelection, TeLevelAllowsSeveralOptimizers) {
   TwoLinears t(recipe_for_level(0));
   Optimizer a = make_optimizer(t.model.get(), FP8_OPTIMIZER_ADAM);
@@ -355,53 +478,92 @@ TEST(OptimLevelSelection, TeLevelAllowsSeveralOptimizers) {
   EXPECT_NE(b, nullptr);
 }
 
-// An MS-AMP optimizer moves the weights to new storage: the other optimizers of the model (which
-// point at the old) must be gone first; one that outlives its model refuses to run.
-TEST(OptimLevelSelection, ACompactLevelNeedsTheOnlyOptimizerAndNoneOutlivesItsModel) {
+// Optimizers made on the unconverted model (te: FP32 storage) hold that storage: converting to an
+// MS-AMP level is refused while any exists, naming both levels, and changes nothing (the layers stay
+// unconverted; the optimizers go on running); once they are gone it goes through. An MS-AMP
+// optimizer is then the model's only one; one that outlives its model refuses to run.
+TEST(OptimLevelSelection, ALevelChangeNeedsNoOptimizerAndNoneOutlivesItsModel) {
   TwoLinears t(nullptr);
   Optimizer te = make_optimizer(t.model.get(), FP8_OPTIMIZER_ADAM);  // unconverted: te
+  Optimizer te2 = make_optimizer(t.model.get(), FP8_OPTIMIZER_SGD);
+  const Snapshot before = snapshot(t);
   Recipe r = make_recipe(recipe_for_level(2));
-  EXPECT_OK(fp8_convert_model(t.model.get(), r.get(), nullptr));
-  fp8_optimizer_t* o = nullptr;
-  EXPECT_REFUSED_WORDS(fp8_optimizer_create(&o, t.model.get(), FP8_OPTIMIZER_ADAM), FP8_ERR_INVALID_STATE,
-                       "fp8_optimizer_create", "O2", "destroy them");
-  EXPECT_EQ(o, nullptr);
-  EXPECT_EQ(dtype_of(t.weight(0)), FP8_DTYPE_F32);
+  for (int alive = 2; alive >= 1; --alive) {
+    SCOPED_TRACE(std::to_string(alive) + " optimizer(s)");
+    EXPECT_REFUSED_WORDS(fp8_convert_model(t.model.get(), r.get(), nullptr), FP8_ERR_INVALID_STATE, "fp8_convert_model",
+                         "O2", "te", std::to_string(alive) + " optimizer(s)", "destroy them");
+    EXPECT_EQ(storage_level_of(t.model.get()), 0);
+    expect_same_storage(snapshot(t), before, "the refused conversion");
+    int32_t has = -1;
+    EXPECT_OK(fp8_model_has_fp8_layers(t.model.get(), &has));
+    EXPECT_EQ(has, 0) << "the refused conversion converted layers";
+    te2.reset();
+  }
+  t.backward(1);
+  FP8_ASSERT_OK(fp8_optimizer_step(te.get()));
+  EXPECT_EQ(stats_of(te.get()).steps, 1);
   te.reset();
+  const Params w = t.weights();  // FP32, after the te step
+  FP8_ASSERT_OK(fp8_convert_model(t.model.get(), r.get(), nullptr));
+  EXPECT_EQ(storage_level_of(t.model.get()), 2);
+  EXPECT_EQ(dtype_of(t.weight(0)), FP8_DTYPE_F16);
+  for (int k = 0; k < 2; ++k) {
+    std::vector<uint16_t> want;
+    for (float f : w[static_cast<size_t>(k)]) want.push_back(fp8::float_to_f16(f));
+    EXPECT_EQ(download<uint16_t>(t.weight(k)), want) << "the conversion rounds the current FP32 weights to F16";
+  }
   t.create(FP8_OPTIMIZER_ADAM);
   ASSERT_NE(t.opt, nullptr);
-  EXPECT_EQ(dtype_of(t.weight(0)), FP8_DTYPE_F16);
+  fp8_optimizer_t* o = nullptr;
+  EXPECT_REFUSED_WORDS(fp8_optimizer_create(&o, t.model.get(), FP8_OPTIMIZER_ADAMW), FP8_ERR_INVALID_STATE,
+                       "fp8_optimizer_create", "O2", "destroy");
+  EXPECT_EQ(o, nullptr);
   t.model.reset();  // destroyed before its optimizer
   EXPECT_REFUSED_WORDS(fp8_optimizer_step(t.opt.get()), FP8_ERR_INVALID_STATE, "fp8_optimizer_step", "destroyed");
   EXPECT_REFUSED_WORDS(fp8_optimizer_zero_grad(t.opt.get()), FP8_ERR_INVALID_STATE, "fp8_optimizer_zero_grad",
                        "destroyed");
 }
 
-// The layers notice the new storage: an FP8 forward right after the optimizer is made (before any
-// step) gives what the forward before it gave, within the weights' rounding to F16 or E4M3.
-TEST(OptimLevelSelection, AForwardRightAfterTheConversionUsesTheNewStorage) {
+// The layers use the storage the conversion made: an FP8 forward right after the conversion gives
+// what a te model with the same FP32 weights gives, within the weights' rounding to F16 or E4M3;
+// fp8_optimizer_create changes nothing of it (the bits of a twin without optimizer); and after
+// fp8_model_write_parameter (here the weights negated) the next forward uses the new values, not
+// the layers' earlier weight copies.
+TEST(OptimLevelSelection, AForwardRightAfterTheConversionUsesTheLevelsStorage) {
+  const std::vector<float> xh = randn(static_cast<size_t>(kRows * kIn[0]), 77, 1.0f);
+  auto forward = [&](TwoLinears& m) {
+    Tensor x = make_tensor(m.ctx.get(), FP8_DTYPE_F32, {kRows, kIn[0]});
+    Tensor y = make_tensor(m.ctx.get(), FP8_DTYPE_F32, {kRows, kOut[0]});
+    upload(x.get(), xh);
+    EXPECT_OK(fp8_autocast_begin(m.model.get()));
+    EXPECT_OK(forward_only(m.model.get(), 0, x.get(), y.get()));
+    EXPECT_OK(fp8_autocast_end(m.model.get()));
+    return download<float>(y.get());
+  };
+  // ||a - sign * b|| / ||b||
+  auto rel = [](const std::vector<float>& a, const std::vector<float>& b, double sign) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < b.size(); ++i) {
+      num += std::pow(a[i] - sign * b[i], 2);
+      den += static_cast<double>(b[i]) * b[i];
+    }
+    return std::sqrt(num / den);
+  };
+  TwoLinears te(recipe_for_level(0));
+  const std::vector<float> reference = forward(te);
   for (int level : {1, 2, 3}) {
     SCOPED_TRACE(level_name(level));
-    TwoLinears t(recipe_for_level(level));
-    Tensor x = make_tensor(t.ctx.get(), FP8_DTYPE_F32, {kRows, kIn[0]});
-    Tensor y = make_tensor(t.ctx.get(), FP8_DTYPE_F32, {kRows, kOut[0]});
-    upload(x.get(), randn(static_cast<size_t>(kRows * kIn[0]), 77, 1.0f));
-    auto forward = [&] {
-      EXPECT_OK(fp8_autocast_begin(t.model.get()));
-      EXPECT_OK(forward_only(t.model.get(), 0, x.get(), y.get()));
-      EXPECT_OK(fp8_autocast_end(t.model.get()));
-      return download<float>(y.get());
-    };
-    const std::vector<float> before = forward();
+    TwoLinears t(recipe_for_level(level)), twin(recipe_for_level(level));
     t.create(FP8_OPTIMIZER_ADAM);
-    const std::vector<float> after = forward();
-    double num = 0, den = 0;
-    for (size_t i = 0; i < before.size(); ++i) {
-      num += (after[i] - before[i]) * (after[i] - before[i]);
-      den += before[i] * before[i];
-    }
+    const std::vector<float> converted = forward(t);
+    EXPECT_EQ(converted, forward(twin)) << "fp8_optimizer_create changed what the forward reads";
     // E4M3 x and weight: ~3% normwise per operand; a stale scale is off by orders of magnitude.
-    EXPECT_LT(std::sqrt(num / den), 0.1) << "the forward after fp8_optimizer_create differs";
+    EXPECT_LT(rel(converted, reference, 1.0), 0.1) << "the forward at the level differs from te's";
+    std::vector<float> negated = t.w32[0];
+    for (float& f : negated) f = -f;
+    set_param(t.model.get(), "fc1.weight", negated);
+    EXPECT_LT(rel(forward(t), reference, -1.0), 0.1)
+        << "the forward after fp8_model_write_parameter used stale weights";
   }
 }
 
@@ -540,8 +702,9 @@ struct LevelRunCase {
 };
 class OptimLevelVsFloat64 : public ::testing::TestWithParam<LevelRunCase> {};
 
-// Four Adam / AdamW steps at each level: the first on the FP32 gradient written before the optimizer
-// (carried over into FP8), the others on gradients of a backward. Every element must lie within its
+// Four Adam / AdamW steps at each level: the first on an FP32 gradient added before the optimizer
+// exists (fp8_model_accumulate_grad: requantised into the level's FP8 gradient), the others on
+// gradients of a backward. Every element must lie within its
 // budget (Budget64); the same library run must break the budget of a float64 run without bias
 // corrections and of one with the update's sign flipped, on most elements.
 TEST_P(OptimLevelVsFloat64, EveryElementWithinTheStorageBudgetAndBrokenRulesFail) {
@@ -558,7 +721,7 @@ TEST_P(OptimLevelVsFloat64, EveryElementWithinTheStorageBudgetAndBrokenRulesFail
   apply(t.opt.get(), h);
   ASSERT_EQ(stats_of(t.opt.get()).opt_level, pc.level);
 
-  // The carried-over gradient: each element within E5M2's half-ulp of the FP32 one (scale_inv maps
+  // The added gradient: each element within E5M2's half-ulp of the FP32 one (scale_inv maps
   // the amax to 57344, so the subnormal floor is 2^-17 scale_inv).
   Params g = t.grads();
   for (int k = 0; k < 2; ++k) {
@@ -574,13 +737,13 @@ TEST_P(OptimLevelVsFloat64, EveryElementWithinTheStorageBudgetAndBrokenRulesFail
     const std::vector<uint8_t> codes = download<uint8_t>(t.grad(k));
     size_t diff = 0;
     while (diff < codes.size() && codes[diff] == fp8::encode_fp8(g_fp32[k][diff] * scale, true)) ++diff;
-    EXPECT_EQ(diff, codes.size()) << "carried-over gradient: first code that differs";
+    EXPECT_EQ(diff, codes.size()) << "added gradient: first code that differs";
     double worst = 0.0;
     for (size_t i = 0; i < g[k].size(); ++i) {
       const double err = std::fabs(static_cast<double>(g[k][i]) - g_fp32[k][i]);
       worst = std::max(worst, err / (kE5M2Rel * std::fabs(g_fp32[k][i]) + kE5M2Floor * 57344.0 * si));
     }
-    EXPECT_LE(worst, 1.0) << "carried-over gradient of tensor " << k;
+    EXPECT_LE(worst, 1.0) << "added gradient of tensor " << k;
   }
 
   // The float64 run starts where the library's update starts: the weights as stored, i.e. the F16
@@ -659,7 +822,7 @@ INSTANTIATE_TEST_SUITE_P(Levels, OptimLevelVsFloat64,
                                   (i.param.kind == FP8_OPTIMIZER_ADAM ? "Adam" : "AdamW");
                          });
 
-// O3 keeps an F16 master inside the optimizer: steps much smaller than the E4M3 weight's resolution
+// O3 keeps an F16 master (the model's, made by the conversion): steps much smaller than the E4M3 weight's resolution
 // still add up. 60 Adam steps of lr 2e-3 on one fixed gradient move each weight by ~0.12, about two
 // E4M3 steps at |w| ~ 0.5 (whose ulp is 2^-4 there), while each single step is 1/30 of that ulp: an
 // optimizer that updated the E4M3 weight itself would leave it where it was.
@@ -737,19 +900,23 @@ TEST(OptimLevelBytes, TrainingBytesPerParameterAtEachLevel) {
   }
 }
 
-// SGD at O1: F16 values and FP8 gradients (3 bytes per weight) until momentum needs its F32 buffer
-// (+4).
+// SGD at O1 (msamp O1, or auto O2, whose storage is O1's): F16 values and FP8 gradients (3 bytes per
+// weight) until momentum needs its F32 buffer (+4).
 TEST(OptimLevelBytes, SgdAtO1AddsTheMomentumBufferOnFirstUse) {
-  TwoLinears t(recipe_for_level(1));
-  t.set_fp32_grads(1);
-  t.create(FP8_OPTIMIZER_SGD);
-  const int64_t P = 96 * 64 + 64 * 32;
-  EXPECT_EQ(stats_of(t.opt.get()).training_bytes, 3 * P);
-  EXPECT_EQ(stats_of(t.opt.get()).state_bytes, 0);
-  FP8_ASSERT_OK(fp8_optimizer_set_float(t.opt.get(), FP8_OPTIM_MOMENTUM, 0.9));
-  FP8_ASSERT_OK(fp8_optimizer_step(t.opt.get()));
-  EXPECT_EQ(stats_of(t.opt.get()).training_bytes, 7 * P);
-  EXPECT_EQ(stats_of(t.opt.get()).state_bytes, 4 * P);
+  for (const char* recipe : {recipe_for_level(1), "backend=auto, opt_level=O2"}) {
+    SCOPED_TRACE(recipe);
+    TwoLinears t(recipe);
+    t.set_fp32_grads(1);
+    t.create(FP8_OPTIMIZER_SGD);
+    EXPECT_EQ(stats_of(t.opt.get()).opt_level, 1);
+    const int64_t P = 96 * 64 + 64 * 32;
+    EXPECT_EQ(stats_of(t.opt.get()).training_bytes, 3 * P);
+    EXPECT_EQ(stats_of(t.opt.get()).state_bytes, 0);
+    FP8_ASSERT_OK(fp8_optimizer_set_float(t.opt.get(), FP8_OPTIM_MOMENTUM, 0.9));
+    FP8_ASSERT_OK(fp8_optimizer_step(t.opt.get()));
+    EXPECT_EQ(stats_of(t.opt.get()).training_bytes, 7 * P);
+    EXPECT_EQ(stats_of(t.opt.get()).state_bytes, 4 * P);
+  }
 }
 
 // Two micro-batches into one FP8 gradient. The data are multiples of 1/16 with small integer
@@ -908,13 +1075,16 @@ TEST_P(OptimLevelPoison, BackwardWithInfSkipsUntilZeroGrad) {
   }
 }
 
-// An inf in the FP32 gradient before the optimizer exists is carried over as a poisoned gradient.
-TEST_P(OptimLevelPoison, NonFiniteGradientCarriedOverAtCreationIsSkipped) {
+// An inf in an FP32 gradient added before the optimizer exists poisons the FP8 gradient, and the
+// optimizer made afterwards skips it.
+TEST_P(OptimLevelPoison, NonFiniteGradientAddedBeforeCreationIsSkipped) {
   const int level = GetParam();
   TwoLinears t(recipe_for_level(level));
   std::vector<float> g = randn(96 * 64, 9, 0.05f);
   g[100] = -std::numeric_limits<float>::infinity();
-  upload(t.grad(0), g);
+  FP8_ASSERT_OK(fp8_model_zero_grad(t.model.get()));
+  t.accumulate(0, g);
+  for (float v : decoded(t.grad(0))) ASSERT_TRUE(std::isnan(v));
   t.create(FP8_OPTIMIZER_ADAMW);
   for (float v : decoded(t.grad(0))) ASSERT_TRUE(std::isnan(v));
   const std::vector<uint8_t> before = download<uint8_t>(t.weight(0));
@@ -961,8 +1131,8 @@ struct CompactRule {
   std::vector<CompactTensor> ts;
   uint64_t t = 0;
 
-  // `p16`: the F16 values as the optimizer's creation left them (O3: the master is the F16 of the
-  // FP32 weight, which the test computes itself).
+  // `p16`: the F16 values as the conversion left them (O3: the master is the F16 of the FP32
+  // weight, which the test computes itself).
   CompactRule(int lvl, const std::vector<std::vector<uint16_t>>& p16) : level(lvl) {
     for (const auto& p : p16) {
       CompactTensor c;
@@ -1048,7 +1218,7 @@ struct ExactCase {
 void PrintTo(const ExactCase& c, std::ostream* os) { *os << c.name; }
 class OptimLevelExact : public ::testing::TestWithParam<ExactCase> {};
 
-// Five steps (the first on the carried-over gradient, the others on backward gradients, one of them
+// Five steps (the first on an FP32 gradient added before the optimizer, the others on backward gradients, one of them
 // two micro-batches): the library's F16 values (O1/O2) or E4M3 weights and their scale_inv (O3)
 // have the re-implementation's bits after every step.
 TEST_P(OptimLevelExact, SameBitsAsTheReimplementedRule) {
@@ -1056,9 +1226,9 @@ TEST_P(OptimLevelExact, SameBitsAsTheReimplementedRule) {
   Hyper h = ec.hyper;
   TwoLinears t(recipe_for_level(ec.level));
   std::vector<std::vector<uint16_t>> p16;
-  for (int k = 0; k < 2; ++k) {  // the F16 of the FP32 weights, as conversion makes it
+  for (int k = 0; k < 2; ++k) {  // the F16 of the FP32 weights written before it, as conversion makes it
     std::vector<uint16_t> h16;
-    for (float f : download<float>(t.weight(k))) h16.push_back(fp8::float_to_f16(f));
+    for (float f : t.w32[static_cast<size_t>(k)]) h16.push_back(fp8::float_to_f16(f));
     p16.push_back(h16);
   }
   t.set_fp32_grads(5);
@@ -1122,7 +1292,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, OptimLevelExact, ::testing::ValuesIn(kExactCases
 // buffer is exact up to float rounding, so every element lies within Budget64's F16 budget; an SGD
 // without momentum breaks it.
 TEST(OptimLevelSgd, MomentumAtO1MatchesFloat64WithinF16Rounding) {
-  for (const char* recipe : {"backend=msamp, opt_level=O1", "backend=auto, opt_level=O3"}) {
+  // auto O2: SGD runs O1 on the O2 storage (auto O3 refuses SGD: OptimLevelSelection).
+  for (const char* recipe : {"backend=msamp, opt_level=O1", "backend=auto, opt_level=O2"}) {
     SCOPED_TRACE(recipe);
     TwoLinears t(recipe);
     t.set_fp32_grads(2);
