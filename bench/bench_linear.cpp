@@ -76,6 +76,9 @@ fp8_model_t* convert(fp8_model_t* m, Variant v) {
   if (v == Variant::Bf16) return m;
   fp8_recipe_t* r = nullptr;
   CHECK_FP8(fp8_recipe_create(&r));
+  // TransformerEngine's layer, FP32 weights and gradients as the torch peers keep them (backend te):
+  // the MS-AMP levels store F16 weights and FP8 gradients, whose accumulation adds a pass over dW.
+  CHECK_FP8(fp8_recipe_set_int(r, FP8_RECIPE_BACKEND, FP8_BACKEND_TE));
   if (v == Variant::Fp8) CHECK_FP8(fp8_recipe_set_int(r, FP8_RECIPE_SMALL_LAYER_FALLBACK, 0));
   CHECK_FP8(fp8_convert_model(m, r, nullptr));
   fp8_recipe_destroy(r);

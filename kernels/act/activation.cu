@@ -40,7 +40,7 @@ constexpr bool is_fp8(fp8_dtype_t t) { return t == FP8_DTYPE_E4M3 || t == FP8_DT
 template <fp8_dtype_t OUT>
 __device__ __forceinline__ float plus_output(const void* out, int64_t i, float v) {
   if constexpr (is_fp8(OUT)) return v;
-  else return v + Wide<OUT>::to_float(static_cast<const typename Wide<OUT>::Raw*>(out)[i]);
+  else return __fadd_rn(v, Wide<OUT>::to_float(static_cast<const typename Wide<OUT>::Raw*>(out)[i]));  // no FMA
 }
 
 template <fp8_dtype_t DT, fp8_dtype_t OUT>
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) activation_kernel(fp8_activation_t a
         Vec8<OUT> old;
         old.load(static_cast<const typename Wide<OUT>::Raw*>(out) + i8 * 8);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] += old.get(k);
+        for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(v[k], old.get(k));  // one rounding, as on the CPU
       }
     }
     store8<OUT>(out, i8 * 8, v, scale, amax);

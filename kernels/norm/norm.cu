@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(kThreads)
       const float xhat = (Wide<DT>::to_float(x[r * d + c]) - mean) * rstd;
       const float g = Wide<DY>::to_float(dy[r * d + c]) * gamma[c];
       const float v = rstd * (g - mean_g - xhat * mean_gx);
-      dx[r * d + c] = Wide<DX>::from_float(accumulate ? Wide<DX>::to_float(dx[r * d + c]) + v : v);
+      // (__fadd_rn: one rounding of the sum, as on the CPU; a contraction into an FMA would differ)
+      dx[r * d + c] = Wide<DX>::from_float(accumulate ? __fadd_rn(Wide<DX>::to_float(dx[r * d + c]), v) : v);
     }
   }
 }
