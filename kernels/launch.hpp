@@ -35,7 +35,8 @@ void bias_grad_finish(const float* partials, int64_t rows, int64_t cols, float* 
                       cudaStream_t stream);
 void convert(const ConvertJob& job, const LaunchLimits& lim, cudaStream_t stream);
 void transpose(const TransposeJob& job, const LaunchLimits& lim, cudaStream_t stream);
-void optimizer_step(const OptimizerStepJob& job, cudaStream_t stream);
+void optimizer_norm(const OptimizerStepJob& job, cudaStream_t stream);
+void optimizer_update(const OptimizerStepJob& job, cudaStream_t stream);
 void grad_accumulate(const GradAccumulateJob& job, const LaunchLimits& lim, cudaStream_t stream);
 
 // Folds the amax cuBLASLt wrote for an FP8 GEMM output into `state` and sets D's scale_inv.

@@ -215,11 +215,16 @@ __global__ void grad_sum_finish_kernel(GradScales* scales, bool e5m2) { grad_sum
 
 }  // namespace
 
-void optimizer_step(const OptimizerStepJob& job, cudaStream_t stream) {
+void optimizer_norm(const OptimizerStepJob& job, cudaStream_t stream) {
+  if (job.chunk_count <= 0) return;
+  chunk_sumsq_kernel<<<static_cast<unsigned>(job.chunk_count), kSumThreads, 0, stream>>>(job.tensors, job.chunks,
+                                                                                        job.partials);
+  cuda_check(cudaGetLastError(), "optimizer norm kernel launch");
+}
+
+void optimizer_update(const OptimizerStepJob& job, cudaStream_t stream) {
   if (job.chunk_count <= 0) return;
   const unsigned blocks = static_cast<unsigned>(job.chunk_count);
-  chunk_sumsq_kernel<<<blocks, kSumThreads, 0, stream>>>(job.tensors, job.chunks, job.partials);
-  cuda_check(cudaGetLastError(), "optimizer norm kernel launch");
   finish_kernel<<<1, kSumThreads, 0, stream>>>(job.tensors, job.tensor_count, job.partials, job.chunk_count,
                                                job.scalars, job.hyper, job.args);
   cuda_check(cudaGetLastError(), "optimizer finish kernel launch");

@@ -50,7 +50,12 @@ class Backend {
   virtual void bias_grad(const BiasGradJob& job) = 0;
   virtual void convert(const ConvertJob& job) = 0;
   virtual void transpose(const TransposeJob& job) = 0;
-  virtual void optimizer_step(const OptimizerStepJob& job) = 0;
+  // An optimizer step in two halves, with the reduce point between them: the squared norm's
+  // per-chunk partials (job.partials), then the rest (their sum in the fixed order, the step
+  // scalars, the element updates, the scales). Across ranks, the partials are what one sum
+  // all-reduce would combine (each rank's chunks, zeros elsewhere) before every rank finishes alike.
+  virtual void optimizer_norm(const OptimizerStepJob& job) = 0;
+  virtual void optimizer_update(const OptimizerStepJob& job) = 0;
   virtual void grad_accumulate(const GradAccumulateJob& job) = 0;
   // Sets `bytes` bytes at p to zero (asynchronously on the GPU).
   virtual void zero(void* p, size_t bytes) = 0;
@@ -70,8 +75,9 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
-// The CPU reference of Backend::optimizer_step (its own file: src/backend/cpu_optimizer.cpp).
-void cpu_optimizer_step(const OptimizerStepJob& job);
+// The CPU reference of Backend::optimizer_norm / optimizer_update (src/backend/cpu_optimizer.cpp).
+void cpu_optimizer_norm(const OptimizerStepJob& job);
+void cpu_optimizer_update(const OptimizerStepJob& job);
 void cpu_grad_accumulate(const GradAccumulateJob& job);
 // Throws FP8_ERR_NO_DEVICE / FP8_ERR_UNSUPPORTED when `device` cannot run libfp8.
 std::unique_ptr<Backend> make_cuda_backend(int32_t device);

@@ -322,7 +322,8 @@ class CpuBackend final : public Backend {
     if (bytes) std::memcpy(dst, src, bytes);
   }
 
-  void optimizer_step(const OptimizerStepJob& j) override { cpu_optimizer_step(j); }
+  void optimizer_norm(const OptimizerStepJob& j) override { cpu_optimizer_norm(j); }
+  void optimizer_update(const OptimizerStepJob& j) override { cpu_optimizer_update(j); }
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
 
   void dequantize(const DequantizeJob& j) override {

@@ -14,7 +14,7 @@ const float* grad_scale_inv(const OptimTensor& t) {
 
 }  // namespace
 
-void cpu_optimizer_step(const OptimizerStepJob& j) {
+void cpu_optimizer_norm(const OptimizerStepJob& j) {
   for (int64_t c = 0; c < j.chunk_count; ++c) {
     const OptimChunk& ch = j.chunks[c];
     const OptimTensor& t = j.tensors[ch.tensor];
@@ -27,6 +27,9 @@ void cpu_optimizer_step(const OptimizerStepJob& j) {
         },
         ch.len);
   }
+}
+
+void cpu_optimizer_update(const OptimizerStepJob& j) {
   const double* partials = j.partials;
   finish_step(*j.scalars, ordered_sum([partials](int64_t i) { return partials[i]; }, j.chunk_count), *j.hyper);
   *j.args = element_args(*j.hyper);

@@ -190,9 +190,13 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::transpose(job, limits_, stream_);
   }
-  void optimizer_step(const OptimizerStepJob& job) override {
+  void optimizer_norm(const OptimizerStepJob& job) override {
     DeviceScope scope(limits_.device);
-    kernels::optimizer_step(job, stream_);
+    kernels::optimizer_norm(job, stream_);
+  }
+  void optimizer_update(const OptimizerStepJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::optimizer_update(job, stream_);
   }
   void grad_accumulate(const GradAccumulateJob& job) override {
     DeviceScope scope(limits_.device);

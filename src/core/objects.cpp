@@ -13,7 +13,9 @@ fp8_tensor::~fp8_tensor() {
 
 size_t fp8_tensor::nbytes() const { return static_cast<size_t>(numel) * fp8::dtype_size(dtype); }
 
-fp8_scaling::~fp8_scaling() { backend->release(state); }
+fp8_scaling::~fp8_scaling() {
+  if (!arena) backend->release(state);
+}
 
 namespace fp8 {
 
@@ -67,6 +69,32 @@ void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count,
     items[static_cast<size_t>(i)] = {states[i]->state, scaled_fp8_max(states[i]->dtype == FP8_DTYPE_E5M2, margin)};
   backend.scaling_update({items.data(), count, static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN)),
                           recipe.get(FP8_RECIPE_INTERVAL), recipe.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
+}
+
+std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,
+                                                             const Recipe& recipe, const std::vector<fp8_role_t>& roles) {
+  std::vector<std::unique_ptr<fp8_scaling>> out;
+  if (roles.empty()) return out;
+  const int32_t len = static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN));
+  const size_t each = (sizeof(ScalingHeader) + sizeof(float) * static_cast<size_t>(len) + 15) / 16 * 16;
+  const size_t bytes = each * roles.size();
+  std::vector<unsigned char> init(bytes, 0);
+  const ScalingHeader header{1.0f, 1.0f, {0u, 0u}, 0u, 0u};
+  for (size_t i = 0; i < roles.size(); ++i) std::memcpy(init.data() + i * each, &header, sizeof header);
+  void* memory = backend->allocate(bytes);
+  std::shared_ptr<void> arena(memory, [backend](void* p) { backend->release(p); });
+  backend->copy_from_host(memory, init.data(), bytes);
+  for (size_t i = 0; i < roles.size(); ++i) {
+    auto s = std::make_unique<fp8_scaling>();
+    s->backend = backend;
+    s->arena = arena;
+    s->state = reinterpret_cast<ScalingHeader*>(static_cast<char*>(memory) + i * each);
+    s->history_len = len;
+    s->dtype = recipe.dtype_for(roles[i]);
+    s->backward_role = roles[i] == FP8_ROLE_BACKWARD;
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "backend/backend.hpp"
 #include "core/recipe.hpp"
@@ -57,6 +58,9 @@ struct fp8_tensor {
 struct fp8_scaling {
   std::shared_ptr<fp8::Backend> backend;
   fp8::ScalingHeader* state = nullptr;  // device memory: header, then the history
+  // A model's states share one allocation (make_scaling_arena), which the last of them releases;
+  // null for a state with an allocation of its own.
+  std::shared_ptr<void> arena;
   int32_t history_len = 0;
   fp8_dtype_t dtype = FP8_DTYPE_E4M3;
   uint64_t update_mark = 0;  // the fp8_scaling_update call that last listed it (finds duplicates)
@@ -95,6 +99,11 @@ inline std::unique_ptr<fp8_tensor> lent_by_model(std::unique_ptr<fp8_tensor> t) 
 // A state with scale `scale`, scale_inv 1/scale (as every update sets it) and a zeroed history.
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
                                           fp8_role_t role, float scale = 1.0f);
+
+// States for `roles` under `recipe` (as make_scaling makes them, scale 1) in ONE device allocation,
+// in order: a model's states, so that they are updated (and, across ranks, reduced) together.
+std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,
+                                                             const Recipe& recipe, const std::vector<fp8_role_t>& roles);
 
 // One batched delayed-scaling update of `count` states (already checked against `recipe`).
 void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count, const Recipe& recipe);

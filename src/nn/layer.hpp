@@ -159,11 +159,12 @@ class Layer {
   // Conversions so far: a forward state from an earlier one is refused.
   uint64_t epoch() const { return epoch_; }
 
-  // Conversion in two steps, so that a model converts all or nothing: the scaling states the layer
-  // needs as an FP8 one under `recipe` (none for recipe == nullptr or a layer FP8 cannot run; may
-  // throw), then taking them (never throws). Parameters are untouched either way.
+  // Conversion in two steps, so that a model converts all or nothing: the roles of the scaling
+  // states the layer needs as an FP8 one under `recipe` (none for recipe == nullptr or a layer FP8
+  // cannot run), which the model makes in one arena for all its layers, then taking them (never
+  // throws). Parameters are untouched either way.
   using States = std::vector<std::unique_ptr<fp8_scaling>>;
-  virtual States new_states(const Recipe* recipe) const = 0;
+  virtual std::vector<fp8_role_t> state_roles(const Recipe* recipe) const = 0;
   virtual void convert(const Recipe* recipe, States states) noexcept = 0;
   // The scaling states the model updates in its batched call (none unless converted).
   virtual void scaling_states(std::vector<fp8_scaling*>& out) = 0;

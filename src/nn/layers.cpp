@@ -111,10 +111,9 @@ class ElementwiseBase : public Layer {
  public:
   using Layer::Layer;
 
-  States new_states(const Recipe* recipe) const override {
-    States s;
-    if (recipe) s.push_back(new_state(*recipe, FP8_ROLE_FORWARD));
-    return s;
+  std::vector<fp8_role_t> state_roles(const Recipe* recipe) const override {
+    if (!recipe) return {};
+    return {FP8_ROLE_FORWARD};  // the FP8 output
   }
   void convert(const Recipe* recipe, States states) noexcept override {
     converted_ = recipe && states.size() == 1;

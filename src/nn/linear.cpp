@@ -72,13 +72,9 @@ class Linear final : public Layer {
   // FP8 GEMMs need both features to be multiples of 16: other shapes stay in high precision.
   bool fp8_shape() const { return in_ % 16 == 0 && out_ % 16 == 0; }
 
-  States new_states(const Recipe* recipe) const override {
-    States s;
-    if (!recipe || !fp8_shape()) return s;
-    s.push_back(new_state(*recipe, FP8_ROLE_FORWARD));   // x
-    s.push_back(new_state(*recipe, FP8_ROLE_FORWARD));   // W
-    s.push_back(new_state(*recipe, FP8_ROLE_BACKWARD));  // dy
-    return s;
+  std::vector<fp8_role_t> state_roles(const Recipe* recipe) const override {
+    if (!recipe || !fp8_shape()) return {};
+    return {FP8_ROLE_FORWARD, FP8_ROLE_FORWARD, FP8_ROLE_BACKWARD};  // x, W, dy
   }
 
   void convert(const Recipe* recipe, States states) noexcept override {

@@ -140,24 +140,30 @@ void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
     fail(FP8_ERR_INVALID_STATE, "the conversion stores the Linear weight gradients in ", dtype_name(grad8),
          " instead of ", dtype_name(m.store->grad_dtype()), ", but ", m.optimizer_links.size(),
          " optimizer(s) of this model hold the current storage; destroy them first");
-  // 1. Everything that can fail: the layers' new scaling states, then the storage.
-  std::vector<Layer::States> states;
+  // 1. Everything that can fail: the layers' scaling states (one arena for the model), then the storage.
+  auto chosen = [&](const Layer& l) {
+    const int32_t k = l.kind();
+    return k == FP8_LAYER_LINEAR ? c.linear : k == FP8_LAYER_ACTIVATION ? c.activation : c.norm;
+  };
+  std::vector<fp8_role_t> roles;
+  std::vector<size_t> first;  // each layer's first state in `roles`
   for (auto& l : m.layers) {
-    const int32_t k = l->kind();
-    const bool chosen = k == FP8_LAYER_LINEAR ? c.linear : k == FP8_LAYER_ACTIVATION ? c.activation : c.norm;
-    states.push_back(l->new_states(chosen ? target : nullptr));
+    first.push_back(roles.size());
+    for (fp8_role_t r : l->state_roles(chosen(*l) ? target : nullptr)) roles.push_back(r);
   }
+  first.push_back(roles.size());
+  Layer::States arena = target ? make_scaling_arena(m.backend, *target, roles) : Layer::States{};
+  std::vector<Layer::States> states(m.layers.size());
+  for (size_t i = 0; i < m.layers.size(); ++i)
+    for (size_t k = first[i]; k < first[i + 1]; ++k) states[i].push_back(std::move(arena[k]));
   if (m.store) {
     // Exact sizes from now on (no room for layers, which a converted model does not take), unless
     // an optimizer holds the storage's pointers.
     m.store->layout(all_parameters(m), level, grad8, !m.optimizer_links.empty());
   }
   // 2. Commit.
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    const int32_t k = m.layers[i]->kind();
-    const bool chosen = k == FP8_LAYER_LINEAR ? c.linear : k == FP8_LAYER_ACTIVATION ? c.activation : c.norm;
-    m.layers[i]->convert(chosen ? target : nullptr, std::move(states[i]));
-  }
+  for (size_t i = 0; i < m.layers.size(); ++i)
+    m.layers[i]->convert(chosen(*m.layers[i]) ? target : nullptr, std::move(states[i]));
   if (level != old_level) ++m.weights_version;  // the layers remake their weight copies from the new storage
 }
 
@@ -168,6 +174,10 @@ void update_model_scaling(fp8_model& m, bool backward_only) {
   for (fp8_scaling* s : all)
     if (s->pending && (!backward_only || s->backward_role)) due.push_back(s);
   if (due.empty()) return;
+  // Reduce point: the states live in one arena (convert_model), and on one rank each state's history
+  // slot 0 already holds the step's amax. Under data parallelism the slots of `due` are gathered,
+  // max-reduced across ranks in one collective, and the update reads the reduced values, so that
+  // every rank computes the same scales.
   fp8::update_scaling(*m.backend, due.data(), static_cast<int32_t>(due.size()), *m.recipe);
   for (fp8_scaling* s : due) s->pending = false;
 }

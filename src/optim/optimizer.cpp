@@ -305,8 +305,13 @@ void step(fp8_optimizer& o) {
       }
       ++i;
     }
-  o.backend->optimizer_step({o.device_tensors, static_cast<int64_t>(o.tensors.size()), o.device_chunks,
-                             static_cast<int64_t>(o.chunks.size()), o.partials, o.scalars, o.hyper, o.element_args});
+  const OptimizerStepJob job{o.device_tensors, static_cast<int64_t>(o.tensors.size()), o.device_chunks,
+                             static_cast<int64_t>(o.chunks.size()), o.partials, o.scalars, o.hyper, o.element_args};
+  o.backend->optimizer_norm(job);
+  // Reduce point: on one rank the partials are already the whole norm's. Under data parallelism one
+  // sum all-reduce of o.partials (each rank's chunks, zeros elsewhere) goes here, so that every rank
+  // finishes the same step from the same sum in the same order.
+  o.backend->optimizer_update(job);
   ++m.weights_version;  // the layers remake their FP8 and bf16 weight copies at the next forward
 }
 
