@@ -16,10 +16,25 @@
  *   message is per thread.
  * - A context owns one CUDA stream (the legacy default stream unless fp8_context_set_stream says
  *   otherwise). Calls marked "asynchronous" only queue work on that stream: they never wait for the
- *   GPU, never allocate device memory, and can be captured in a CUDA graph. fp8_context_set_stream
+ *   GPU, allocate device memory only where their buffers must first grow to a new shape (see "CUDA
+ *   graphs"), and can be captured in a CUDA graph. fp8_context_set_stream
  *   orders the new stream after the work already queued on the old one. A fault inside such work is reported
  *   by a later call or by fp8_context_synchronize. Calls marked "synchronous" return after the work
  *   is done.
+ * - CUDA graphs: a whole training step (fp8_model_forward or per-layer calls under autocast or
+ *   autowrap, the backward, fp8_optimizer_step, fp8_optimizer_zero_grad) can be captured with
+ *   cudaStreamBeginCapture on the context's stream (set with fp8_context_set_stream; the legacy
+ *   stream cannot be captured) and replayed: every decision a replay needs is on the device (scales
+ *   and amax histories, the step count, bias corrections, the skip of a non-finite step, the
+ *   learning rate and every other hyper-parameter, which the step reads from device memory, so
+ *   fp8_optimizer_set_float between replays takes effect at the next one). Rules: run the same step
+ *   once before capturing it, so that libfp8's buffers have grown to its shapes (they are kept; an
+ *   allocation during a capture is refused with FP8_ERR_INVALID_STATE saying so); make synchronous
+ *   calls (fp8_optimizer_set_float, copies to and from the host, fp8_*_get_info) between replays,
+ *   never inside a capture. Within a captured sequence a Linear makes its FP8 and bf16 weight copies
+ *   at its first forward (replays follow optimizer steps the capture cannot know of) and reuses them
+ *   for later micro-batches; the scaling states updated at the end of each region are those that
+ *   recorded an amax in the captured calls, the same in every replay.
  * - On the CPU reference backend (device FP8_DEVICE_CPU) every call runs to completion before it
  *   returns, and "device memory" means ordinary host memory.
  * - Objects keep their context alive: fp8_context_destroy may come before the destruction of its
@@ -232,7 +247,8 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  * and MS-AMP's opt levels in one object)
  *
  * Attributes are integers. Each has a range and a default that fp8_recipe_attr_bounds returns.
- * A recipe may be changed freely until a model uses it; it is then read-only (later issues).
+ * fp8_convert_model copies the recipe it is given: changing a recipe afterwards never affects a
+ * model already converted with it (convert again to apply the change).
  *
  * Text form (fp8_recipe_parse / fp8_recipe_to_string): comma-separated `key=value` pairs, spaces
  * ignored, keys and values case-insensitive. Keys and values:
@@ -674,16 +690,16 @@ FP8_API fp8_status_t fp8_model_find_layer(const fp8_model_t *model, const char *
 FP8_API fp8_status_t fp8_model_layer_name(const fp8_model_t *model, int32_t layer_id, const char **name);
 
 /** The parameter "<layer>.<param>" ("fc1.weight", "fc1.bias", "ln.gamma", "ln.beta"). [out] value,
- *  grad (either may be NULL): borrowed tensors, valid while the model lives (until an optimizer at
- *  O1..O3 converts a Linear weight: fetch them again after fp8_optimizer_create). The model owns
- *  them: fp8_tensor_destroy leaves them alone (and says so). They are FP32,
- *  except a Linear weight under an MS-AMP level (see "Optimizer"): value F16 (O1/O2) or E4M3 (O3),
- *  grad E5M2 (HYBRID) or E4M3 with its scale_inv. Writing a value with fp8_tensor_copy_from_host is
- *  seen by the layer; after writing one any other way (your own optimizer kernel), call
+ *  grad (either may be NULL): borrowed tensors, valid as long as the model (views into its flat
+ *  storage, below). The model owns them: fp8_tensor_destroy leaves them alone (and says so). They
+ *  are FP32, except a Linear weight once the model is converted at an MS-AMP level (see "Flat
+ *  storage" and "Optimizer"): value F16 (O1/O2) or E4M3 (O3, a copy of the model's F16 master),
+ *  grad E5M2 (HYBRID) or E4M3 with its scale_inv. fp8_model_write_parameter writes any of them
+ *  from F32 host values. Writing a value with fp8_tensor_copy_from_host (its own dtype) is seen by
+ *  the layer; after writing one any other way (your own optimizer kernel), call
  *  fp8_model_weights_changed. An FP8 gradient (which keeps its amax with it) and O3's E4M3 weight
- *  (a copy of the optimizer's F16 master) refuse fp8_tensor_copy_from_host and
- *  fp8_tensor_set_scale_inv (FP8_ERR_INVALID_STATE): add to a gradient with
- *  fp8_model_accumulate_grad; at O3 write the weights before creating the optimizer. */
+ *  refuse fp8_tensor_copy_from_host and fp8_tensor_set_scale_inv (FP8_ERR_INVALID_STATE): add to a
+ *  gradient with fp8_model_accumulate_grad, write an O3 weight with fp8_model_write_parameter. */
 FP8_API fp8_status_t fp8_model_parameter(fp8_model_t *model, const char *name, fp8_tensor_t **value,
                                          fp8_tensor_t **grad);
 /** Parameters in a fixed order (layers in order, then weight, bias / gamma, beta): [out] name
@@ -698,9 +714,12 @@ FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t *model, int32_t index, c
  * O1..O3, E5M2 under HYBRID and E4M3 under E4M3) and O3's F16 masters. So a communication bucket
  * is a contiguous range of slices and a shard an element range. The storage level is the model's:
  * fp8_convert_model sets it from its recipe (backend te: FP32; msamp or auto: opt_level) and an
- * optimizer adopts it as it is. The handles fp8_model_parameter returns live as long as the model;
- * their data pointer moves only when a layer is added (before conversion) or a conversion changes
- * the level (refused while an optimizer of the model exists), never otherwise.
+ * optimizer adopts it as it is, moving nothing. The handles fp8_model_parameter returns live as
+ * long as the model. Their data pointers move only when a layer is added (before conversion; the
+ * storage keeps room to append), at the first fp8_convert_model (which lays the storage out
+ * exactly), and at a conversion that changes the level or the FP8 gradient format; such a
+ * conversion is refused (FP8_ERR_INVALID_STATE) while an optimizer of the model exists. From the
+ * optimizer's creation on they never move.
  */
 typedef int32_t fp8_storage_role_t;
 #define FP8_STORAGE_VALUES 0
@@ -709,7 +728,7 @@ typedef int32_t fp8_storage_role_t;
 /** [out] level: 0 (FP32 Linear weights) or FP8_OPT_O1..O3, the level the model's storage is at. */
 FP8_API fp8_status_t fp8_model_storage_level(const fp8_model_t *model, int32_t *level);
 /** [out] data, bytes: the flat allocation of `role` holding `dtype` (device memory, borrowed) and the
- *  bytes its slices span, padding between them included; NULL and 0 when the model stores nothing
+ *  bytes its slices span, each slice rounded up to 256 bytes; NULL and 0 when the model stores nothing
  *  of that kind. A parameter's slice starts at (char *)fp8_tensor_data(parameter) - data. The FP32
  *  gradient buffer is what a framework's own collective would all-reduce. */
 FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t *model, fp8_storage_role_t role, fp8_dtype_t dtype,
@@ -894,9 +913,9 @@ FP8_API fp8_status_t fp8_model_report(const fp8_model_t *model, char *buf, size_
  * non-finite check, the step count, the bias corrections and every per-tensor scale stay in device
  * memory.
  *
- * Levels. fp8_optimizer_create reads the model's recipe (fp8_convert_model) and picks how the
- * Linear weights and their training state are stored (biases and norm parameters are FP32 with
- * FP32 states at every level, as in MS-AMP):
+ * Levels. The model's storage level (fp8_convert_model's recipe: see "Flat storage") decides how
+ * the Linear weights and their gradients are stored, and the optimizer keeps its states to match
+ * (biases and norm parameters are FP32 with FP32 states at every level, as in MS-AMP):
  *
  *   level  chosen by                          weight         master  gradient  Adam m    Adam v       bytes/param
  *   te     unconverted model, backend=te      FP32           -       FP32      FP32      FP32         16
@@ -904,13 +923,13 @@ FP8_API fp8_status_t fp8_model_report(const fp8_model_t *model, char *buf, size_
  *   O2     backend=msamp (or auto), O2        F16            -       FP8       E4M3      F16, scaled   6
  *   O3     backend=msamp (or auto), O3        E4M3           F16     FP8       E4M3      F16, scaled   7
  *
- * backend=auto (the default) prefers MS-AMP, as Accelerate documents, capped at O1 for SGD (which
- * has no moments to keep in FP8); backend=msamp with O2/O3 and SGD is refused (FP8_ERR_UNSUPPORTED).
- * At O1..O3 the optimizer converts the weights when it is made (the values rounded to F16, an
- * accumulated gradient carried over): fetch parameter tensors again afterwards. It must then be the
- * model's only optimizer (others are refused, FP8_ERR_INVALID_STATE, both ways). A later optimizer
- * of the same level takes the stored weights over; at O3 its F16 master is rebuilt from the E4M3
- * weights (restore the old master from a checkpoint). Its numerics:
+ * backend=auto (the default) prefers MS-AMP, as Accelerate documents. SGD has no moments to keep
+ * in FP8: on O2 storage (the same as O1's) it runs O1; backend=msamp at O2, and O3 storage, are
+ * refused for SGD (FP8_ERR_UNSUPPORTED). The conversion rounded the values to F16 (O3: the F16
+ * master, and its E4M3 copy) and carried an accumulated gradient over into FP8; the optimizer
+ * moves and converts nothing, so parameter handles and data pointers stay as they are. At O1..O3 it
+ * must be the model's only optimizer (others are refused, FP8_ERR_INVALID_STATE, both ways); a
+ * later one adopts the stored weights and masters and starts its states afresh. Its numerics:
  *  - FP8 gradients (E5M2 under HYBRID, E4M3 under E4M3) have one scale per tensor. Each backward
  *    (micro-batch) adds its dW by requantising the sum in one pass with scale = fp8_max /
  *    (amax(stored) + amax(dW)), a bound known before the pass; an inf or NaN in dW makes the
@@ -954,7 +973,8 @@ typedef int32_t fp8_optimizer_kind_t;
 #define FP8_OPTIMIZER_ADAM 1
 #define FP8_OPTIMIZER_ADAMW 2
 
-/** Hyper-parameters: doubles, settable before any step (the next step uses the new value). */
+/** Hyper-parameters: doubles, settable before any step (the next step uses the new value; a step
+ *  reads them from device memory, so this holds for the replays of a captured step too). */
 typedef int32_t fp8_optimizer_attr_t;
 #define FP8_OPTIM_LR 0            /**< learning rate, >= 0; default 1e-3 */
 #define FP8_OPTIM_BETA1 1         /**< Adam(W): [0, 1); default 0.9 */
@@ -973,7 +993,9 @@ typedef int32_t fp8_optimizer_attr_t;
 FP8_API fp8_status_t fp8_optimizer_create(fp8_optimizer_t **out, fp8_model_t *model, fp8_optimizer_kind_t kind);
 FP8_API void fp8_optimizer_destroy(fp8_optimizer_t *optimizer);
 /** Sets or reads a hyper-parameter. A value out of range, or setting one the kind does not use
- *  (momentum for Adam, betas and eps for SGD), is refused with FP8_ERR_INVALID_ARGUMENT. */
+ *  (momentum for Adam, betas and eps for SGD), is refused with FP8_ERR_INVALID_ARGUMENT. Setting is
+ *  synchronous (it writes the device copy the step reads): between replays of a captured step,
+ *  not inside a capture. */
 FP8_API fp8_status_t fp8_optimizer_set_float(fp8_optimizer_t *optimizer, fp8_optimizer_attr_t attr, double value);
 FP8_API fp8_status_t fp8_optimizer_get_float(const fp8_optimizer_t *optimizer, fp8_optimizer_attr_t attr,
                                              double *value);
@@ -1023,7 +1045,7 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  * foreign file gives FP8_ERR_CORRUPT, one from a newer format FP8_ERR_VERSION, a model or optimizer
  * that does not match (other layers, names, sizes, conversion, optimizer kind) FP8_ERR_INVALID_STATE
  * naming the difference, a file that cannot be read FP8_ERR_IO; in each case the model and the
- * optimizer are left exactly as they were. Loading into an optimizer of another level converts:
+ * optimizer are left exactly as they were. Loading into a model converted at another level converts:
  * towards te exactly (F16 and FP8 values widen), towards O1..O3 by rounding the weights to F16 and
  * requantising m and v with fresh per-tensor scales. A checkpoint without gradients loads with the
  * gradients zeroed. All four calls are synchronous.
@@ -1032,8 +1054,8 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
 /** Flags of fp8_checkpoint_save. */
 #define FP8_CHECKPOINT_GRADIENTS 1u /**< also save the gradients (e.g. mid-accumulation) */
 
-/** [in] optimizer: may be NULL (the model alone; at O3 the masters are still saved through the
- *  optimizer that holds them). [in] path: UTF-8 file name; its directory must exist. */
+/** [in] optimizer: may be NULL (the model alone: parameters, O3's F16 masters, which are the
+ *  model's, and scaling states). [in] path: UTF-8 file name; its directory must exist. */
 FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t *model, const fp8_optimizer_t *optimizer,
                                          const char *path, uint32_t flags);
 /** [in,out] optimizer: may be NULL (the weights and scaling states alone; the optimizer's own
@@ -1046,12 +1068,12 @@ FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t *model, fp8_optimizer_t *op
 FP8_API fp8_status_t fp8_checkpoint_read_recipe(const char *path, fp8_recipe_t *recipe);
 
 /** Writes the parameters as a Hugging Face safetensors file, named as the parameters ("fc1.weight"):
- *  FP32 parameters as F32, F16 weights (O1/O2) as F16, O3 weights as their F16 master (F32 from the
- *  E4M3 copy if no optimizer holds the master any more). Metadata: format=pt, producer=libfp8. */
+ *  FP32 parameters as F32, F16 weights (O1/O2) as F16, O3 weights as their F16 master. Metadata:
+ *  format=pt, producer=libfp8. */
 FP8_API fp8_status_t fp8_model_export_safetensors(const fp8_model_t *model, const char *path);
 /** Reads every parameter from a safetensors file (F32, F16 or BF16 tensors of the parameters' names
  *  and shapes; a missing or extra tensor is refused) into the model's storage, rounding where it is
- *  narrower (at O3 into the optimizer's F16 master and the E4M3 copy). Gradients and optimizer
+ *  narrower (at O3 into the model's F16 master and the E4M3 copy). Gradients and optimizer
  *  moments are kept. All or nothing. */
 FP8_API fp8_status_t fp8_model_import_safetensors(fp8_model_t *model, const char *path);
 
