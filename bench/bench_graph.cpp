@@ -125,9 +125,10 @@ Row measure(const char* name, const char* recipe) {
     std::exit(1);
   }
   // Steps queued back to back (10 per timed region): what a training loop sees, launch cost included.
-  const double eager_ms = fp8bench::median_ms(eager.stream, [&](int) { eager.step(); }, 10, 20, 30);
-  const double graph_ms =
-      fp8bench::median_ms(graphed.stream, [&](int) { CHECK_CUDA(cudaGraphLaunch(exec, graphed.stream)); }, 10, 20, 30);
+  const double eager_ms = fp8bench::median_ms(
+      eager.stream, [&](int) { eager.step(); }, 10, 20, 30);
+  const double graph_ms = fp8bench::median_ms(
+      graphed.stream, [&](int) { CHECK_CUDA(cudaGraphLaunch(exec, graphed.stream)); }, 10, 20, 30);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   return {name, eager_ms, graph_ms, nodes};
@@ -139,12 +140,13 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   rows.push_back(measure("te", "backend=te"));
   rows.push_back(measure("O2", "backend=msamp, opt_level=O2"));
-  std::printf("\nFashion-MNIST MLP training step (batch %lld), eager vs CUDA graph replay (graph == eager bit for bit)\n",
-              static_cast<long long>(kBatch));
+  std::printf(
+      "\nFashion-MNIST MLP training step (batch %lld), eager vs CUDA graph replay (graph == eager bit for bit)\n",
+      static_cast<long long>(kBatch));
   std::printf("| level | eager ms/step | graph ms/step | speedup | graph nodes |\n|---|---|---|---|---|\n");
   for (const Row& r : rows)
-    std::printf("| %s | %.3f | %.3f | %.2fx | %zu |\n", r.level.c_str(), r.eager_ms, r.graph_ms, r.eager_ms / r.graph_ms,
-                r.nodes);
+    std::printf("| %s | %.3f | %.3f | %.2fx | %zu |\n", r.level.c_str(), r.eager_ms, r.graph_ms,
+                r.eager_ms / r.graph_ms, r.nodes);
   if (argc > 1) {
     FILE* f = std::fopen(argv[1], "w");
     if (f) {

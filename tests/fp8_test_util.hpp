@@ -42,7 +42,9 @@ struct TensorDeleter { void operator()(fp8_tensor_t* p) const { fp8_tensor_destr
 struct ScalingDeleter { void operator()(fp8_scaling_t* p) const { fp8_scaling_destroy(p); } };
 struct ModelDeleter { void operator()(fp8_model_t* p) const { fp8_model_destroy(p); } };
 struct OptimizerDeleter { void operator()(fp8_optimizer_t* p) const { fp8_optimizer_destroy(p); } };
-struct SavedDeleter { void operator()(fp8_saved_t* p) const { fp8_saved_destroy(p); } };
+struct SavedDeleter {
+  void operator()(fp8_saved_t* p) const { fp8_saved_destroy(p); }
+};
 using Context = std::unique_ptr<fp8_context_t, ContextDeleter>;
 using Recipe = std::unique_ptr<fp8_recipe_t, RecipeDeleter>;
 using Tensor = std::unique_ptr<fp8_tensor_t, TensorDeleter>;

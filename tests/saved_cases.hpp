@@ -14,7 +14,10 @@ constexpr int64_t kRows = 32, kIn = 64, kOut = 48;
 
 enum class Kind { kLinear, kLinearFp8, kLayerNorm, kGelu };
 inline const char* kind_name(Kind k) {
-  return k == Kind::kLinear ? "Linear" : k == Kind::kLinearFp8 ? "LinearFp8" : k == Kind::kLayerNorm ? "LayerNorm" : "Gelu";
+  return k == Kind::kLinear      ? "Linear"
+         : k == Kind::kLinearFp8 ? "LinearFp8"
+         : k == Kind::kLayerNorm ? "LayerNorm"
+                                 : "Gelu";
 }
 // InFlight: forward 1, forward 2, then the backwards; Pairs: forward and backward of 1, then of 2;
 // Twins: 1 through layer "a", 2 through layer "b" (same parameters).
@@ -25,7 +28,9 @@ struct Outputs {
   std::vector<std::vector<float>> grads;  // every parameter gradient of the model, in order
 };
 
-inline int64_t out_features(Kind k) { return k == Kind::kLinear || k == Kind::kLinearFp8 ? kOut : kIn; }
+inline int64_t out_features(Kind k) {
+  return k == Kind::kLinear || k == Kind::kLinearFp8 ? kOut : kIn;
+}
 
 // Adds one layer of `kind` named `name` with fixed parameters; returns its id.
 inline int32_t add_layer(fp8_model_t* m, Kind kind, const std::string& name) {
@@ -80,7 +85,9 @@ inline Outputs run(int32_t device, Kind kind, Mode mode, bool second_first) {
     EXPECT_OK(fp8_layer_forward_saved(m, layer[i], x[i].get(), y[i].get(), &s));
     saved[i].reset(s);
   };
-  auto backward = [&](int i) { EXPECT_OK(fp8_layer_backward_saved(m, layer[i], saved[i].get(), dy[i].get(), dx[i].get(), 0)); };
+  auto backward = [&](int i) {
+    EXPECT_OK(fp8_layer_backward_saved(m, layer[i], saved[i].get(), dy[i].get(), dx[i].get(), 0));
+  };
   const int first = second_first ? 1 : 0, second = 1 - first;
   if (mode == Mode::kPairs) {
     forward(first), backward(first), forward(second), backward(second);

@@ -34,22 +34,25 @@ __device__ __forceinline__ void store8(void* out, int64_t i, const float (&v)[8]
   }
 }
 
-constexpr bool is_fp8(fp8_dtype_t t) { return t == FP8_DTYPE_E4M3 || t == FP8_DTYPE_E5M2; }
+constexpr bool is_fp8(fp8_dtype_t t) {
+  return t == FP8_DTYPE_E4M3 || t == FP8_DTYPE_E5M2;
+}
 
 // A residual's sum: v += the wide output's current value at i (accumulate is never set for FP8).
 template <fp8_dtype_t OUT>
 __device__ __forceinline__ float plus_output(const void* out, int64_t i, float v) {
-  if constexpr (is_fp8(OUT)) return v;
-  else return __fadd_rn(v, Wide<OUT>::to_float(static_cast<const typename Wide<OUT>::Raw*>(out)[i]));  // no FMA
+  if constexpr (is_fp8(OUT))
+    return v;
+  else
+    return __fadd_rn(v, Wide<OUT>::to_float(static_cast<const typename Wide<OUT>::Raw*>(out)[i]));  // no FMA
 }
 
 template <fp8_dtype_t DT, fp8_dtype_t OUT>
-__global__ void __launch_bounds__(kThreads) activation_kernel(fp8_activation_t act, bool backward, bool accumulate,
-                                                              const typename Wide<DT>::Raw* __restrict__ x,
-                                                              const typename Wide<DT>::Raw* __restrict__ dy,
-                                                              int64_t rows, int64_t cols, bool vec,
-                                                              void* __restrict__ out, ScalingHeader* state,
-                                                              float* out_scale_inv) {
+__global__ void __launch_bounds__(kThreads)
+    activation_kernel(fp8_activation_t act, bool backward, bool accumulate,
+                      const typename Wide<DT>::Raw* __restrict__ x, const typename Wide<DT>::Raw* __restrict__ dy,
+                      int64_t rows, int64_t cols, bool vec, void* __restrict__ out, ScalingHeader* state,
+                      float* out_scale_inv) {
   const float scale = state ? state->scale : 1.0f;
   uint32_t amax = 0;
   const bool glu = act == FP8_ACTIVATION_SWIGLU;

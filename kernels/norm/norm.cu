@@ -136,8 +136,8 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
       dispatch_wide(j.dx_dtype, [&](auto dxt) {
         auto* kernel = norm_backward_dx_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value>;
         const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
-        kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows,
-                                              j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
+        kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
+                                              j.rows, j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
                                               static_cast<typename Wide<decltype(dxt)::value>::Raw*>(j.dx));
       });
       // R partial rows of dgamma and dbeta fit the scratch; more rows per partial when they do not.

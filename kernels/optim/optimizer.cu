@@ -218,7 +218,7 @@ __global__ void grad_sum_finish_kernel(GradScales* scales, bool e5m2) { grad_sum
 void optimizer_norm(const OptimizerStepJob& job, cudaStream_t stream) {
   if (job.chunk_count <= 0) return;
   chunk_sumsq_kernel<<<static_cast<unsigned>(job.chunk_count), kSumThreads, 0, stream>>>(job.tensors, job.chunks,
-                                                                                        job.partials);
+                                                                                         job.partials);
   cuda_check(cudaGetLastError(), "optimizer norm kernel launch");
 }
 

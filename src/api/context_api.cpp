@@ -34,7 +34,8 @@ FP8_API fp8_status_t fp8_context_set_allocator(fp8_context_t* ctx, fp8_alloc_fn 
   return guard("fp8_context_set_allocator", [&] {
     require_arg(ctx, "ctx");
     if (!alloc != !free_fn)
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, alloc ? "free_fn is NULL but alloc is not" : "alloc is NULL but free_fn is not",
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT,
+                alloc ? "free_fn is NULL but alloc is not" : "alloc is NULL but free_fn is not",
                 "; expected both set, or both NULL for libfp8's own allocator");
     ctx->backend->set_allocator(alloc, free_fn, user);
   });

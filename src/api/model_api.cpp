@@ -3,8 +3,8 @@
 #include <cmath>
 
 #include "api/guard.hpp"
-#include "nn/model.hpp"
 #include "core/error.hpp"
+#include "nn/model.hpp"
 
 using fp8::guard;
 using fp8::require_arg;
@@ -195,8 +195,8 @@ FP8_API fp8_status_t fp8_model_storage_level(const fp8_model_t* model, int32_t* 
   });
 }
 
-FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t* model, fp8_storage_role_t role, fp8_dtype_t dtype,
-                                            void** data, size_t* bytes) {
+FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t* model, fp8_storage_role_t role, fp8_dtype_t dtype, void** data,
+                                            size_t* bytes) {
   return guard("fp8_model_flat_storage", [&] {
     require_arg(model, "model");
     require_arg(data, "data");
@@ -386,7 +386,9 @@ FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_
   });
 }
 
-FP8_API void fp8_saved_destroy(fp8_saved_t* saved) { delete saved; }
+FP8_API void fp8_saved_destroy(fp8_saved_t* saved) {
+  delete saved;
+}
 
 FP8_API fp8_status_t fp8_layer_get_scaling(fp8_model_t* model, int32_t layer_id, int32_t slot, fp8_scaling_t** scaling) {
   return guard("fp8_layer_get_scaling", [&] {

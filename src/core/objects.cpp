@@ -72,7 +72,8 @@ void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count,
 }
 
 std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,
-                                                             const Recipe& recipe, const std::vector<fp8_role_t>& roles) {
+                                                             const Recipe& recipe,
+                                                             const std::vector<fp8_role_t>& roles) {
   std::vector<std::unique_ptr<fp8_scaling>> out;
   if (roles.empty()) return out;
   const int32_t len = static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN));

@@ -103,7 +103,8 @@ std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backen
 // States for `roles` under `recipe` (as make_scaling makes them, scale 1) in ONE device allocation,
 // in order: a model's states, so that they are updated (and, across ranks, reduced) together.
 std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,
-                                                             const Recipe& recipe, const std::vector<fp8_role_t>& roles);
+                                                             const Recipe& recipe,
+                                                             const std::vector<fp8_role_t>& roles);
 
 // One batched delayed-scaling update of `count` states (already checked against `recipe`).
 void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count, const Recipe& recipe);

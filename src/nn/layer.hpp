@@ -111,7 +111,7 @@ struct Step {
   uint64_t weights_version;  // grows with fp8_model_weights_changed and optimizer steps
   DeviceBuffer* wgrad_scratch;  // the model's: a Linear's new FP32 dW before it joins an FP8 gradient
   const std::shared_ptr<BufferPool>& pool;  // lends the forward states their buffers
-  uint64_t capture_id;  // the CUDA graph capture under way on the stream (0: none)
+  uint64_t capture_id;                      // the CUDA graph capture under way on the stream (0: none)
 };
 
 // A parameter's value and gradient: views into the model's flat storage (nn/storage.hpp). FP32

@@ -189,8 +189,10 @@ class ElementwiseBase : public Layer {
 class Norm final : public ElementwiseBase {
  public:
   Norm(std::shared_ptr<Backend> backend, std::string name, bool rms, int64_t dim, float eps)
-      : ElementwiseBase(backend, std::move(name), rms ? FP8_LAYER_RMSNORM : FP8_LAYER_LAYERNORM), rms_(rms),
-        dim_(dim), eps_(eps) {
+      : ElementwiseBase(backend, std::move(name), rms ? FP8_LAYER_RMSNORM : FP8_LAYER_LAYERNORM),
+        rms_(rms),
+        dim_(dim),
+        eps_(eps) {
     add_parameter("gamma", 1, &dim, 1.0f);
     if (!rms) add_parameter("beta", 1, &dim, 0.0f);
   }

@@ -59,9 +59,21 @@ struct LinearSaved final : fp8_saved {
 class Linear final : public Layer {
  public:
   Linear(std::shared_ptr<Backend> backend, std::string name, int64_t in, int64_t out, bool with_bias)
-      : Layer(backend, std::move(name), FP8_LAYER_LINEAR), in_(in), out_(out), bias_(with_bias), qw_(backend),
-        qwt_(backend), w_si_(backend), w_hp_(backend), b_bf16_(backend), qx_(backend), x_si_(backend), qdy_(backend),
-        qdyt_(backend), dy_si_(backend), partials_(backend) {
+      : Layer(backend, std::move(name), FP8_LAYER_LINEAR),
+        in_(in),
+        out_(out),
+        bias_(with_bias),
+        qw_(backend),
+        qwt_(backend),
+        w_si_(backend),
+        w_hp_(backend),
+        b_bf16_(backend),
+        qx_(backend),
+        x_si_(backend),
+        qdy_(backend),
+        qdyt_(backend),
+        dy_si_(backend),
+        partials_(backend) {
     const int64_t w_shape[2] = {out, in};
     // The caller initialises the weights; zeros until then keep a forward defined.
     add_parameter("weight", 2, w_shape, 0.0f);
@@ -439,7 +451,8 @@ class Linear final : public Layer {
   }
 
   bool weight_copy_scale(uint64_t model_version, float* scale) const override {
-    if (!converted_ || params_[0].value->dtype == FP8_DTYPE_E4M3 || fp8_weight_.version != weights_version(model_version))
+    if (!converted_ || params_[0].value->dtype == FP8_DTYPE_E4M3 ||
+        fp8_weight_.version != weights_version(model_version))
       return false;
     backend_->copy_to_host(scale, w_si_.get<float>() + kScaleSlot2, sizeof(float));
     return true;
@@ -478,7 +491,7 @@ class Linear final : public Layer {
   };
   CopyMark fp8_weight_, hp_weight_, bf16_bias_;
   fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;
-  DeviceBuffer qx_, x_si_;  // one forward's cast of x and its scale_inv
+  DeviceBuffer qx_, x_si_;                      // one forward's cast of x and its scale_inv
   DeviceBuffer qdy_, qdyt_, dy_si_, partials_;  // one backward's casts of dy, their scale_inv, dbias partials
 };
 

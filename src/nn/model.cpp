@@ -1,9 +1,9 @@
 #include "nn/model.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
-#include <algorithm>
 #include <sstream>
 
 #include "core/dtype.hpp"
@@ -60,8 +60,8 @@ Step make_step(fp8_model& m) {
   const bool fp8 = r && m.autocast && (m.training || r->get(FP8_RECIPE_USE_AUTOCAST_DURING_EVAL));
   if (!m.wgrad_scratch) m.wgrad_scratch = std::make_unique<DeviceBuffer>(m.backend);
   if (!m.pool) m.pool = std::make_shared<BufferPool>(m.backend);
-  return Step{*m.backend, r, fp8, m.training, m.weights_version, m.wgrad_scratch.get(), m.pool,
-              m.backend->capture_id()};
+  return Step{
+      *m.backend, r, fp8, m.training, m.weights_version, m.wgrad_scratch.get(), m.pool, m.backend->capture_id()};
 }
 
 std::unique_ptr<fp8_saved> layer_forward(fp8_model& m, int32_t id, const fp8_tensor* x, fp8_tensor* y) {
@@ -292,8 +292,9 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
 
 void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
   if (m.run_saved.empty())
-    fail(FP8_ERR_INVALID_STATE, "no training-mode fp8_model_forward to differentiate (none ran, it ran in eval "
-                                "mode, it was already differentiated, or the model was converted or changed mode since)");
+    fail(FP8_ERR_INVALID_STATE,
+         "no training-mode fp8_model_forward to differentiate (none ran, it ran in eval "
+         "mode, it was already differentiated, or the model was converted or changed mode since)");
   const fp8_dtype_t act = m.run_dtype;
   const int32_t ndim = m.run_ndim;
   require_run_tensor(dy, "dy", act, ndim, m.run_y_shape);

@@ -30,7 +30,9 @@ Arena::~Arena() {
 
 namespace {
 
-size_t align_up(size_t n) { return (n + kSliceAlign - 1) / kSliceAlign * kSliceAlign; }
+size_t align_up(size_t n) {
+  return (n + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
+}
 
 constexpr size_t kScaleSlot = 16;  // bytes per tensor in the scale arrays (a GradScales; a scale_inv)
 static_assert(sizeof(GradScales) == kScaleSlot, "one GradScales per slot");
@@ -114,15 +116,15 @@ void transfer(Backend& be, const std::shared_ptr<Backend>& owner, const Paramete
     be.copy(grad, g.data, g.nbytes());
     if (to8) be.copy(grad_scales, from_scales, sizeof(GradScales));
   } else if (!to8) {  // FP8 -> F32
-    be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2, tensor_scale(&from_scales->scale_inv), grad,
-                   FP8_DTYPE_F32, n});
+    be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2,
+                   tensor_scale(&from_scales->scale_inv), grad, FP8_DTYPE_F32, n});
   } else {  // F32 (or the other FP8 format, through F32) -> FP8, by one requantising accumulation
     Arena widened;
     const float* f32 = static_cast<const float*>(g.data);
     if (from8) {
       widened = Arena(owner, static_cast<size_t>(n) * sizeof(float));
-      be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2, tensor_scale(&from_scales->scale_inv),
-                     widened.data(), FP8_DTYPE_F32, n});
+      be.dequantize({static_cast<const uint8_t*>(g.data), g.dtype == FP8_DTYPE_E5M2,
+                     tensor_scale(&from_scales->scale_inv), widened.data(), FP8_DTYPE_F32, n});
       f32 = reinterpret_cast<const float*>(widened.data());
     }
     be.zero(grad, static_cast<size_t>(n));
@@ -205,7 +207,8 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
     value.scale_inv_allocation = grad.scale_inv_allocation = nullptr;
     value.dtype = pl.value_dtype;
     value.data = v[pl.value_dtype].data() + pl.value_at;
-    value.scale_inv = pl.value_dtype == FP8_DTYPE_E4M3 ? reinterpret_cast<float*>(vs->data() + i * kScaleSlot) : nullptr;
+    value.scale_inv =
+        pl.value_dtype == FP8_DTYPE_E4M3 ? reinterpret_cast<float*>(vs->data() + i * kScaleSlot) : nullptr;
     value.write_refusal = pl.value_dtype == FP8_DTYPE_E4M3 ? kO3WeightRefusal : nullptr;
     grad.dtype = pl.grad_dtype;
     grad.data = g[pl.grad_dtype].data() + pl.grad_at;

@@ -149,7 +149,6 @@ void upload_hyper(fp8_optimizer& o) {
   o.backend->copy_from_host(o.hyper, &h, sizeof h);
 }
 
-
 const char* kind_name(fp8_optimizer_kind_t k) {
   return k == FP8_OPTIMIZER_SGD ? "SGD" : k == FP8_OPTIMIZER_ADAM ? "Adam" : "AdamW";
 }
@@ -207,7 +206,8 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
       be.zero(t.scales, sizeof(CompactScales));
       // The moments' bounds start from the weights' amax.
       const bool o3 = stored == kLayoutO3;
-      be.amax({o3 ? static_cast<const void*>(p->master) : p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
+      be.amax(
+          {o3 ? static_cast<const void*>(p->master) : p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
       t.master = p->master;
       t.grad_scales = p->grad_scales();
       t.grad_e5m2 = p->grad->dtype == FP8_DTYPE_E5M2;
@@ -305,8 +305,10 @@ void step(fp8_optimizer& o) {
       }
       ++i;
     }
-  const OptimizerStepJob job{o.device_tensors, static_cast<int64_t>(o.tensors.size()), o.device_chunks,
-                             static_cast<int64_t>(o.chunks.size()), o.partials, o.scalars, o.hyper, o.element_args};
+  const OptimizerStepJob job{o.device_tensors, static_cast<int64_t>(o.tensors.size()),
+                             o.device_chunks,  static_cast<int64_t>(o.chunks.size()),
+                             o.partials,       o.scalars,
+                             o.hyper,          o.element_args};
   o.backend->optimizer_norm(job);
   // Reduce point: on one rank the partials are already the whole norm's. Under data parallelism one
   // sum all-reduce of o.partials (each rank's chunks, zeros elsewhere) goes here, so that every rank

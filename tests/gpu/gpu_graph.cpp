@@ -16,7 +16,9 @@ constexpr int kSteps = 6;
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-float lr_of(int step) { return 1e-3f * (1.0f + 0.5f * static_cast<float>(step)); }
+float lr_of(int step) {
+  return 1e-3f * (1.0f + 0.5f * static_cast<float>(step));
+}
 
 // One model on its own stream, with its x and dy buffers.
 struct Trainer {

@@ -48,7 +48,8 @@ TEST_P(GpuTwoInFlight, SameBitsAsPairsAndTwinsAndCloseToTheCpu) {
     }
     EXPECT_EQ(flight.grads, pairs.grads);
     ASSERT_EQ(flight.grads.size(), cpu.grads.size());
-    for (size_t p = 0; p < cpu.grads.size(); ++p) EXPECT_LT(rel_err(flight.grads[p], cpu.grads[p]), std::max(tol, 1e-4)) << "grad " << p;
+    for (size_t p = 0; p < cpu.grads.size(); ++p)
+      EXPECT_LT(rel_err(flight.grads[p], cpu.grads[p]), std::max(tol, 1e-4)) << "grad " << p;
     if (!second_first)
       std::printf("[ %-9s ] in flight == pairs == twins bit for bit; vs CPU: y %.2e, dx %.2e\n", sc::kind_name(kind),
                   rel_err(flight.y[0], cpu.y[0]), rel_err(flight.dx[0], cpu.dx[0]));
@@ -56,7 +57,8 @@ TEST_P(GpuTwoInFlight, SameBitsAsPairsAndTwinsAndCloseToTheCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, GpuTwoInFlight,
-                         ::testing::Values(sc::Kind::kLinear, sc::Kind::kLinearFp8, sc::Kind::kLayerNorm, sc::Kind::kGelu),
+                         ::testing::Values(sc::Kind::kLinear, sc::Kind::kLinearFp8, sc::Kind::kLayerNorm,
+                                           sc::Kind::kGelu),
                          [](const auto& info) { return std::string(sc::kind_name(info.param)); });
 
 // dx += the gradient on the GPU: one float addition of the old dx for norms and activations.

@@ -1,9 +1,8 @@
 /* fp8.h compiles alone as C99 with -pedantic -Werror, and its basic promises hold from C: among
  * them the layout of every versioned struct (layout.h). */
-#include "fp8.h"
-
 #include <stdio.h>
 
+#include "fp8.h"
 #include "layout.h"
 
 int main(void) {

@@ -38,7 +38,8 @@ TEST_P(TwoInFlight, EqualThePairsRunOneAfterTheOtherAndTwinLayersBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, TwoInFlight,
-                         ::testing::Values(sc::Kind::kLinear, sc::Kind::kLinearFp8, sc::Kind::kLayerNorm, sc::Kind::kGelu),
+                         ::testing::Values(sc::Kind::kLinear, sc::Kind::kLinearFp8, sc::Kind::kLayerNorm,
+                                           sc::Kind::kGelu),
                          [](const auto& info) { return std::string(sc::kind_name(info.param)); });
 
 // The FP8 Linear really ran in FP8 in those runs (the report shows the plan of the last forward).
@@ -186,8 +187,7 @@ TEST(AccumulateDx, ResidualBlockMatchesFloat64AndCentralDifferences) {
     double mg = 0, mgx = 0;
     for (int64_t c = 0; c < D; ++c) mg += da1[c] * gamma[c], mgx += da1[c] * gamma[c] * xhat[c];
     mg /= D, mgx /= D;
-    for (int64_t c = 0; c < D; ++c)
-      want[r * D + c] = g[r * D + c] + rstd * (da1[c] * gamma[c] - mg - xhat[c] * mgx);
+    for (int64_t c = 0; c < D; ++c) want[r * D + c] = g[r * D + c] + rstd * (da1[c] * gamma[c] - mg - xhat[c] * mgx);
   }
   (void)gelu;
   double err = 0, ref = 0;
@@ -242,11 +242,11 @@ struct TwoLinearModel {
   std::vector<float> grad(const char* name) { return download<float>(param_tensor(model.get(), name, true)); }
 };
 
-#define EXPECT_UNCHANGED(t)                                                                   \
-  do {                                                                                        \
-    EXPECT_EQ(download<float>(t.dx.get()), std::vector<float>(t.dx_size(), 7.0f)) << "dx";   \
-    EXPECT_EQ(amax_of(t.grad("a.weight")), 0.0f) << "a's gradient";                          \
-    EXPECT_EQ(amax_of(t.grad("b.weight")), 0.0f) << "b's gradient";                          \
+#define EXPECT_UNCHANGED(t)                                                                \
+  do {                                                                                     \
+    EXPECT_EQ(download<float>(t.dx.get()), std::vector<float>(t.dx_size(), 7.0f)) << "dx"; \
+    EXPECT_EQ(amax_of(t.grad("a.weight")), 0.0f) << "a's gradient";                        \
+    EXPECT_EQ(amax_of(t.grad("b.weight")), 0.0f) << "b's gradient";                        \
   } while (0)
 
 struct Refusals : ::testing::Test, TwoLinearModel {
@@ -258,10 +258,13 @@ TEST_F(Refusals, NullArgumentsAndUnknownFlags) {
   const char* fn = "fp8_layer_backward_saved";
   EXPECT_REFUSED(fp8_layer_forward_saved(m(), a, x.get(), y.get(), nullptr), FP8_ERR_INVALID_ARGUMENT,
                  "fp8_layer_forward_saved", "'saved'");
-  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, nullptr, dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, fn, "'saved'");
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, nullptr, dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, fn,
+                 "'saved'");
   Saved s = forward(a);
-  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 2u), FP8_ERR_INVALID_ARGUMENT, fn, "flags");
-  EXPECT_REFUSED(fp8_layer_backward_saved(m(), 5, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, fn, "layer_id");
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 2u), FP8_ERR_INVALID_ARGUMENT, fn,
+                 "flags");
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), 5, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, fn,
+                 "layer_id");
   EXPECT_UNCHANGED((*this));
   FP8_ASSERT_OK(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 0));  // still usable
   fp8_saved_destroy(nullptr);
