@@ -12,8 +12,16 @@ handles. Every failing call raises Fp8Error carrying the status and fp8_last_err
     with model.autocast(): model.run(x, y)           # FP8 inside, scaling updated on exit
     model.run_backward(dy); opt = fp8.Optimizer(model, fp8.OPTIMIZER_ADAMW, lr=1e-3); opt.step()
 
+Several forwards of one layer can be in flight at once (fp8_layer_forward_saved): each returns a
+Saved, differentiated once, in any order, with model.backward_saved(layer_id, saved, dy, dx).
+
 The shared library is found through FP8_LIBRARY (a path), else the loader's usual search for
 libfp8.so.0.
+
+Not wrapped: fp8_context_set_allocator (an allocator hook is two C callbacks that libfp8 may call
+from any thread, at any object's destruction, for the context's whole life; ctypes callbacks are
+fragile there: a collected CFUNCTYPE object or an exception inside one cannot be reported back,
+and holding the GIL inside the allocator would serialise the library. Set it from C or C++).
 """
 import ctypes
 import os
@@ -37,6 +45,10 @@ NORM_LAYERNORM, NORM_RMSNORM = 0, 1
 LAYER_LINEAR, LAYER_LAYERNORM, LAYER_RMSNORM, LAYER_ACTIVATION = 0, 1, 2, 3
 SCALING_INPUT, SCALING_WEIGHT, SCALING_GRAD_OUTPUT, SCALING_OUTPUT = 0, 1, 2, 3
 OPTIMIZER_SGD, OPTIMIZER_ADAM, OPTIMIZER_ADAMW = 0, 1, 2
+BACKEND_AUTO, BACKEND_TE, BACKEND_MSAMP = 0, 1, 2
+OPT_O1, OPT_O2, OPT_O3 = 1, 2, 3
+STORAGE_VALUES, STORAGE_GRADS, STORAGE_MASTERS = 0, 1, 2
+BACKWARD_ACCUMULATE_DX = 1
 CHECKPOINT_GRADIENTS = 1
 (OPTIM_LR, OPTIM_BETA1, OPTIM_BETA2, OPTIM_EPS, OPTIM_WEIGHT_DECAY, OPTIM_MOMENTUM, OPTIM_MAX_GRAD_NORM,
  OPTIM_ATTR_COUNT) = range(8)
@@ -45,9 +57,13 @@ _p = ctypes.c_void_p
 _i32, _i64, _u8, _f32, _size = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint8, ctypes.c_float, ctypes.c_size_t
 
 
+_declared = {}  # name -> (restype, argtypes): test_fp8.py checks each against its prototype in fp8.h
+
+
 def _declare(name, restype, *argtypes):
     fn = getattr(_lib, name)
     fn.restype, fn.argtypes = restype, list(argtypes)
+    _declared[name] = (restype, tuple(argtypes))
     return fn
 
 
@@ -68,6 +84,7 @@ for _name, _args in {
     "fp8_tensor_copy_from_host": (_p, _p, _size),
     "fp8_tensor_copy_to_host": (_p, _p, _size),
     "fp8_tensor_get_scale_inv": (_p, ctypes.POINTER(_f32)),
+    "fp8_tensor_data": (_p, ctypes.POINTER(_p)),
     "fp8_scaling_create": (ctypes.POINTER(_p), _p, _p, _i32),
     "fp8_scaling_set_scale": (_p, _f32),
     "fp8_scaling_update": (_p, ctypes.POINTER(_p), _i32, _p),
@@ -92,6 +109,13 @@ for _name, _args in {
     "fp8_autocast_end": (_p,),
     "fp8_layer_forward": (_p, _i32, _p, _p),
     "fp8_layer_backward": (_p, _i32, _p, _p),
+    "fp8_layer_forward_saved": (_p, _i32, _p, _p, ctypes.POINTER(_p)),
+    "fp8_layer_backward_saved": (_p, _i32, _p, _p, _p, ctypes.c_uint32),
+    "fp8_model_parameter_count": (_p, ctypes.POINTER(_i32)),
+    "fp8_model_parameter_at": (_p, _i32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_p), ctypes.POINTER(_p)),
+    "fp8_model_write_parameter": (_p, _i32, _i32, _p, _size),
+    "fp8_model_storage_level": (_p, ctypes.POINTER(_i32)),
+    "fp8_model_flat_storage": (_p, _i32, _i32, ctypes.POINTER(_p), ctypes.POINTER(_size)),
     "fp8_model_report": (_p, ctypes.c_char_p, _size, ctypes.POINTER(_size)),
     "fp8_model_forward": (_p, _p, _p),
     "fp8_model_backward": (_p, _p, _p),
@@ -111,7 +135,7 @@ for _name, _args in {
 }.items():
     _declare(_name, _i32, *_args)
 for _name in ["fp8_context_destroy", "fp8_recipe_destroy", "fp8_tensor_destroy", "fp8_scaling_destroy",
-              "fp8_model_destroy", "fp8_optimizer_destroy"]:
+              "fp8_model_destroy", "fp8_optimizer_destroy", "fp8_saved_destroy"]:
     _declare(_name, None, _p)
 
 
@@ -219,6 +243,13 @@ class Tensor(_Handle):
         return list(struct.unpack(f"{len(raw) // 4}f", raw))
 
     @property
+    def address(self):
+        """The data pointer (device memory on a CUDA context), borrowed from the tensor."""
+        data = _p()
+        _check(_lib.fp8_tensor_data(self.handle, ctypes.byref(data)))
+        return data.value or 0
+
+    @property
     def scale_inv(self):
         v = _f32()
         _check(_lib.fp8_tensor_get_scale_inv(self.handle, ctypes.byref(v)))
@@ -228,10 +259,12 @@ class Tensor(_Handle):
 class Parameter(Tensor):
     """A model's parameter value or gradient ("<layer>.<param>"), borrowed from the model.
 
-    The C tensor belongs to the model, so it is never destroyed here, and it can be replaced: an
-    optimizer at O1..O3 gives a Linear weight new storage (fp8_optimizer_create), freeing the tensors
-    fetched before. So this object holds the Model (which holds its context) and looks its tensor up
-    again at every use: handle, dtype, shape and nbytes are always those of the current storage.
+    The C tensor belongs to the model, so it is never destroyed here; its handle lives as long as the
+    model, but what it stores follows the model's storage level: fp8_convert_model under an MS-AMP
+    recipe makes a Linear weight F16 (O1/O2) or E4M3 (O3) and its gradient FP8. So this object holds
+    the Model (which holds its context) and reads handle, dtype, shape and nbytes at every use.
+    Write values into any level with Model.write_parameter (write/write_floats copy raw bytes of the
+    stored dtype, and an FP8 gradient or O3's E4M3 weight refuses them).
     """
     _destroy = None  # the model's
 
@@ -345,8 +378,57 @@ class Model(_Handle):
 
     def parameter(self, name):
         """(value, grad) of "<layer>.<param>": Parameter tensors that keep this model alive and always
-        refer to its current storage (FP32, or what an MS-AMP optimizer made of a Linear weight)."""
+        refer to its current storage (FP32, or what an MS-AMP conversion made of a Linear weight)."""
         return Parameter(self, name), Parameter(self, name, grad=True)
+
+    def parameter_names(self):
+        """Every parameter's name, in the fixed order of fp8_model_parameter_at (its index)."""
+        count, names = _i32(), []
+        _check(_lib.fp8_model_parameter_count(self.handle, ctypes.byref(count)))
+        for i in range(count.value):
+            name = ctypes.c_char_p()
+            _check(_lib.fp8_model_parameter_at(self.handle, i, ctypes.byref(name), None, None))
+            names.append(name.value.decode())
+        return names
+
+    def write_parameter(self, name_or_index, values):
+        """Writes F32 host values (a list, tuple or array of floats; a buffer of C floats such as
+        array('f') goes as it is) into a parameter, named or by index, in whatever form the model
+        stores it: as they are at FP32, rounded to nearest even into an F16 weight (O1/O2), into the
+        F16 master and its E4M3 copy at O3 (fp8_model_write_parameter)."""
+        if isinstance(name_or_index, str):
+            names = self.parameter_names()
+            if name_or_index not in names:
+                self.parameter(name_or_index)  # raises Fp8Error naming it, as fp8_model_parameter does
+            index = names.index(name_or_index)
+        else:
+            index = name_or_index
+        try:
+            view = memoryview(values)
+            data = view.tobytes() if view.format == "f" and view.itemsize == 4 else None
+        except TypeError:
+            data = None
+        if data is None:
+            values = list(values)
+            data = struct.pack(f"{len(values)}f", *values)
+        buf = ctypes.create_string_buffer(data, len(data))
+        _check(_lib.fp8_model_write_parameter(self.handle, index, DTYPE_F32, buf, len(data)))
+
+    def storage_level(self):
+        """0 (FP32 Linear weights) or OPT_O1..OPT_O3: the level fp8_convert_model set from the recipe
+        (backend te: 0; msamp or auto: its opt_level)."""
+        level = _i32()
+        _check(_lib.fp8_model_storage_level(self.handle, ctypes.byref(level)))
+        return level.value
+
+    def flat_storage(self, role, dtype):
+        """(address, nbytes) of the model's flat allocation of `role` (STORAGE_VALUES, STORAGE_GRADS,
+        STORAGE_MASTERS) holding `dtype`: device memory on a CUDA context, host memory on the CPU
+        backend; borrowed from the model (keep it alive while you use the address). (0, 0) when the
+        model stores nothing of that kind. A parameter's slice starts at its tensor's address."""
+        data, nbytes = _p(), _size()
+        _check(_lib.fp8_model_flat_storage(self.handle, role, dtype, ctypes.byref(data), ctypes.byref(nbytes)))
+        return (data.value or 0, nbytes.value)
 
     def convert(self, recipe=None):
         """To FP8 under `recipe`; back to high precision with recipe=None (weights kept)."""
@@ -396,6 +478,22 @@ class Model(_Handle):
     def backward(self, layer_id, dy, dx=None):
         _check(_lib.fp8_layer_backward(self.handle, layer_id, dy.handle, dx.handle if dx else None))
 
+    def forward_saved(self, layer_id, x, y):
+        """y = layer(x), returning the Saved state of exactly this forward (fp8_layer_forward_saved):
+        any number may be in flight, each differentiated once, in any order, by backward_saved."""
+        saved = Saved(self, layer_id, x)
+        _check(_lib.fp8_layer_forward_saved(self.handle, layer_id, x.handle, y.handle, ctypes.byref(saved.handle)))
+        return saved
+
+    def backward_saved(self, layer_id, saved, dy, dx=None, accumulate_dx=False):
+        """Backward of the forward that made `saved` (fp8_layer_backward_saved); dx=None only for a
+        Linear whose input needs no gradient; accumulate_dx: dx += the input gradient. Consumes
+        `saved` (a second backward of it raises FP8_ERR_INVALID_STATE)."""
+        _check(_lib.fp8_layer_backward_saved(self.handle, layer_id, saved.handle, dy.handle,
+                                             dx.handle if dx else None,
+                                             BACKWARD_ACCUMULATE_DX if accumulate_dx else 0))
+        saved.x = None  # consumed: the C state no longer reads x
+
     def save_checkpoint(self, path, optimizer=None, gradients=False):
         """Everything needed to resume (fp8_checkpoint_save), written atomically."""
         _check(_lib.fp8_checkpoint_save(self.handle, optimizer.handle if optimizer else None, path.encode(),
@@ -422,6 +520,20 @@ class Model(_Handle):
 
     def report(self):
         return _text(lambda buf, cap, needed: _lib.fp8_model_report(self.handle, buf, cap, needed))
+
+
+class Saved(_Handle):
+    """What one forward of a layer keeps for its backward (fp8_saved_t), from Model.forward_saved.
+
+    It holds its Model and the forward's input x: the C backward reads x, which must stay alive
+    and unchanged until then (x is let go once the backward has run). fp8_saved_destroy runs when
+    this object goes, consumed or not.
+    """
+    _destroy = "fp8_saved_destroy"
+
+    def __init__(self, model, layer_id, x):
+        super().__init__()
+        self.model, self.layer_id, self.x = model, layer_id, x
 
 
 class OptimizerStats(ctypes.Structure):

@@ -1,4 +1,6 @@
 """The ctypes binding against the real library on the CPU reference backend (run by CTest)."""
+import contextlib
+import ctypes
 import gc
 import os
 import re
@@ -22,6 +24,41 @@ class BindingTest(unittest.TestCase):
         for name, value in constants.items():
             self.assertIn(name, defines, f"fp8.{name} has no FP8_{name} in fp8.h")
             self.assertEqual(value, int(defines[name]), f"fp8.{name}")
+
+    def test_every_declared_function_matches_its_prototype_in_fp8_h(self):
+        with open(HEADER) as f:
+            text = f.read()
+        protos = {name: (ret, args) for ret, name, args in
+                  re.findall(r"FP8_API\s+([^;(]*?)\b(fp8_\w+)\s*\(([^)]*)\)\s*;", text)}
+        int32_typedefs = set(re.findall(r"^typedef int32_t (\w+);", text, re.M))
+        scalars = {"int32_t": fp8._i32, "int64_t": fp8._i64, "uint32_t": ctypes.c_uint32, "uint8_t": fp8._u8,
+                   "size_t": fp8._size, "float": fp8._f32, "double": ctypes.c_double}
+
+        def check(c_type, py_type, what):
+            c_type = c_type.replace("const ", "").strip()
+            if "*" in c_type or c_type.endswith("_fn"):  # pointers (function pointers are typedefs)
+                self.assertTrue(py_type in (ctypes.c_void_p, ctypes.c_char_p) or issubclass(py_type, ctypes._Pointer),
+                                f"{what}: {c_type} declared as {py_type}")
+            elif c_type == "void":
+                self.assertIsNone(py_type, what)
+            else:
+                self.assertIs(py_type, scalars["int32_t" if c_type in int32_typedefs else c_type], f"{what}: {c_type}")
+
+        self.assertGreater(len(fp8._declared), 60)
+        for name, (restype, argtypes) in fp8._declared.items():
+            self.assertIn(name, protos, f"{name} is declared in fp8.py but not in fp8.h")
+            ret, args = protos[name]
+            params = [] if args.strip() == "void" else [a.strip() for a in args.split(",")]
+            self.assertEqual(len(argtypes), len(params), f"{name}: argument count")
+            check(ret, restype, f"{name} result")
+            for i, (param, py_type) in enumerate(zip(params, argtypes)):
+                check(re.sub(r"\w+$", "", param), py_type, f"{name} argument {i} ({param})")  # the type
+        # What this binding wraps of the newer API, so that a rename in fp8.h fails here.
+        for name in ["fp8_layer_forward_saved", "fp8_layer_backward_saved", "fp8_saved_destroy",
+                     "fp8_model_write_parameter", "fp8_model_storage_level", "fp8_model_flat_storage"]:
+            self.assertIn(name, fp8._declared)
+        self.assertNotIn("fp8_context_set_allocator", fp8._declared)  # deliberately not wrapped (see fp8.py)
+        self.assertIn("fp8_context_set_allocator", protos)
 
     def test_gemm_and_activation(self):
         ctx = fp8.Context()
@@ -81,8 +118,11 @@ class BindingTest(unittest.TestCase):
         weight, weight_grad = model.parameter("fc.weight")
         weight.write_floats([1.0 if i % 17 == 0 else 0.0 for i in range(256)])  # identity
         self.assertFalse(model.has_fp8_layers)
-        model.convert(fp8.Recipe("small_layer_fallback=off"))
+        # backend=te keeps FP32 storage (the default, auto, stores an F16 weight and an FP8 gradient
+        # from the conversion on: see test_write_parameter_round_trips_at_fp32_and_rounds_at_o2).
+        model.convert(fp8.Recipe("backend=te, small_layer_fallback=off"))
         self.assertTrue(model.has_fp8_layers)
+        self.assertEqual((model.storage_level(), weight.dtype, weight_grad.dtype), (0, fp8.DTYPE_F32, fp8.DTYPE_F32))
         x, y = fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16)), fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16))
         dy, dx = fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16)), fp8.Tensor(ctx, fp8.DTYPE_F32, (16, 16))
         values = [float(i % 7) - 3 for i in range(256)]  # exact in E4M3 and E5M2 at scale 1
@@ -110,9 +150,10 @@ class BindingTest(unittest.TestCase):
         weight, grad = model.parameter("fc.weight")
         values = [0.25 * ((i % 9) - 4) for i in range(256)]  # exact in F16
         weight.write_floats(values)
-        # An MS-AMP optimizer gives the weight new storage (F16 value, FP8 gradient) and frees the
-        # tensors fetched before: the Parameter objects follow.
+        # An MS-AMP conversion stores the weight at its level (F16 value, FP8 gradient): the Parameter
+        # objects follow, and an optimizer adopts the storage as it is.
         model.convert(fp8.Recipe("backend=msamp, opt_level=O2"))
+        self.assertEqual(weight.dtype, fp8.DTYPE_F16)
         opt = fp8.Optimizer(model, fp8.OPTIMIZER_ADAM)
         self.assertEqual(weight.dtype, fp8.DTYPE_F16)
         self.assertEqual(grad.dtype, fp8.DTYPE_E5M2)
@@ -238,6 +279,205 @@ class BindingTest(unittest.TestCase):
             ctx3, model3, _ = build()
             model3.import_safetensors(st)
             self.assertEqual(model3.parameter("fc.weight")[0].read(), straight)
+
+    @staticmethod
+    def _linear(recipe="backend=te, small_layer_fallback=off", n=16):
+        """A model with one n x n Linear, deterministic weights and bias, converted under `recipe`."""
+        ctx = fp8.Context()
+        model = fp8.Model(ctx)
+        fc = model.add_linear("fc", n, n)
+        model.write_parameter("fc.weight", [((i * 7) % 11 - 5) / 8.0 for i in range(n * n)])
+        model.write_parameter(1, [((i * 3) % 5 - 2) / 4.0 for i in range(n)])  # fc.bias
+        if recipe is not None:
+            model.convert(fp8.Recipe(recipe))
+        return ctx, model, fc
+
+    @staticmethod
+    def _tensor(ctx, values, shape):
+        t = fp8.Tensor(ctx, fp8.DTYPE_F32, shape)
+        t.write_floats(values)
+        return t
+
+    def test_forwards_in_flight_differentiated_in_reverse_equal_sequential_pairs(self):
+        n = 16
+        xs = [[((i * (k + 3)) % 13 - 6) / 3.0 for i in range(n * n)] for k in range(2)]
+        dys = [[((i * (k + 5)) % 9 - 4) / 7.0 for i in range(n * n)] for k in range(2)]
+        # FP8 on FP32 storage, FP8 on MS-AMP O2 storage (F16 weight, FP8 gradient), FP32. Under FP8 all
+        # runs in one autocast region, so the scales stay put.
+        for recipe in ["backend=te, small_layer_fallback=off", "backend=msamp, opt_level=O2, small_layer_fallback=off",
+                       None]:
+            # Two forwards in flight, their backwards in reverse order.
+            ctx, model, fc = self._linear(recipe)
+            x = [self._tensor(ctx, xs[k], (n, n)) for k in range(2)]
+            y = [fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n)) for _ in range(2)]
+            dx = [fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n)) for _ in range(2)]
+            with model.autocast() if recipe else contextlib.nullcontext():
+                saved = [model.forward_saved(fc, x[k], y[k]) for k in range(2)]
+                for k in (1, 0):
+                    model.backward_saved(fc, saved[k], self._tensor(ctx, dys[k], (n, n)), dx[k])
+            # Two sequential forward/backward pairs on a fresh model with the same weights.
+            ctx2, model2, fc2 = self._linear(recipe)
+            y2 = [fp8.Tensor(ctx2, fp8.DTYPE_F32, (n, n)) for _ in range(2)]
+            dx2 = [fp8.Tensor(ctx2, fp8.DTYPE_F32, (n, n)) for _ in range(2)]
+            with model2.autocast() if recipe else contextlib.nullcontext():
+                for k in range(2):
+                    model2.forward(fc2, self._tensor(ctx2, xs[k], (n, n)), y2[k])
+                    model2.backward(fc2, self._tensor(ctx2, dys[k], (n, n)), dx2[k])
+            for m in (model, model2):  # the forwards, dgrads and wgrads ran in FP8 (or none did)
+                row = m.report().splitlines()[1].split()
+                self.assertEqual(row[3:8], ["fp8", "fp8", "fp8", "2", "0"] if recipe else ["high", "high", "high", "0", "0"])
+            for k in range(2):
+                self.assertEqual(y[k].read(), y2[k].read(), f"y{k} ({recipe})")
+                self.assertEqual(dx[k].read(), dx2[k].read(), f"dx{k} ({recipe})")
+                self.assertNotEqual(dx[k].read_floats(), [0.0] * (n * n))
+            self.assertNotEqual(dx[0].read(), dx[1].read())
+            # The parameter gradients accumulate the same two contributions in the other order, which
+            # shows in their last bits (a GEMM that accumulates adds its unrounded sum; db is summed
+            # row by row). An FP8 gradient (O2) requantises its sum at each add: not compared.
+            for name in ["fc.weight", "fc.bias"]:
+                grads = [m.parameter(name)[1] for m in (model, model2)]
+                if grads[0].dtype != fp8.DTYPE_F32:
+                    self.assertEqual((name, model.storage_level()), ("fc.weight", fp8.OPT_O2))
+                    continue
+                a, b = grads[0].read_floats(), grads[1].read_floats()
+                self.assertNotEqual(a, [0.0] * len(a))
+                for u, v in zip(a, b):
+                    self.assertAlmostEqual(u, v, delta=1e-6 * max(1.0, abs(v)))
+
+    def test_accumulate_dx_adds_into_dx(self):
+        n = 16
+        ctx, model, fc = self._linear()
+        x = self._tensor(ctx, [((i * 5) % 11 - 5) / 2.0 for i in range(n * n)], (n, n))
+        dy = self._tensor(ctx, [((i * 3) % 7 - 3) / 5.0 for i in range(n * n)], (n, n))
+        y1, y2 = fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n)), fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n))
+        before = [((i * 11) % 17 - 8) / 3.0 for i in range(n * n)]
+        plain, acc = fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n)), self._tensor(ctx, before, (n, n))
+        with model.autocast():  # the same x twice in one region: the same input gradient twice
+            s1, s2 = model.forward_saved(fc, x, y1), model.forward_saved(fc, x, y2)
+            model.backward_saved(fc, s1, dy, plain)
+            model.backward_saved(fc, s2, dy, acc, accumulate_dx=True)
+        g = plain.read_floats()
+        self.assertNotEqual(g, [0.0] * (n * n))
+        f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]
+        self.assertEqual(acc.read_floats(), [f32(f32(b) + d) for b, d in zip(before, g)])
+
+    def test_backward_of_a_consumed_eval_mode_or_foreign_saved_raises(self):
+        n = 16
+        ctx, model, fc = self._linear()
+        x, y = self._tensor(ctx, [1.0] * (n * n), (n, n)), fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n))
+        dy, dx = self._tensor(ctx, [0.5] * (n * n), (n, n)), fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n))
+        saved = model.forward_saved(fc, x, y)
+        self.assertIs(saved.x, x)  # kept until the backward reads it
+        model.backward_saved(fc, saved, dy, dx)
+        self.assertIsNone(saved.x)
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.backward_saved(fc, saved, dy, dx)  # already differentiated
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_STATE")
+        self.assertEqual(err.exception.status, 4)
+        _, other, other_fc = self._linear()
+        with self.assertRaises(fp8.Fp8Error) as err:  # a state of another model
+            model.backward_saved(fc, other.forward_saved(other_fc, x, y), dy, dx)
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_ARGUMENT")
+        model.train(False)
+        saved = model.forward_saved(fc, x, y)  # eval mode: a state the backward refuses
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.backward_saved(fc, saved, dy, dx)
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_STATE")
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.backward_saved(fc, saved, dy, dx, accumulate_dx=True)
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_STATE")
+
+    def test_a_saved_keeps_its_model_and_input_alive_and_may_be_destroyed_last(self):
+        n = 16
+        ctx, model, fc = self._linear()
+        x, y = self._tensor(ctx, [1.0] * (n * n), (n, n)), fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n))
+        saved = model.forward_saved(fc, x, y)
+        eval_model = fp8.Model(ctx)
+        eval_fc = eval_model.add_linear("fc", n, n)
+        eval_model.train(False)
+        eval_saved = eval_model.forward_saved(eval_fc, x, y)
+        model_ref, x_ref, eval_ref = weakref.ref(model), weakref.ref(x), weakref.ref(eval_model)
+        del model, x, ctx, eval_model
+        gc.collect()
+        self.assertIsNotNone(model_ref())
+        self.assertIsNotNone(x_ref())
+        self.assertIsNotNone(eval_ref())
+        del saved, eval_saved  # fp8_saved_destroy first, then the last reference to each model goes
+        gc.collect()
+        self.assertIsNone(model_ref())
+        self.assertIsNone(x_ref())
+        self.assertIsNone(eval_ref())
+
+    def test_write_parameter_round_trips_at_fp32_and_rounds_at_o2(self):
+        ctx = fp8.Context()
+        model = fp8.Model(ctx)
+        model.add_layernorm("ln", 16)
+        model.add_linear("fc", 16, 16)
+        self.assertEqual(model.parameter_names(), ["ln.gamma", "ln.beta", "fc.weight", "fc.bias"])
+        weight, _ = model.parameter("fc.weight")
+        values = [struct.unpack("f", struct.pack("f", 0.1 * i - 12.3))[0] for i in range(256)]  # F32, not F16
+        model.write_parameter("fc.weight", values)
+        self.assertEqual(weight.read_floats(), values)
+        model.write_parameter(3, tuple(values[:16]))  # by index, any sequence
+        self.assertEqual(model.parameter("fc.bias")[0].read_floats(), values[:16])
+        import array
+        model.write_parameter("ln.gamma", array.array("f", values[16:32]))  # a buffer of C floats
+        self.assertEqual(model.parameter("ln.gamma")[0].read_floats(), values[16:32])
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.write_parameter("fc.weight", values[:255])
+        self.assertEqual(err.exception.status_name, "FP8_ERR_SHAPE")
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.write_parameter("fc.nothing", values)
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_ARGUMENT")
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.write_parameter(4, values[:16])
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_ARGUMENT")
+        self.assertEqual(model.storage_level(), 0)
+        model.convert(fp8.Recipe("backend=msamp, opt_level=O2"))
+        self.assertEqual(model.storage_level(), fp8.OPT_O2)
+        self.assertEqual(weight.dtype, fp8.DTYPE_F16)
+        f16 = lambda v: struct.unpack("e", struct.pack("e", v))[0]  # nearest even, as the library rounds
+        self.assertEqual(list(struct.unpack("256e", weight.read())), [f16(v) for v in values])  # kept, rounded
+        written = [v * 0.37 for v in values]
+        model.write_parameter("fc.weight", written)
+        rounded = [f16(struct.unpack("f", struct.pack("f", v))[0]) for v in written]
+        self.assertEqual(list(struct.unpack("256e", weight.read())), rounded)
+        self.assertNotEqual(rounded, [struct.unpack("f", struct.pack("f", v))[0] for v in written])
+        model.write_parameter("fc.bias", values[:16])  # biases stay FP32 at every level
+        self.assertEqual(model.parameter("fc.bias")[0].read_floats(), values[:16])
+        with self.assertRaises(fp8.Fp8Error):  # an F16 weight takes no F32 bytes: write_parameter rounds
+            weight.write_floats(values)
+
+    def test_storage_level_and_flat_storage_at_o3(self):
+        ctx = fp8.Context()
+        model = fp8.Model(ctx)
+        model.add_linear("fc1", 32, 16)
+        model.add_linear("fc2", 16, 16, bias=False)
+        self.assertEqual(model.flat_storage(fp8.STORAGE_VALUES, fp8.DTYPE_E4M3), (0, 0))
+        address, nbytes = model.flat_storage(fp8.STORAGE_VALUES, fp8.DTYPE_F32)
+        self.assertNotEqual(address, 0)
+        self.assertGreaterEqual(nbytes, 4 * (512 + 16 + 256))
+        model.convert(fp8.Recipe("backend=msamp, opt_level=O3"))
+        self.assertEqual(model.storage_level(), 3)
+        model.write_parameter("fc1.weight", [((i * 7) % 13 - 6) / 4.0 for i in range(512)])
+        model.write_parameter("fc2.weight", [((i * 5) % 11 - 5) / 8.0 for i in range(256)])
+        w1, g1 = model.parameter("fc1.weight")
+        self.assertEqual((w1.dtype, g1.dtype), (fp8.DTYPE_E4M3, fp8.DTYPE_E5M2))
+        address, nbytes = model.flat_storage(fp8.STORAGE_VALUES, fp8.DTYPE_E4M3)
+        self.assertNotEqual(address, 0)
+        self.assertGreaterEqual(nbytes, 512 + 256)
+        arena = ctypes.string_at(address, nbytes)  # host memory on the CPU backend
+        self.assertTrue(any(arena))
+        offset = w1.address - address  # a parameter's slice inside the arena
+        self.assertEqual(offset % 256, 0)
+        self.assertEqual(arena[offset:offset + 512], w1.read())
+        masters = model.flat_storage(fp8.STORAGE_MASTERS, fp8.DTYPE_F16)
+        self.assertGreaterEqual(masters[1], 2 * (512 + 256))
+        self.assertGreater(model.flat_storage(fp8.STORAGE_GRADS, fp8.DTYPE_E5M2)[1], 0)
+        self.assertGreater(model.flat_storage(fp8.STORAGE_VALUES, fp8.DTYPE_F32)[1], 0)  # the bias
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.flat_storage(7, fp8.DTYPE_F32)
+        self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_ARGUMENT")
 
 
 if __name__ == "__main__":
