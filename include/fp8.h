@@ -198,8 +198,8 @@ FP8_API fp8_status_t fp8_context_synchronize(fp8_context_t *ctx);
 /** An application's device allocator (a framework's caching allocator): returns `bytes` bytes of the
  *  context's device memory (host memory on the CPU backend), 256-byte aligned, usable in stream
  *  order on `stream`, or NULL when it has none; the free function takes back a block it gave. */
-typedef void* (*fp8_alloc_fn)(void* user, size_t bytes, int32_t device, struct CUstream_st* stream);
-typedef void (*fp8_free_fn)(void* user, void* ptr, int32_t device, struct CUstream_st* stream);
+typedef void *(*fp8_alloc_fn)(void *user, size_t bytes, int32_t device, struct CUstream_st *stream);
+typedef void (*fp8_free_fn)(void *user, void *ptr, int32_t device, struct CUstream_st *stream);
 
 /**
  * Makes the context take the device memory of everything created from it from now on (tensors,
@@ -210,7 +210,7 @@ typedef void (*fp8_free_fn)(void* user, void* ptr, int32_t device, struct CUstre
  * context's own workspace (made by fp8_context_create) stays libfp8's. Both functions may be called
  * from any thread that uses the context or destroys its objects. Not during graph capture.
  */
-FP8_API fp8_status_t fp8_context_set_allocator(fp8_context_t* ctx, fp8_alloc_fn alloc, fp8_free_fn free_fn, void* user);
+FP8_API fp8_status_t fp8_context_set_allocator(fp8_context_t *ctx, fp8_alloc_fn alloc, fp8_free_fn free_fn, void *user);
 
 /** What a device can do. Versioned: set struct_size = sizeof(fp8_device_info_t) before the call
  *  (fp8_device_info_init does it); later releases only append fields. First release: through
@@ -725,13 +725,13 @@ typedef int32_t fp8_storage_role_t;
 #define FP8_STORAGE_GRADS 1
 #define FP8_STORAGE_MASTERS 2
 /** [out] level: 0 (FP32 Linear weights) or FP8_OPT_O1..O3, the level the model's storage is at. */
-FP8_API fp8_status_t fp8_model_storage_level(const fp8_model_t* model, int32_t* level);
+FP8_API fp8_status_t fp8_model_storage_level(const fp8_model_t *model, int32_t *level);
 /** [out] data, bytes: the flat allocation of `role` holding `dtype` (device memory, borrowed) and the
  *  bytes its slices span, each slice rounded up to 256 bytes; NULL and 0 when the model stores nothing
  *  of that kind. A parameter's slice starts at (char *)fp8_tensor_data(parameter) - data. The FP32
  *  gradient buffer is what a framework's own collective would all-reduce. */
-FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t* model, fp8_storage_role_t role, fp8_dtype_t dtype, void** data,
-                                            size_t* bytes);
+FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t *model, fp8_storage_role_t role, fp8_dtype_t dtype, void **data,
+                                            size_t *bytes);
 
 /**
  * Writes host values (`dtype` F32, F16 or BF16; `bytes` = the parameter's element count times the
@@ -741,7 +741,7 @@ FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t* model, fp8_storage_role
  * next step, and the layer remakes its weight copies. The way to set weights after conversion.
  * Synchronous.
  */
-FP8_API fp8_status_t fp8_model_write_parameter(fp8_model_t* model, int32_t index, fp8_dtype_t dtype, const void* src,
+FP8_API fp8_status_t fp8_model_write_parameter(fp8_model_t *model, int32_t index, fp8_dtype_t dtype, const void *src,
                                                size_t bytes);
 
 /** Tells the model its weights changed outside libfp8: the FP8 (and bf16) weight copies are remade
@@ -828,13 +828,12 @@ typedef struct fp8_saved fp8_saved_t;
  * reference to x, which must stay alive and unchanged until its backward. The pool keeps what it
  * lent, so a steady loop allocates nothing. Asynchronous.
  */
-FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t* model, int32_t layer_id, const fp8_tensor_t* x,
-                                             fp8_tensor_t* y, fp8_saved_t** saved);
+FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t *model, int32_t layer_id, const fp8_tensor_t *x,
+                                             fp8_tensor_t *y, fp8_saved_t **saved);
 
-/** Flags of fp8_layer_backward_saved. */
-#define FP8_BACKWARD_ACCUMULATE_DX                                   \
-  1u /**< dx += the input gradient (residual connections) instead of \
-          dx = it: dx = round(float(dx) + value), for every layer kind */
+/** Flags of fp8_layer_backward_saved. FP8_BACKWARD_ACCUMULATE_DX: dx += the input gradient (residual
+ *  connections) instead of dx = it, as dx = round(float(dx) + value), for every layer kind. */
+#define FP8_BACKWARD_ACCUMULATE_DX 1u
 
 /**
  * Backward of exactly the forward that made `saved`: [in] dy, [out] dx as in fp8_layer_backward
@@ -845,11 +844,11 @@ FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t* model, int32_t layer_i
  * optimizer step or a write came between) (FP8_ERR_INVALID_STATE). On success `saved` is consumed:
  * its buffers go back to the pool and only fp8_saved_destroy remains to be called. Asynchronous.
  */
-FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_id, fp8_saved_t* saved,
-                                              const fp8_tensor_t* dy, fp8_tensor_t* dx, uint32_t flags);
+FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t *model, int32_t layer_id, fp8_saved_t *saved,
+                                              const fp8_tensor_t *dy, fp8_tensor_t *dx, uint32_t flags);
 
 /** Releases a forward state (consumed or not); NULL does nothing. It may outlive its model. */
-FP8_API void fp8_saved_destroy(fp8_saved_t* saved);
+FP8_API void fp8_saved_destroy(fp8_saved_t *saved);
 
 /**
  * The model as one sequential stack: the layers in the order they were added, each layer's y the
