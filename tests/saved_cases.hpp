@@ -107,4 +107,30 @@ inline Outputs run(int32_t device, Kind kind, Mode mode, bool second_first) {
   return o;
 }
 
+// One forward and backward of a fresh layer of `kind` on `device` (the same scales every time) with
+// dx holding `old` before the backward and `flags` for it; returns dx.
+inline std::vector<float> backward_into(int32_t device, Kind kind, const std::vector<float>& old, uint32_t flags) {
+  Context ctx = make_context(device);
+  Model model = make_model(ctx.get());
+  const int32_t id = add_layer(model.get(), kind, "a");
+  if (kind == Kind::kLinearFp8) {
+    Recipe r = make_recipe("small_layer_fallback=0, backend=te");
+    EXPECT_OK(fp8_convert_model(model.get(), r.get(), nullptr));
+    EXPECT_OK(fp8_model_set_autowrap(model.get(), 1));
+  }
+  const int64_t out = out_features(kind);
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, kIn});
+  upload(x.get(), randn(static_cast<size_t>(kRows * kIn), 3, 1.0f));
+  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, out});
+  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, out});
+  upload(dy.get(), randn(static_cast<size_t>(kRows * out), 4, 1.0f));
+  Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, kIn});
+  upload(dx.get(), old);
+  fp8_saved_t* s = nullptr;
+  EXPECT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &s));
+  Saved saved(s);
+  EXPECT_OK(fp8_layer_backward_saved(model.get(), id, saved.get(), dy.get(), dx.get(), flags));
+  return download<float>(dx.get());
+}
+
 }  // namespace fp8test::saved_cases

@@ -230,33 +230,6 @@ void cpu_gemm(const GemmJob& j) {
   }
 }
 
-// ---- scale descriptors --------------------------------------------------------------------------
-// The one place where this backend refuses scale modes it does not implement (all but per-tensor),
-// before any work: each operation that takes scales calls the overload of its job first.
-void require_tensor_scales(const QuantizeJob& j) {
-  require_tensor_scale(j.out_scale_inv, "quantize's out_scale_inv (CPU backend)");
-  require_tensor_scale(j.out_t_scale_inv, "quantize's out_t_scale_inv (CPU backend)");
-  require_tensor_scale(j.out_scale, "quantize's out_scale (CPU backend)");
-}
-void require_tensor_scales(const TransposeJob& j) {
-  require_tensor_scale(j.in_scale_inv, "transpose's in_scale_inv (CPU backend)");
-  require_tensor_scale(j.out_scale_inv, "transpose's out_scale_inv (CPU backend)");
-}
-void require_tensor_scales(const DequantizeJob& j) {
-  require_tensor_scale(j.scale_inv, "dequantize's scale_inv (CPU backend)");
-}
-void require_tensor_scales(const ActivationJob& j) {
-  require_tensor_scale(j.out_scale_inv, "activation's out_scale_inv (CPU backend)");
-}
-void require_tensor_scales(const NormJob& j) {
-  require_tensor_scale(j.y_scale_inv, "norm's y_scale_inv (CPU backend)");
-}
-void require_tensor_scales(const GemmJob& j) {
-  require_tensor_scale(j.a_scale_inv, "gemm's a_scale_inv (CPU backend)");
-  require_tensor_scale(j.b_scale_inv, "gemm's b_scale_inv (CPU backend)");
-  require_tensor_scale(j.d_scale_inv, "gemm's d_scale_inv (CPU backend)");
-}
-
 class CpuBackend final : public Backend {
  public:
   int32_t device() const override { return FP8_DEVICE_CPU; }
@@ -283,7 +256,7 @@ class CpuBackend final : public Backend {
   void synchronize() override {}
 
   void quantize(const QuantizeJob& j) override {
-    require_tensor_scales(j);
+    require_tensor_scales(j, "CPU");
     const float scale = j.state->scale;
     uint32_t amax = 0;
     for (int64_t r = 0; r < j.rows; ++r) {
@@ -309,7 +282,7 @@ class CpuBackend final : public Backend {
   }
 
   void transpose(const TransposeJob& j) override {
-    require_tensor_scales(j);
+    require_tensor_scales(j, "CPU");
     for (int64_t r = 0; r < j.rows; ++r)
       for (int64_t c = 0; c < j.cols; ++c) j.out[c * j.rows + r] = j.in[r * j.cols + c];
     *j.out_scale_inv.ptr = *j.in_scale_inv.ptr;
@@ -327,7 +300,7 @@ class CpuBackend final : public Backend {
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
 
   void dequantize(const DequantizeJob& j) override {
-    require_tensor_scales(j);
+    require_tensor_scales(j, "CPU");
     const float scale_inv = *j.scale_inv.ptr;
     for (int64_t i = 0; i < j.n; ++i) store_wide(j.out, j.out_dtype, i, dequantize_fp8(j.in[i], j.e5m2, scale_inv));
   }
@@ -362,7 +335,7 @@ class CpuBackend final : public Backend {
   }
 
   void activation(const ActivationJob& j) override {
-    require_tensor_scales(j);
+    require_tensor_scales(j, "CPU");
     const bool fp8_out = j.out_state != nullptr;
     const float scale = fp8_out ? j.out_state->scale : 1.0f;
     uint32_t amax = 0;
@@ -407,7 +380,7 @@ class CpuBackend final : public Backend {
   }
 
   void norm(const NormJob& j) override {
-    require_tensor_scales(j);
+    require_tensor_scales(j, "CPU");
     const int64_t d = j.cols;
     if (!j.backward) {
       const bool fp8_out = j.y_state != nullptr;
@@ -471,7 +444,7 @@ class CpuBackend final : public Backend {
   }
 
   void gemm(const GemmJob& j) override {
-    require_tensor_scales(j);
+    require_tensor_scales(j, "CPU");
     cpu_gemm(j);
   }
 };

@@ -42,33 +42,6 @@ class DeviceScope {
   int previous_ = 0;
 };
 
-// The one place where this backend refuses scale modes it does not implement (all but per-tensor;
-// the kernels and cuBLASLt are only ever handed per-tensor scales), before any work: each
-// operation that takes scales calls the overload of its job first.
-void require_tensor_scales(const QuantizeJob& j) {
-  require_tensor_scale(j.out_scale_inv, "quantize's out_scale_inv (CUDA backend)");
-  require_tensor_scale(j.out_t_scale_inv, "quantize's out_t_scale_inv (CUDA backend)");
-  require_tensor_scale(j.out_scale, "quantize's out_scale (CUDA backend)");
-}
-void require_tensor_scales(const TransposeJob& j) {
-  require_tensor_scale(j.in_scale_inv, "transpose's in_scale_inv (CUDA backend)");
-  require_tensor_scale(j.out_scale_inv, "transpose's out_scale_inv (CUDA backend)");
-}
-void require_tensor_scales(const DequantizeJob& j) {
-  require_tensor_scale(j.scale_inv, "dequantize's scale_inv (CUDA backend)");
-}
-void require_tensor_scales(const ActivationJob& j) {
-  require_tensor_scale(j.out_scale_inv, "activation's out_scale_inv (CUDA backend)");
-}
-void require_tensor_scales(const NormJob& j) {
-  require_tensor_scale(j.y_scale_inv, "norm's y_scale_inv (CUDA backend)");
-}
-void require_tensor_scales(const GemmJob& j) {
-  require_tensor_scale(j.a_scale_inv, "gemm's a_scale_inv (CUDA backend)");
-  require_tensor_scale(j.b_scale_inv, "gemm's b_scale_inv (CUDA backend)");
-  require_tensor_scale(j.d_scale_inv, "gemm's d_scale_inv (CUDA backend)");
-}
-
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int32_t device) {
@@ -168,7 +141,7 @@ class CudaBackend final : public Backend {
   }
 
   void quantize(const QuantizeJob& job) override {
-    require_tensor_scales(job);
+    require_tensor_scales(job, "CUDA");
     DeviceScope scope(limits_.device);
     if (job.out_t_scale_inv.ptr) {
       kernels::cast_transpose(job, limits_, stream_);  // column sums fused in
@@ -186,7 +159,7 @@ class CudaBackend final : public Backend {
     kernels::convert(job, limits_, stream_);
   }
   void transpose(const TransposeJob& job) override {
-    require_tensor_scales(job);
+    require_tensor_scales(job, "CUDA");
     DeviceScope scope(limits_.device);
     kernels::transpose(job, limits_, stream_);
   }
@@ -213,7 +186,7 @@ class CudaBackend final : public Backend {
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
   }
   void dequantize(const DequantizeJob& job) override {
-    require_tensor_scales(job);
+    require_tensor_scales(job, "CUDA");
     DeviceScope scope(limits_.device);
     kernels::dequantize(job, limits_, stream_);
   }
@@ -231,17 +204,17 @@ class CudaBackend final : public Backend {
     }
   }
   void activation(const ActivationJob& job) override {
-    require_tensor_scales(job);
+    require_tensor_scales(job, "CUDA");
     DeviceScope scope(limits_.device);
     kernels::activation(job, limits_, stream_);
   }
   void norm(const NormJob& job) override {
-    require_tensor_scales(job);
+    require_tensor_scales(job, "CUDA");
     DeviceScope scope(limits_.device);
     kernels::norm(job, limits_, scratch_, kScratchFloats, stream_);
   }
   void gemm(const GemmJob& job) override {
-    require_tensor_scales(job);
+    require_tensor_scales(job, "CUDA");
     DeviceScope scope(limits_.device);
     gemm_->run(job, stream_);
   }

@@ -204,4 +204,31 @@ struct OptimizerStepJob {
   OptimElementArgs* args;   // device memory: element_args(*hyper), written by the step's finish
 };
 
+// The one place where a backend refuses the scale modes it does not run yet (all but per-tensor),
+// before any work: each operation that takes scales calls its job's overload first. `backend`
+// ("CPU", "CUDA") goes into the message.
+inline void require_tensor_scales(const QuantizeJob& j, const char* backend) {
+  require_tensor_scale(j.out_scale_inv, "quantize's out_scale_inv", backend);
+  require_tensor_scale(j.out_t_scale_inv, "quantize's out_t_scale_inv", backend);
+  require_tensor_scale(j.out_scale, "quantize's out_scale", backend);
+}
+inline void require_tensor_scales(const TransposeJob& j, const char* backend) {
+  require_tensor_scale(j.in_scale_inv, "transpose's in_scale_inv", backend);
+  require_tensor_scale(j.out_scale_inv, "transpose's out_scale_inv", backend);
+}
+inline void require_tensor_scales(const DequantizeJob& j, const char* backend) {
+  require_tensor_scale(j.scale_inv, "dequantize's scale_inv", backend);
+}
+inline void require_tensor_scales(const ActivationJob& j, const char* backend) {
+  require_tensor_scale(j.out_scale_inv, "activation's out_scale_inv", backend);
+}
+inline void require_tensor_scales(const NormJob& j, const char* backend) {
+  require_tensor_scale(j.y_scale_inv, "norm's y_scale_inv", backend);
+}
+inline void require_tensor_scales(const GemmJob& j, const char* backend) {
+  require_tensor_scale(j.a_scale_inv, "gemm's a_scale_inv", backend);
+  require_tensor_scale(j.b_scale_inv, "gemm's b_scale_inv", backend);
+  require_tensor_scale(j.d_scale_inv, "gemm's d_scale_inv", backend);
+}
+
 }  // namespace fp8

@@ -106,10 +106,10 @@ inline void check_scale_desc(const ScaleDesc& d, int64_t rows, int64_t cols, con
 
 // Throws FP8_ERR_UNSUPPORTED naming `what` and d's mode unless d is per-tensor: the only mode the
 // backends implement so far. Each backend calls it where it takes a job, before any work.
-inline void require_tensor_scale(const ScaleDesc& d, const char* what) {
+inline void require_tensor_scale(const ScaleDesc& d, const char* what, const char* backend = nullptr) {
   if (!d.is_tensor())
-    fail(FP8_ERR_UNSUPPORTED, what, " has ", scale_mode_name(d.mode), " scales (mode ", static_cast<int32_t>(d.mode),
-         "); only per-tensor scales are implemented");
+    fail(FP8_ERR_UNSUPPORTED, what, backend ? " (" : "", backend ? backend : "", backend ? " backend)" : "", " has ",
+         scale_mode_name(d.mode), " scales (mode ", static_cast<int32_t>(d.mode), "); only per-tensor scales are implemented");
 }
 
 }  // namespace fp8

@@ -65,31 +65,9 @@ INSTANTIATE_TEST_SUITE_P(Kinds, GpuTwoInFlight,
 TEST(GpuAccumulateDx, AddsTheInputGradientToDx) {
   for (sc::Kind kind : {sc::Kind::kLinearFp8, sc::Kind::kLayerNorm, sc::Kind::kGelu}) {
     SCOPED_TRACE(sc::kind_name(kind));
-    const int64_t out = sc::out_features(kind);
     const std::vector<float> old = randn(static_cast<size_t>(sc::kRows * sc::kIn), 5, 2.0f);
     // Each backward on a fresh model, so both see the same scales (an FP8 region updates them).
-    auto backward = [&](uint32_t flags) {
-      Context ctx = make_context(0);
-      Model model = make_model(ctx.get());
-      const int32_t id = sc::add_layer(model.get(), kind, "a");
-      if (kind == sc::Kind::kLinearFp8) {
-        Recipe r = make_recipe("small_layer_fallback=0, backend=te");
-        EXPECT_OK(fp8_convert_model(model.get(), r.get(), nullptr));
-        EXPECT_OK(fp8_model_set_autowrap(model.get(), 1));
-      }
-      Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
-      upload(x.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 3, 1.0f));
-      Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, out});
-      Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, out});
-      upload(dy.get(), randn(static_cast<size_t>(sc::kRows * out), 4, 1.0f));
-      Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
-      upload(dx.get(), old);
-      fp8_saved_t* s = nullptr;
-      EXPECT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &s));
-      Saved saved(s);
-      EXPECT_OK(fp8_layer_backward_saved(model.get(), id, saved.get(), dy.get(), dx.get(), flags));
-      return download<float>(dx.get());
-    };
+    auto backward = [&](uint32_t flags) { return sc::backward_into(0, kind, old, flags); };
     const std::vector<float> plain = backward(0), acc = backward(FP8_BACKWARD_ACCUMULATE_DX);
     for (size_t i = 0; i < acc.size(); ++i) {
       const float want = old[i] + plain[i];

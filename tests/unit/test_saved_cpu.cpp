@@ -72,25 +72,8 @@ class AccumulateDx : public ::testing::TestWithParam<sc::Kind> {};
 // for norms and activations; the Linear's GEMM adds the old dx before its single rounding).
 TEST_P(AccumulateDx, AddsTheInputGradientToDx) {
   const sc::Kind kind = GetParam();
-  Context ctx = make_context(FP8_DEVICE_CPU);
-  Model model = make_model(ctx.get());
-  const int32_t id = sc::add_layer(model.get(), kind, "a");
-  const int64_t out = sc::out_features(kind);
-  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
-  upload(x.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 3, 1.0f));
-  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, out});
-  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, out});
-  upload(dy.get(), randn(static_cast<size_t>(sc::kRows * out), 4, 1.0f));
   const std::vector<float> old = randn(static_cast<size_t>(sc::kRows * sc::kIn), 5, 2.0f);
-  auto backward = [&](uint32_t flags) {
-    Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
-    upload(dx.get(), old);
-    fp8_saved_t* s = nullptr;
-    EXPECT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &s));
-    Saved saved(s);
-    EXPECT_OK(fp8_layer_backward_saved(model.get(), id, saved.get(), dy.get(), dx.get(), flags));
-    return download<float>(dx.get());
-  };
+  auto backward = [&](uint32_t flags) { return sc::backward_into(FP8_DEVICE_CPU, kind, old, flags); };
   const std::vector<float> plain = backward(0), acc = backward(FP8_BACKWARD_ACCUMULATE_DX);
   ASSERT_EQ(plain.size(), acc.size());
   for (size_t i = 0; i < acc.size(); ++i) {
