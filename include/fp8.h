@@ -34,7 +34,11 @@
  *   never inside a capture. Within a captured sequence a Linear makes its FP8 and bf16 weight copies
  *   at its first forward (replays follow optimizer steps the capture cannot know of) and reuses them
  *   for later micro-batches; the scaling states updated at the end of each region are those that
- *   recorded an amax in the captured calls, the same in every replay.
+ *   recorded an amax in the captured calls, the same in every replay. A graph uses the model's
+ *   buffers as they were at capture: between its replays, run no other call of that model that
+ *   computes (no eager forward or backward, which would reuse or grow those buffers; evaluate with
+ *   another model, or capture the evaluation too); after the last replay eager calls are fine again,
+ *   and remake the weight copies first. Adding layers is refused while an optimizer exists.
  * - On the CPU reference backend (device FP8_DEVICE_CPU) every call runs to completion before it
  *   returns, and "device memory" means ordinary host memory.
  * - Objects keep their context alive: fp8_context_destroy may come before the destruction of its

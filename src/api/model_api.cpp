@@ -18,6 +18,9 @@ void add_layer(fp8_model* m, const char* name, int32_t* layer_id, Make&& make) {
   fp8::nn::require_new_layer_name(*m, name);
   if (m->recipe)
     fp8::fail(FP8_ERR_INVALID_STATE, "the model is converted to FP8; add layers before fp8_convert_model");
+  if (!m->optimizer_links.empty())
+    fp8::fail(FP8_ERR_INVALID_STATE, "an optimizer of this model holds its parameters' storage; add layers before ",
+              "fp8_optimizer_create (or destroy the optimizer first)");
   fp8::nn::add_layer(*m, make());
   if (layer_id) *layer_id = static_cast<int32_t>(m->layers.size() - 1);
 }
@@ -325,7 +328,8 @@ FP8_API fp8_status_t fp8_layer_forward(fp8_model_t* model, int32_t layer_id, con
     require_tensor(model, y, "y");
     model->latest.resize(model->layers.size());
     std::unique_ptr<fp8_saved>& kept = model->latest[static_cast<size_t>(layer_id)];
-    if (model->training && kept && kept->training)
+    // (a kept forward whose weights changed since can no longer be differentiated: it is replaced)
+    if (model->training && kept && kept->training && layer.saved_current(fp8::nn::make_step(*model), *kept))
       fp8::fail(FP8_ERR_INVALID_STATE, "layer '", layer.name(),
                 "' has a training-mode forward awaiting its fp8_layer_backward; a second one would replace it. "
                 "Call fp8_layer_backward first, or keep several forwards in flight with fp8_layer_forward_saved");

@@ -79,11 +79,7 @@ class CudaBackend final : public Backend {
   }
 
   void* native_allocate(size_t bytes) override {
-    if (capture_id())  // cudaMalloc would invalidate the capture; say what to do instead
-      fail(FP8_ERR_INVALID_STATE, "libfp8 needs ", bytes, " more bytes of device memory while the context's stream is ",
-           "being captured into a CUDA graph; run the same step once before capturing it (libfp8's buffers grow to ",
-           "fit the shapes they see and are kept)");
-    DeviceScope scope(limits_.device);
+DeviceScope scope(limits_.device);
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, bytes);
     if (err != cudaSuccess) {

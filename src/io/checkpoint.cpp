@@ -61,7 +61,9 @@ std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer*
     s.name = p.name;
     s.value_dtype = p.value->dtype;
     s.n = p.value->numel;
-    s.layout = nn::stored_layout(model, p);
+    // The optimizer's layout where one keeps state (SGD runs O1 on O2 storage), else the storage's.
+    const OptimTensor* ot = optim_tensor(owner, i);
+    s.layout = ot ? ot->layout : nn::stored_layout(model, p);
     s.value = download(be, p.value->data, p.value->nbytes());
     if (dtype_is_fp8(p.value->dtype)) be.copy_to_host(&s.value_scale_inv, p.value->scale_inv, sizeof(float));
     if (gradients) {
@@ -71,7 +73,7 @@ std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer*
       if (dtype_is_fp8(p.grad->dtype)) be.copy_to_host(&s.grad_scales, p.grad_scales(), sizeof(GradScales));
     }
     if (p.master) s.master = download(be, p.master, bytes_of(s.n, 2));
-    if (const OptimTensor* t = optim_tensor(owner, i)) {
+    if (const OptimTensor* t = ot) {
       if (o && t->m) s.m = download(be, t->m, bytes_of(s.n, m_size(t->layout)));
       if (o && t->v) s.v = download(be, t->v, bytes_of(s.n, v_size(t->layout)));
       if (t->scales) {
@@ -173,7 +175,7 @@ void upload(Backend& be, void* dst, const std::vector<uint8_t>& src) {
 // brings the weight alone). The bounds' starting amax is taken from what will be stored.
 void convert_for(ParamState& p, const fp8_model& model, const nn::Parameter& t, const OptimTensor* ot,
                  bool live_moments) {
-  convert_layout(p, nn::stored_layout(model, t));
+  convert_layout(p, ot ? ot->layout : nn::stored_layout(model, t));
   if (live_moments && ot && ot->scales) {
     model.backend->copy_to_host(&p.scales, ot->scales, sizeof p.scales);
     p.has_scales = true;
@@ -310,6 +312,7 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
     optim::upload_hyper(*o);
     be.copy_from_host(o->scalars, &optim.scalars, sizeof optim.scalars);
   }
+  nn::drop_kept_states(model);  // their weights are gone
   model.training = training;
   ++model.weights_version;  // the layers remake their weight copies, with the saved scales where
   for (auto& layer : model.layers) layer->pin_weight_copy_scale(0.0f);  // an earlier load's pins go

@@ -112,6 +112,9 @@ struct Step {
   DeviceBuffer* wgrad_scratch;  // the model's: a Linear's new FP32 dW before it joins an FP8 gradient
   const std::shared_ptr<BufferPool>& pool;  // lends the forward states their buffers
   uint64_t capture_id;                      // the CUDA graph capture under way on the stream (0: none)
+  // An optimizer step of this model was captured: its replays change the weights behind the host's
+  // back, so an eager call remakes weight copies instead of trusting their version.
+  bool steps_replayed;
 };
 
 // A parameter's value and gradient: views into the model's flat storage (nn/storage.hpp). FP32
@@ -158,6 +161,11 @@ class Layer {
                         bool accumulate_dx) = 0;
   // Conversions so far: a forward state from an earlier one is refused.
   uint64_t epoch() const { return epoch_; }
+  // Whether the parameters `saved`'s forward used are still the layer's (an optimizer step or a write
+  // since makes its backward wrong); layers without parameters are always current.
+  virtual bool saved_current(const Step& /*step*/, const fp8_saved& /*saved*/) const { return true; }
+  // Throws FP8_ERR_INVALID_STATE unless saved_current: run before any layer of a backward does.
+  void check_saved(const Step& step, const fp8_saved& saved) const;
 
   // Conversion in two steps, so that a model converts all or nothing: the roles of the scaling
   // states the layer needs as an FP8 one under `recipe` (none for recipe == nullptr or a layer FP8

@@ -74,6 +74,12 @@ void require_shape(const std::string& layer, const fp8_tensor* t, const char* na
          shape_string(ndim, shape));
 }
 
+void Layer::check_saved(const Step& step, const fp8_saved& saved) const {
+  if (!saved_current(step, saved))
+    fail(FP8_ERR_INVALID_STATE, "the parameters of layer '", name_,
+         "' changed since this forward (an optimizer step or a write came between); run the forward again");
+}
+
 bool buffers_overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   const char* pa = static_cast<const char*>(a);
   const char* pb = static_cast<const char*>(b);
@@ -96,7 +102,8 @@ struct ElementwiseSaved final : fp8_saved {
   fp8_dtype_t x_dtype = FP8_DTYPE_F32;
   int32_t ndim = 0;
   int64_t x_shape[FP8_MAX_DIMS] = {};
-  PooledBuffer stats;  // norms: rows floats of mean (LayerNorm), then rows floats of rstd
+  uint64_t weights_version = 0;  // norms: the gamma/beta the forward used
+  PooledBuffer stats;            // norms: rows floats of mean (LayerNorm), then rows floats of rstd
   void release() override { stats.reset(); }
   int64_t rows() const {
     int64_t r = 1;
@@ -124,6 +131,10 @@ class ElementwiseBase : public Layer {
     if (s_out_) out.push_back(s_out_.get());
   }
   fp8_scaling* scaling(int32_t slot) override { return slot == FP8_SCALING_OUTPUT ? s_out_.get() : nullptr; }
+
+  bool saved_current(const Step& step, const fp8_saved& saved) const override {
+    return params_.empty() || static_cast<const ElementwiseSaved&>(saved).weights_version == weights_version(step);
+  }
 
   void check_dx(const fp8_saved& saved, const fp8_tensor* dx) const override {
     const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
@@ -158,6 +169,7 @@ class ElementwiseBase : public Layer {
     auto s = std::make_unique<ElementwiseSaved>();
     s->training = step.training;
     s->layer_epoch = epoch_;
+    s->weights_version = weights_version(step);
     s->x = x->data;
     s->x_dtype = x->dtype;
     s->ndim = x->ndim;

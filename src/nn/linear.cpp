@@ -128,6 +128,10 @@ class Linear final : public Layer {
     }
   }
 
+  bool saved_current(const Step& step, const fp8_saved& saved) const override {
+    return static_cast<const LinearSaved&>(saved).weights_version == weights_version(step);
+  }
+
   void check_dx(const fp8_saved& saved, const fp8_tensor* dx) const override {
     const LinearSaved& s = static_cast<const LinearSaved&>(saved);
     if (dx->dtype != s.act)
@@ -234,7 +238,7 @@ class Linear final : public Layer {
       }
     } else {
       g.a = x_hp;
-      g.b = weight_in(act);
+      g.b = weight_in(step, act);
       g.a_dtype = g.b_dtype = act;
       if (bias_) {
         g.bias = act == FP8_DTYPE_F32 ? params_[1].value->data : b_bf16_.ensure(0);
@@ -258,9 +262,6 @@ class Linear final : public Layer {
       check_dx(s, dx);
       require_disjoint_buffers(name_, dy, "dy", dx, "dx");
     }
-    if (weights_version(step) != s.weights_version)
-      fail(FP8_ERR_INVALID_STATE, "the weights of layer '", name_,
-           "' changed since this forward (an optimizer step or a write came between); run the forward again");
     const Plan& plan = s.plan;
     Backend& be = step.backend;
     float* dbias = bias_ ? static_cast<float*>(params_[1].grad->data) : nullptr;
@@ -304,7 +305,7 @@ class Linear final : public Layer {
         set_fp8_operands(g, qdy, s_dy_->dtype, dy_si, qwt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
       } else {
         g.a = dy->data;
-        g.b = weight_in(act);
+        g.b = weight_in(step, act);
         g.a_dtype = g.b_dtype = act;
         g.b_transposed = true;  // W is [out][in] = [k][n]
       }
@@ -407,7 +408,7 @@ class Linear final : public Layer {
     const fp8_tensor& w = *params_[0].value;
     const int64_t n = out_ * in_;
     const bool w8 = p.fprop || (step.training && p.dgrad);
-    if (w8 && !fp8_weight_.current(version, step.capture_id)) {
+    if (w8 && !fp8_weight_.current(step, version)) {
       float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale
       uint8_t* qwt = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
       if (w.dtype == FP8_DTYPE_E4M3) {
@@ -432,18 +433,9 @@ class Linear final : public Layer {
       }
       fp8_weight_.made(version, step.capture_id);
     }
-    const bool hp_weight = (act != w.dtype) && (!p.fprop || (step.training && !p.dgrad));
-    if (hp_weight && (!hp_weight_.current(version, step.capture_id) || hp_weight_dtype_ != act)) {
-      void* out = w_hp_.ensure(static_cast<size_t>(n) * dtype_size(act));
-      if (dtype_is_fp8(w.dtype))
-        be.dequantize({static_cast<const uint8_t*>(w.data), false, tensor_scale(w.scale_inv), out, act, n});
-      else
-        be.convert({w.data, w.dtype, out, act, n});
-      hp_weight_.made(version, step.capture_id);
-      hp_weight_dtype_ = act;
-    }
+    if (!p.fprop || (step.training && !p.dgrad)) weight_in(step, act);
     const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);
-    if (bf16_bias && !bf16_bias_.current(version, step.capture_id)) {
+    if (bf16_bias && !bf16_bias_.current(step, version)) {
       be.convert({params_[1].value->data, FP8_DTYPE_F32, b_bf16_.ensure(static_cast<size_t>(out_) * 2), FP8_DTYPE_BF16,
                   out_});
       bf16_bias_.made(version, step.capture_id);
@@ -463,9 +455,24 @@ class Linear final : public Layer {
     if (pinned_) pinned_w_ = new_state(recipe_, FP8_ROLE_FORWARD, scale);
   }
 
-  const void* weight_in(fp8_dtype_t act) {
+  // The weight in the activation dtype `act` for a high-precision GEMM: the value itself, or a copy
+  // made once per weights version and dtype (a backward remakes it when another forward in flight
+  // used another dtype since).
+  const void* weight_in(const Step& step, fp8_dtype_t act) {
     const fp8_tensor& w = *params_[0].value;
-    return w.dtype == act ? w.data : w_hp_.ensure(0);
+    if (w.dtype == act) return w.data;
+    const uint64_t version = weights_version(step);
+    if (!hp_weight_.current(step, version) || hp_weight_dtype_ != act) {
+      const int64_t n = out_ * in_;
+      void* out = w_hp_.ensure(static_cast<size_t>(n) * dtype_size(act));
+      if (dtype_is_fp8(w.dtype))
+        step.backend.dequantize({static_cast<const uint8_t*>(w.data), false, tensor_scale(w.scale_inv), out, act, n});
+      else
+        step.backend.convert({w.data, w.dtype, out, act, n});
+      hp_weight_.made(version, step.capture_id);
+      hp_weight_dtype_ = act;
+    }
+    return w_hp_.get();
   }
   const uint8_t* fp8_weight() {
     const fp8_tensor& w = *params_[0].value;
@@ -486,7 +493,10 @@ class Linear final : public Layer {
   // same capture reuse them, as eager ones do.
   struct CopyMark {
     uint64_t version = kNever, capture = 0;
-    bool current(uint64_t v, uint64_t capture_id) const { return version == v && capture == capture_id; }
+    bool current(const Step& step, uint64_t v) const {
+      if (step.steps_replayed && step.capture_id == 0) return false;
+      return version == v && capture == step.capture_id;
+    }
     void made(uint64_t v, uint64_t capture_id) { version = v, capture = capture_id; }
   };
   CopyMark fp8_weight_, hp_weight_, bf16_bias_;

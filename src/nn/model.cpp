@@ -61,7 +61,8 @@ Step make_step(fp8_model& m) {
   if (!m.wgrad_scratch) m.wgrad_scratch = std::make_unique<DeviceBuffer>(m.backend);
   if (!m.pool) m.pool = std::make_shared<BufferPool>(m.backend);
   return Step{
-      *m.backend, r, fp8, m.training, m.weights_version, m.wgrad_scratch.get(), m.pool, m.backend->capture_id()};
+      *m.backend, r, fp8, m.training, m.weights_version, m.wgrad_scratch.get(), m.pool, m.backend->capture_id(),
+      m.step_captured};
 }
 
 std::unique_ptr<fp8_saved> layer_forward(fp8_model& m, int32_t id, const fp8_tensor* x, fp8_tensor* y) {
@@ -99,7 +100,9 @@ void require_own_state(const fp8_model& m, int32_t id, const fp8_saved& s) {
 void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx,
                     bool accumulate_dx) {
   require_own_state(m, id, saved);
-  layer_at(m, id).backward(make_step(m), saved, dy, dx, accumulate_dx);
+  const Step step = make_step(m);
+  layer_at(m, id).check_saved(step, saved);
+  layer_at(m, id).backward(step, saved, dy, dx, accumulate_dx);
   saved.consumed = true;
   saved.release();
 }
@@ -111,6 +114,7 @@ void drop_kept_states(fp8_model& m) {
 
 void add_layer(fp8_model& m, std::unique_ptr<Layer> layer) {
   if (!m.store) m.store = std::make_unique<ParamStore>(m.backend);
+  drop_kept_states(m);  // a run's states no longer match the layers
   m.layers.push_back(std::move(layer));
   try {
     // Before conversion the layout keeps room to append, so adding layers copies little.
@@ -291,7 +295,7 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
 }
 
 void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
-  if (m.run_saved.empty())
+  if (m.run_saved.empty() || m.run_saved.size() != m.layers.size())
     fail(FP8_ERR_INVALID_STATE,
          "no training-mode fp8_model_forward to differentiate (none ran, it ran in eval "
          "mode, it was already differentiated, or the model was converted or changed mode since)");
@@ -310,6 +314,7 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
   }
 
   const Step step = make_step(m);
+  for (size_t i = 0; i < m.layers.size(); ++i) m.layers[i]->check_saved(step, *m.run_saved[i]);
   const size_t n = m.layers.size();
   for (auto& g : m.grads)
     if (!g) g = std::make_unique<ScratchTensor>(m.backend);

@@ -35,6 +35,7 @@ struct fp8_model {
   bool training = true;
   bool autocast = false;  // inside a region, explicit or made by the autowrap
   bool autowrap = false;
+  bool step_captured = false;  // an optimizer step of this model was captured in a CUDA graph
   uint64_t weights_version = 0;
   // Shared by the Linears' backward: dW before it is accumulated into an FP8 gradient (O1..O3).
   std::unique_ptr<fp8::nn::DeviceBuffer> wgrad_scratch;

@@ -255,6 +255,8 @@ void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value) {
   const double old = o.attrs[attr];
   o.attrs[attr] = value;
   try {
+    // SGD's momentum buffer now, not at the next step: a captured step could not make it.
+    if (needs_states(o) && o.model) ensure_states(o);
     upload_hyper(o);
   } catch (...) {
     o.attrs[attr] = old;
@@ -309,6 +311,7 @@ void step(fp8_optimizer& o) {
                              o.device_chunks,  static_cast<int64_t>(o.chunks.size()),
                              o.partials,       o.scalars,
                              o.hyper,          o.element_args};
+  if (o.backend->capture_id()) m.step_captured = true;
   o.backend->optimizer_norm(job);
   // Reduce point: on one rank the partials are already the whole norm's. Under data parallelism one
   // sum all-reduce of o.partials (each rank's chunks, zeros elsewhere) goes here, so that every rank

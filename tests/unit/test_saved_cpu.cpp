@@ -1,6 +1,8 @@
 // Forward states owned by the caller (fp8_layer_forward_saved / fp8_layer_backward_saved /
 // fp8_saved_destroy), FP8_BACKWARD_ACCUMULATE_DX, and every refusal, on the CPU reference.
 #include <cmath>
+#include <cstdio>
+#include <tuple>
 #include <functional>
 
 #include "fp8_test_util.hpp"
@@ -348,6 +350,135 @@ TEST(SavedLifetime, ManyStatesInFlightThenAllDifferentiated) {
   FP8_ASSERT_OK(fp8_layer_backward_saved(one.model.get(), one.a, s.get(), one.dy.get(), one.dx.get(), 0));
   const std::vector<float> g1 = one.grad("a.weight"), g4 = t.grad("a.weight");
   for (size_t i = 0; i < g1.size(); i += 101) EXPECT_NEAR(g4[i], 4.0f * g1[i], 1e-5f * std::fabs(4.0f * g1[i]) + 1e-6f);
+}
+
+// -------------------------------------------------------------------------------------------------
+// What can make a kept or caller-owned state stale
+// -------------------------------------------------------------------------------------------------
+
+// A whole-model backward whose weights changed since its forward is refused before any layer runs
+// (no gradient moves); a layer added after the forward drops the run.
+TEST(StaleStates, ModelBackwardChecksEveryLayerFirst) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  fp8_model_t* m = model.get();
+  sc::add_layer(m, sc::Kind::kLinear, "fc");
+  sc::add_layer(m, sc::Kind::kGelu, "act");
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  upload(x.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 1, 1.0f));
+  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kOut});
+  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kOut});
+  upload(dy.get(), randn(static_cast<size_t>(sc::kRows * sc::kOut), 2, 1.0f));
+  FP8_ASSERT_OK(fp8_model_forward(m, x.get(), y.get()));
+  set_param(m, "fc.bias", randn(static_cast<size_t>(sc::kOut), 3, 0.1f));
+  EXPECT_REFUSED(fp8_model_backward(m, dy.get(), nullptr), FP8_ERR_INVALID_STATE, "fp8_model_backward", "changed");
+  EXPECT_EQ(amax_of(download<float>(param_tensor(m, "fc.weight", true))), 0.0f) << "a layer ran before the refusal";
+  FP8_ASSERT_OK(fp8_model_forward(m, x.get(), y.get()));
+  FP8_ASSERT_OK(fp8_model_add_linear(m, "late", sc::kOut, 16, 0, nullptr));
+  EXPECT_REFUSED(fp8_model_backward(m, dy.get(), nullptr), FP8_ERR_INVALID_STATE, "fp8_model_backward",
+                 "fp8_model_forward");
+}
+
+// The convenience pair: a kept forward whose weights changed cannot be differentiated, and a new
+// forward replaces it instead of being refused.
+TEST(StaleStates, AStaleKeptForwardIsReplacedByTheNextOne) {
+  TwoLinearModel t;
+  fp8_model_t* m = t.model.get();
+  FP8_ASSERT_OK(fp8_layer_forward(m, t.a, t.x.get(), t.y.get()));
+  set_param(m, "a.weight", randn(static_cast<size_t>(sc::kIn * sc::kOut), 4, 0.1f));
+  EXPECT_REFUSED(fp8_layer_backward(m, t.a, t.dy.get(), t.dx.get()), FP8_ERR_INVALID_STATE, "fp8_layer_backward",
+                 "changed");
+  FP8_ASSERT_OK(fp8_layer_forward(m, t.a, t.x.get(), t.y.get()));
+  FP8_ASSERT_OK(fp8_layer_backward(m, t.a, t.dy.get(), t.dx.get()));
+}
+
+// A norm's state is refused once its gamma changed (its backward would use the new one).
+TEST(StaleStates, ANormStateAfterItsParametersChanged) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  const int32_t id = sc::add_layer(model.get(), sc::Kind::kLayerNorm, "ln");
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  upload(x.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 5, 1.0f));
+  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
+  fp8_saved_t* p = nullptr;
+  FP8_ASSERT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &p));
+  Saved s(p);
+  set_param(model.get(), "ln.gamma", randn(static_cast<size_t>(sc::kIn), 6, 0.1f, 1.0f));
+  EXPECT_REFUSED(fp8_layer_backward_saved(model.get(), id, s.get(), y.get(), dx.get(), 0), FP8_ERR_INVALID_STATE,
+                 "fp8_layer_backward_saved", "changed");
+}
+
+// Two forwards in flight in different activation dtypes (high precision): each backward uses the
+// weight in its own dtype, as a twin layer run alone gives.
+TEST(StaleStates, HighPrecisionWeightCopyFollowsEachForwardsDtype) {
+  auto bf16 = [](const std::vector<float>& f) {
+    std::vector<uint16_t> h(f.size());
+    for (size_t k = 0; k < f.size(); ++k) h[k] = static_cast<uint16_t>(bits_of(f[k]) >> 16);
+    return h;
+  };
+  const std::vector<float> xv = randn(static_cast<size_t>(sc::kRows * sc::kIn), 7, 1.0f);
+  const std::vector<float> dyv = randn(static_cast<size_t>(sc::kRows * sc::kOut), 8, 1.0f);
+  // dx of a bf16 forward/backward, with (or without) an f32 forward of the same layer in between.
+  auto bf16_dx = [&](bool f32_in_between) {
+    TwoLinearModel t;
+    fp8_model_t* m = t.model.get();
+    Tensor xb = make_tensor(t.ctx.get(), FP8_DTYPE_BF16, {sc::kRows, sc::kIn});
+    upload(xb.get(), bf16(xv));
+    Tensor yb = make_tensor(t.ctx.get(), FP8_DTYPE_BF16, {sc::kRows, sc::kOut});
+    Tensor dyb = make_tensor(t.ctx.get(), FP8_DTYPE_BF16, {sc::kRows, sc::kOut});
+    upload(dyb.get(), bf16(dyv));
+    Tensor dxb = make_tensor(t.ctx.get(), FP8_DTYPE_BF16, {sc::kRows, sc::kIn});
+    Saved a = [&] {
+      fp8_saved_t* p = nullptr;
+      EXPECT_OK(fp8_layer_forward_saved(m, t.a, xb.get(), yb.get(), &p));
+      return Saved(p);
+    }();
+    Saved f32 = f32_in_between ? t.forward(t.a) : Saved();
+    EXPECT_OK(fp8_layer_backward_saved(m, t.a, a.get(), dyb.get(), dxb.get(), 0));
+    return download<uint16_t>(dxb.get());
+  };
+  EXPECT_EQ(bf16_dx(true), bf16_dx(false));
+}
+
+// SGD on O2 storage runs O1 (FP32 momentum): its checkpoint saves and loads that layout.
+TEST(StaleStates, SgdOnO2StorageCheckpointsItsMomentum) {
+  auto make = [](Context& ctx, Model& model, Optimizer& opt) {
+    ctx = make_context(FP8_DEVICE_CPU);
+    model = make_model(ctx.get());
+    sc::add_layer(model.get(), sc::Kind::kLinearFp8, "a");
+    Recipe r = make_recipe("backend=auto, opt_level=O2");
+    EXPECT_OK(fp8_convert_model(model.get(), r.get(), nullptr));
+    opt = make_optimizer(model.get(), FP8_OPTIMIZER_SGD);
+    EXPECT_OK(fp8_optimizer_set_float(opt.get(), FP8_OPTIM_MOMENTUM, 0.9));
+  };
+  Context c1, c2;
+  Model m1, m2;
+  Optimizer o1, o2;
+  make(c1, m1, o1);
+  make(c2, m2, o2);
+  EXPECT_EQ(stats_of(o1.get()).opt_level, 1);
+  EXPECT_GT(stats_of(o1.get()).state_bytes, 0) << "setting momentum makes the buffer (a captured step cannot)";
+  for (int step = 0; step < 2; ++step) {
+    Tensor g = make_tensor(c1.get(), FP8_DTYPE_F32, {sc::kIn * sc::kOut});
+    upload(g.get(), randn(static_cast<size_t>(sc::kIn * sc::kOut), 30 + step, 0.01f));
+    FP8_ASSERT_OK(fp8_optimizer_zero_grad(o1.get()));
+    FP8_ASSERT_OK(fp8_model_accumulate_grad(m1.get(), 0, g.get()));
+    FP8_ASSERT_OK(fp8_optimizer_step(o1.get()));
+  }
+  const std::string path = ::testing::TempDir() + "/sgd_o2.fp8ckpt";
+  FP8_ASSERT_OK(fp8_checkpoint_save(m1.get(), o1.get(), path.c_str(), 0));
+  FP8_ASSERT_OK(fp8_checkpoint_load(m2.get(), o2.get(), path.c_str()));
+  for (auto [m, o, ctx] : {std::tuple{m1.get(), o1.get(), c1.get()}, std::tuple{m2.get(), o2.get(), c2.get()}}) {
+    Tensor g = make_tensor(ctx, FP8_DTYPE_F32, {sc::kIn * sc::kOut});
+    upload(g.get(), randn(static_cast<size_t>(sc::kIn * sc::kOut), 40, 0.01f));
+    FP8_ASSERT_OK(fp8_optimizer_zero_grad(o));
+    FP8_ASSERT_OK(fp8_model_accumulate_grad(m, 0, g.get()));
+    FP8_ASSERT_OK(fp8_optimizer_step(o));
+  }
+  EXPECT_EQ(tensor_bytes(param_tensor(m1.get(), "a.weight")), tensor_bytes(param_tensor(m2.get(), "a.weight")))
+      << "the step after loading differs: the momentum did not travel";
+  std::remove(path.c_str());
 }
 
 }  // namespace
