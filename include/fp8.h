@@ -51,7 +51,8 @@
  *   refused with FP8_ERR_INVALID_ARGUMENT). A struct the library reads (options) is read up to
  *   min(struct_size, the library's sizeof), and the fields a shorter struct lacks take their
  *   defaults; a longer one is accepted only if every byte past the library's sizeof is 0 (else
- *   FP8_ERR_UNSUPPORTED naming the offset of the first nonzero byte). A struct the library fills
+ *   FP8_ERR_UNSUPPORTED naming the offset of the first nonzero byte) and struct_size is at most 4096
+ *   (a larger one is taken for an uninitialised struct: FP8_ERR_INVALID_ARGUMENT). A struct the library fills
  *   (info, report, stats) is written up to the same bound, struct_size and the bytes past the bound
  *   left as they were.
  */
@@ -327,7 +328,8 @@ FP8_API fp8_status_t fp8_recipe_attr_bounds(fp8_recipe_attr_t attr, int64_t *min
 FP8_API fp8_status_t fp8_recipe_parse(fp8_recipe_t *recipe, const char *text);
 
 /**
- * Writes the recipe's full text form, every key in the order of the attribute ids, NUL-terminated,
+ * Writes the recipe's full text form, every attribute in the order of the ids (the three overrides
+ * as one override_linear_precision=<f>/<d>/<w>), NUL-terminated,
  * into buf[0..cap). [out] needed (may be NULL): bytes needed including the NUL. If cap is too small
  * (buf may then be NULL with cap 0), returns FP8_ERR_BUFFER_TOO_SMALL and writes nothing to buf.
  * fp8_recipe_parse of the text gives back an equal recipe.

@@ -144,6 +144,12 @@ template <typename T>
 void read_versioned(T& opts, const T* s, size_t v1_size, const char* name, const char* init_fn) {
   require_struct_size(s, v1_size, name, init_fn);
   const size_t size = s->struct_size;
+  // No release will grow a struct this far: such a size is an uninitialised struct, whose "newer
+  // fields" would send the check below through memory that is not the caller's.
+  constexpr size_t kMaxStructSize = 4096;
+  if (size > kMaxStructSize)
+    fail(FP8_ERR_INVALID_ARGUMENT, name, "->struct_size = ", size, "; expected at most ", kMaxStructSize, " (call ",
+         init_fn, " first)");
   const unsigned char* bytes = reinterpret_cast<const unsigned char*>(s);
   for (size_t i = sizeof(T); i < size; ++i)
     if (bytes[i] != 0)

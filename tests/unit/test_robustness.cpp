@@ -136,6 +136,16 @@ TEST_F(VersionedStructs, ConvertOptionsBelowTheFirstReleaseAreRefused) {
   EXPECT_EQ(converted(0), 0);
 }
 
+// A struct_size no release will reach is an uninitialised struct: refused before anything is read.
+TEST_F(VersionedStructs, AnImplausiblyLargeStructSizeIsRefused) {
+  fp8_convert_options_t o;
+  fp8_convert_options_init(&o);
+  o.struct_size = 0x7FFFFFF0u;
+  EXPECT_REFUSED_WORDS(fp8_convert_model(model.get(), recipe.get(), &o), FP8_ERR_INVALID_ARGUMENT, "fp8_convert_model",
+                       "options->struct_size", "at most 4096");
+  EXPECT_EQ(converted(0), 0);
+}
+
 TEST_F(VersionedStructs, GemmOptionsFollowTheSameRule) {
   Tensor a = make_tensor(ctx.get(), FP8_DTYPE_F32, {2, 16}), b = make_tensor(ctx.get(), FP8_DTYPE_F32, {16, 16});
   Tensor d = make_tensor(ctx.get(), FP8_DTYPE_F32, {2, 16});
