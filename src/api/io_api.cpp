@@ -1,9 +1,5 @@
 // Checkpoints and safetensors: handle checks here, the work in src/io/checkpoint.cpp.
-#include <cstring>
-#include <vector>
-
 #include "api/guard.hpp"
-#include "core/format.hpp"
 #include "io/checkpoint.hpp"
 #include "nn/model.hpp"
 #include "optim/optimizer.hpp"
@@ -91,17 +87,6 @@ extern "C" FP8_API fp8_status_t fp8_model_write_parameter(fp8_model_t* model, in
       fp8::fail(FP8_ERR_SHAPE, "bytes = ", bytes, "; parameter '", p.name, "' has ", p.value->numel, " elements, so ",
                 want, " bytes of ", fp8::dtype_name(dtype));
     require_arg(src, "src");
-    std::vector<float> values(static_cast<size_t>(p.value->numel));
-    const unsigned char* b = static_cast<const unsigned char*>(src);
-    for (size_t i = 0; i < values.size(); ++i) {
-      if (dtype == FP8_DTYPE_F32) {
-        std::memcpy(&values[i], b + 4 * i, 4);
-      } else {
-        uint16_t h;
-        std::memcpy(&h, b + 2 * i, 2);
-        values[i] = dtype == FP8_DTYPE_F16 ? fp8::f16_to_float(h) : fp8::bf16_to_float(h);
-      }
-    }
-    fp8::io::write_parameter(*model, static_cast<size_t>(index), values);
+    fp8::io::write_parameter(*model, static_cast<size_t>(index), dtype, src);
   });
 }

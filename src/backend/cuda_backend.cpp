@@ -79,7 +79,7 @@ class CudaBackend final : public Backend {
   }
 
   void* native_allocate(size_t bytes) override {
-DeviceScope scope(limits_.device);
+    DeviceScope scope(limits_.device);
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, bytes);
     if (err != cudaSuccess) {

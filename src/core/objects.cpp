@@ -13,9 +13,6 @@ fp8_tensor::~fp8_tensor() {
 
 size_t fp8_tensor::nbytes() const { return static_cast<size_t>(numel) * fp8::dtype_size(dtype); }
 
-fp8_scaling::~fp8_scaling() {
-  if (!arena) backend->release(state);
-}
 
 namespace fp8 {
 
@@ -72,15 +69,15 @@ void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count,
 }
 
 std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,
-                                                             const Recipe& recipe,
-                                                             const std::vector<fp8_role_t>& roles) {
+                                                             const Recipe& recipe, const std::vector<fp8_role_t>& roles,
+                                                             float scale) {
   std::vector<std::unique_ptr<fp8_scaling>> out;
   if (roles.empty()) return out;
   const int32_t len = static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN));
   const size_t each = (sizeof(ScalingHeader) + sizeof(float) * static_cast<size_t>(len) + 15) / 16 * 16;
   const size_t bytes = each * roles.size();
   std::vector<unsigned char> init(bytes, 0);
-  const ScalingHeader header{1.0f, 1.0f, {0u, 0u}, 0u, 0u};
+  const ScalingHeader header{scale, 1.0f / scale, {0u, 0u}, 0u, 0u};
   for (size_t i = 0; i < roles.size(); ++i) std::memcpy(init.data() + i * each, &header, sizeof header);
   void* memory = backend->allocate(bytes);
   std::shared_ptr<void> arena(memory, [backend](void* p) { backend->release(p); });
@@ -100,18 +97,7 @@ std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_p
 
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
                                           fp8_role_t role, float scale) {
-  auto s = std::make_unique<fp8_scaling>();
-  s->backend = backend;
-  s->dtype = recipe.dtype_for(role);
-  s->history_len = static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN));
-  s->backward_role = role == FP8_ROLE_BACKWARD;
-  const size_t bytes = sizeof(ScalingHeader) + sizeof(float) * static_cast<size_t>(s->history_len);
-  std::vector<unsigned char> init(bytes, 0);
-  const ScalingHeader header{scale, 1.0f / scale, {0u, 0u}, 0u, 0u};
-  std::memcpy(init.data(), &header, sizeof header);
-  s->state = static_cast<ScalingHeader*>(backend->allocate(bytes));
-  backend->copy_from_host(s->state, init.data(), bytes);
-  return s;
+  return std::move(make_scaling_arena(backend, recipe, {role}, scale).front());
 }
 
 }  // namespace fp8

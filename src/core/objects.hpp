@@ -58,8 +58,8 @@ struct fp8_tensor {
 struct fp8_scaling {
   std::shared_ptr<fp8::Backend> backend;
   fp8::ScalingHeader* state = nullptr;  // device memory: header, then the history
-  // A model's states share one allocation (make_scaling_arena), which the last of them releases;
-  // null for a state with an allocation of its own.
+  // The allocation holding the state (make_scaling_arena), shared by a model's states and released
+  // with the last of them.
   std::shared_ptr<void> arena;
   int32_t history_len = 0;
   fp8_dtype_t dtype = FP8_DTYPE_E4M3;
@@ -72,7 +72,7 @@ struct fp8_scaling {
   fp8_scaling() = default;
   fp8_scaling(const fp8_scaling&) = delete;
   fp8_scaling& operator=(const fp8_scaling&) = delete;
-  ~fp8_scaling();
+  ~fp8_scaling() = default;
 };
 
 namespace fp8 {
@@ -100,11 +100,12 @@ inline std::unique_ptr<fp8_tensor> lent_by_model(std::unique_ptr<fp8_tensor> t) 
 std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backend, const Recipe& recipe,
                                           fp8_role_t role, float scale = 1.0f);
 
-// States for `roles` under `recipe` (as make_scaling makes them, scale 1) in ONE device allocation,
-// in order: a model's states, so that they are updated (and, across ranks, reduced) together.
+// States for `roles` under `recipe` in ONE device allocation, in order, each with scale `scale`,
+// scale_inv 1/scale and a zeroed history: a model's states, so that they are updated (and, across
+// ranks, reduced) together.
 std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,
-                                                             const Recipe& recipe,
-                                                             const std::vector<fp8_role_t>& roles);
+                                                             const Recipe& recipe, const std::vector<fp8_role_t>& roles,
+                                                             float scale = 1.0f);
 
 // One batched delayed-scaling update of `count` states (already checked against `recipe`).
 void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count, const Recipe& recipe);

@@ -369,19 +369,12 @@ void import_safetensors(fp8_model& model, const std::string& path) {
     ParamState p;
     p.name = t.name;
     p.n = t.value->numel;
-    std::vector<float> f(static_cast<size_t>(p.n));
-    for (size_t k = 0; k < f.size(); ++k) {
-      if (it->dtype == "F32") {
-        std::memcpy(&f[k], it->data.data() + 4 * k, 4);
-      } else if (it->dtype == "F16" || it->dtype == "BF16") {
-        uint16_t h;
-        std::memcpy(&h, it->data.data() + 2 * k, 2);
-        f[k] = it->dtype == "F16" ? f16_to_float(h) : bf16_to_float(h);
-      } else {
-        fail(FP8_ERR_UNSUPPORTED, "tensor '", t.name, "' is ", it->dtype, "; libfp8 imports F32, F16 and BF16");
-      }
-    }
-    p.value = floats_bytes(f);
+    fp8_dtype_t dtype = FP8_DTYPE_F32;
+    if (it->dtype == "F16") dtype = FP8_DTYPE_F16;
+    else if (it->dtype == "BF16") dtype = FP8_DTYPE_BF16;
+    else if (it->dtype != "F32")
+      fail(FP8_ERR_UNSUPPORTED, "tensor '", t.name, "' is ", it->dtype, "; libfp8 imports F32, F16 and BF16");
+    p.value = floats_bytes(widen_host(dtype, it->data.data(), p.n));
     convert_for(p, model, t, optim_tensor(model.weight_owner, i), true);
     params.push_back(std::move(p));
   }
@@ -391,13 +384,28 @@ void import_safetensors(fp8_model& model, const std::string& path) {
   be.synchronize();
 }
 
-void write_parameter(fp8_model& model, size_t index, const std::vector<float>& values) {
+std::vector<float> widen_host(fp8_dtype_t dtype, const void* src, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n));
+  const unsigned char* b = static_cast<const unsigned char*>(src);
+  for (size_t k = 0; k < out.size(); ++k) {
+    if (dtype == FP8_DTYPE_F32) {
+      std::memcpy(&out[k], b + 4 * k, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, b + 2 * k, 2);
+      out[k] = dtype == FP8_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
+    }
+  }
+  return out;
+}
+
+void write_parameter(fp8_model& model, size_t index, fp8_dtype_t dtype, const void* src) {
   const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
   nn::Parameter& t = *targets.at(index);
   ParamState p;
   p.name = t.name;
   p.n = t.value->numel;
-  p.value = floats_bytes(values);
+  p.value = floats_bytes(widen_host(dtype, src, p.n));
   convert_for(p, model, t, optim_tensor(model.weight_owner, index), true);
   write_weight(*model.backend, t, p, optim_tensor(model.weight_owner, index));
   ++t.value->version;  // the layer remakes its weight copies; an optimizer takes the new amax

@@ -28,8 +28,11 @@ std::string checkpoint_recipe(const std::string& path);
 // weights as their F16 master. Import takes F32, F16 or BF16 tensors named like the parameters.
 void export_safetensors(const fp8_model& model, const std::string& path);
 void import_safetensors(fp8_model& model, const std::string& path);
-// Writes float values into parameter `index` in its stored form (rounded to F16, or at O3 into the
-// master and its E4M3 copy), as import_safetensors does for each parameter.
-void write_parameter(fp8_model& model, size_t index, const std::vector<float>& values);
+// n host values of `dtype` (F32, F16 or BF16) as floats.
+std::vector<float> widen_host(fp8_dtype_t dtype, const void* src, int64_t n);
+// Writes the parameter's element count of host values of `dtype` (F32, F16 or BF16) into parameter
+// `index` in its stored form (rounded to F16, or at O3 into the master and its E4M3 copy), as
+// import_safetensors does for each parameter.
+void write_parameter(fp8_model& model, size_t index, fp8_dtype_t dtype, const void* src);
 
 }  // namespace fp8::io

@@ -151,8 +151,8 @@ class Layer {
   const LayerStats& stats() const { return stats_; }
   bool converted() const { return converted_; }
 
-  // y = layer(x); returns what the backward of this forward needs (also in eval mode, where the
-  // state only says so). The caller sets the state's model_serial and layer_id.
+  // y = layer(x); returns what the backward of this forward needs (also in eval mode). The caller
+  // (nn::layer_forward) fills in the fields of fp8_saved itself.
   virtual std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) = 0;
   // Differentiates the forward that made `saved` (already checked to be this layer's, unconsumed, of
   // this conversion and from training mode). dx may be nullptr when no input gradient is wanted (a

@@ -167,8 +167,6 @@ class ElementwiseBase : public Layer {
   // The state of a forward that has passed its checks; records the output's precision.
   std::unique_ptr<ElementwiseSaved> begin_forward(const Step& step, const fp8_tensor* x, ScalingHeader* y_state) {
     auto s = std::make_unique<ElementwiseSaved>();
-    s->training = step.training;
-    s->layer_epoch = epoch_;
     s->weights_version = weights_version(step);
     s->x = x->data;
     s->x_dtype = x->dtype;

@@ -171,13 +171,11 @@ class Linear final : public Layer {
     s.plan = decide(step, m, aligned16(y->data) && (!dtype_is_fp8(x->dtype) || aligned16(x->data)),
                     aligned16(y->data) ? "x" : "y");
     const Plan& plan = s.plan;
-    s.training = step.training;
     s.rows = m;
     s.act = act;
     s.ndim = x->ndim;
     std::copy(y_shape, y_shape + x->ndim, s.y_shape);
     s.weights_version = weights_version(step);
-    s.layer_epoch = epoch_;
 
     const bool x_fp8 = dtype_is_fp8(x->dtype);
     const bool want_qxt = step.training && plan.wgrad;

@@ -67,9 +67,12 @@ Step make_step(fp8_model& m) {
 
 std::unique_ptr<fp8_saved> layer_forward(fp8_model& m, int32_t id, const fp8_tensor* x, fp8_tensor* y) {
   Layer& layer = layer_at(m, id);
-  std::unique_ptr<fp8_saved> s = layer.forward(make_step(m), x, y);
+  const Step step = make_step(m);
+  std::unique_ptr<fp8_saved> s = layer.forward(step, x, y);
   s->model_serial = m.serial;
   s->layer_id = id;
+  s->layer_epoch = layer.epoch();
+  s->training = step.training;
   return s;
 }
 
