@@ -1,0 +1,50 @@
+// The one interface behind fp8_comm_t: the collectives data parallelism needs, over NCCL
+// (nccl_transport.cpp) or over libfp8's in-process transport among CPU contexts whose ranks run on
+// threads (local_transport.cpp; how CI tests everything distributed without a GPU).
+//
+// Every rank calls the same collectives, with the same sizes, in the same order. Buffers are memory
+// of the rank's backend (device memory under NCCL, host memory on the CPU backend). Under NCCL a
+// collective is enqueued on the backend's stream and returns; the local transport runs it to
+// completion before it returns. Each collective gives the same bytes on every rank.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fp8::dist {
+
+enum class ElemType : int32_t { kF32, kF64, kU32 };
+enum class ReduceOp : int32_t { kSum, kMax };
+
+const char* elem_type_name(ElemType t);  // "f32", "f64", "u32"
+size_t elem_size(ElemType t);
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int32_t rank() const = 0;
+  virtual int32_t size() const = 0;
+  virtual const char* kind() const = 0;  // "NCCL" or "local"
+
+  // buf[i] = op over the ranks of buf[i], in place. Sums of floats: NCCL's order; the local
+  // transport adds in rank order (rank 0 first). Max of kU32 compares the bit patterns: that is how
+  // amaxes travel (non-negative floats order like their bits, and NaN sorts above infinity).
+  virtual void all_reduce(void* buf, size_t count, ElemType type, ReduceOp op) = 0;
+  // recv = every rank's `bytes` of send, in rank order (N * bytes). send == recv + rank * bytes is
+  // the in-place form.
+  virtual void all_gather(const void* send, void* recv, size_t bytes) = 0;
+  // Piece k of recv (`bytes` each) = piece `rank` of rank k's send. send and recv do not overlap.
+  virtual void all_to_all(const void* send, void* recv, size_t bytes) = 0;
+  // Waits until every rank has arrived (the local transport), or for the stream's queued work and
+  // then every rank (NCCL).
+  virtual void barrier() = 0;
+
+  // Thread safe, from any thread: every collective in flight or called later, on every rank of the
+  // group, fails with FP8_ERR_NCCL instead of waiting (ncclCommAbort under NCCL).
+  virtual void abort() noexcept = 0;
+  // Throws FP8_ERR_NCCL with the reason when the group was aborted, a rank left it, or NCCL
+  // reported an error asynchronously (ncclCommGetAsyncError) since the last call.
+  virtual void check() = 0;
+};
+
+}  // namespace fp8::dist
