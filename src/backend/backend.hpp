@@ -57,6 +57,13 @@ class Backend {
   virtual void optimizer_norm(const OptimizerStepJob& job) = 0;
   virtual void optimizer_update(const OptimizerStepJob& job) = 0;
   virtual void grad_accumulate(const GradAccumulateJob& job) = 0;
+  // The FP8 gradient exchange's local halves (core/exchange_rule.hpp) and the FP32 gradients' mean.
+  virtual void grad_reduce(const GradReduceJob& job) = 0;
+  virtual void grad_requantize(const GradRequantizeJob& job) = 0;
+  virtual void divide(const DivideJob& job) = 0;
+  // `height` rows of `width` bytes from src (rows `spitch` bytes apart) to dst (`dpitch` apart):
+  // how one slot of every scaling state is gathered and scattered (asynchronously on the GPU).
+  virtual void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height) = 0;
   // Sets `bytes` bytes at p to zero (asynchronously on the GPU).
   virtual void zero(void* p, size_t bytes) = 0;
   // Copies `bytes` bytes between two places of this device's memory (asynchronously on the GPU).
@@ -79,6 +86,8 @@ std::unique_ptr<Backend> make_cpu_backend();
 void cpu_optimizer_norm(const OptimizerStepJob& job);
 void cpu_optimizer_update(const OptimizerStepJob& job);
 void cpu_grad_accumulate(const GradAccumulateJob& job);
+void cpu_grad_reduce(const GradReduceJob& job);
+void cpu_grad_requantize(const GradRequantizeJob& job);
 // Throws FP8_ERR_NO_DEVICE / FP8_ERR_UNSUPPORTED when `device` cannot run libfp8.
 std::unique_ptr<Backend> make_cuda_backend(int32_t device);
 

@@ -298,6 +298,15 @@ class CpuBackend final : public Backend {
   void optimizer_norm(const OptimizerStepJob& j) override { cpu_optimizer_norm(j); }
   void optimizer_update(const OptimizerStepJob& j) override { cpu_optimizer_update(j); }
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
+  void grad_reduce(const GradReduceJob& j) override { cpu_grad_reduce(j); }
+  void grad_requantize(const GradRequantizeJob& j) override { cpu_grad_requantize(j); }
+  void divide(const DivideJob& j) override {
+    for (int64_t i = 0; i < j.n; ++i) j.x[i] = j.x[i] / j.divisor;
+  }
+  void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height) override {
+    for (size_t r = 0; r < height; ++r)
+      std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
+  }
 
   void dequantize(const DequantizeJob& j) override {
     require_tensor_scales(j, "CPU");

@@ -204,6 +204,43 @@ struct OptimizerStepJob {
   OptimElementArgs* args;   // device memory: element_args(*hyper), written by the step's finish
 };
 
+// FP8 gradient exchange, receiver side (core/exchange_rule.hpp): for every element i of a chunk
+// (chunk offsets are element offsets in this rank's shard), mean[i] = exchange_mean(...), and
+// amax[tensor] = max(amax[tensor], abs bits of mean[i]) (the caller zeroes amax first).
+struct GradReduceJob {
+  const uint8_t* pieces;  // nranks pieces of piece_bytes: sender k's codes of this shard at k * piece_bytes
+  int32_t nranks;
+  int64_t piece_bytes;
+  const GradScales* sender_scales;  // [nranks][tensor_count]: every sender's scales, in rank order
+  int32_t tensor_count;
+  const OptimChunk* chunks;  // device memory
+  int64_t chunk_count;
+  bool e5m2;
+  float* mean;     // piece_bytes floats; elements outside the chunks are not written
+  uint32_t* amax;  // tensor_count
+};
+
+// FP8 gradient exchange, after the ranks agreed on amax: codes[i] = encode(mean[i] *
+// exchange_scale(amax[tensor])) for the chunks' elements, and exchange_finish(scales[t], amax[t])
+// for every tensor t (each rank sets all of them, so they agree everywhere).
+struct GradRequantizeJob {
+  const float* mean;
+  const OptimChunk* chunks;
+  int64_t chunk_count;
+  const uint32_t* amax;  // tensor_count, agreed across ranks
+  int32_t tensor_count;
+  bool e5m2;
+  uint8_t* codes;      // this rank's shard of the gradient arena
+  GradScales* scales;  // tensor_count
+};
+
+// x[i] = x[i] / divisor (round to nearest): the mean of an FP32 gradient sum over the ranks.
+struct DivideJob {
+  float* x;
+  int64_t n;
+  float divisor;
+};
+
 // The one place where a backend refuses the scale modes it does not run yet (all but per-tensor),
 // before any work: each operation that takes scales calls its job's overload first. `backend`
 // ("CPU", "CUDA") goes into the message.
