@@ -1030,6 +1030,106 @@ FP8_API void fp8_optimizer_stats_init(fp8_optimizer_stats_t *stats);
 FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, fp8_optimizer_stats_t *stats);
 
 /* ---------------------------------------------------------------------------------------------
+ * Data parallelism
+ *
+ * A communicator (fp8_comm_t) joins one context per rank into a group; fp8_model_set_comm makes a
+ * model data-parallel over it. Every rank holds the same model and trains it on its own data; the
+ * ranks agree on every scale and average every gradient, so after each step the weights are
+ * bit-identical on every rank. Communicators come from:
+ *  - fp8_comm_create: one process per GPU, on one host or many. One rank calls fp8_comm_get_id and
+ *    the launcher hands the id to every rank (a file, MPI, torchrun's store); each rank then calls
+ *    fp8_comm_create with its rank, which waits until all nranks have joined (ncclCommInitRank).
+ *  - fp8_comm_create_local: every rank inside this process, made at once. CUDA contexts of
+ *    different devices (one rank per GPU; NCCL refuses two ranks on one GPU), or CPU contexts, whose
+ *    ranks are joined by libfp8's in-process transport: each rank's calls then come from its own
+ *    thread. The in-process transport runs the same data-parallel code without a GPU (tests,
+ *    debugging on a laptop) and also reports ranks that call different collectives.
+ *  - fp8_comm_wrap_nccl: an NCCL communicator the application already has, borrowed (libfp8 never
+ *    destroys it); it must be on the context's device.
+ *
+ * Collective calls: on a model with a communicator, fp8_model_set_comm, fp8_optimizer_create,
+ * fp8_optimizer_step, fp8_model_sync_grads, fp8_checkpoint_save and fp8_checkpoint_load, every
+ * scaling update (the end of each training forward and backward, or of an autocast region) and
+ * whatever calls them, must be called by every rank, in the same order. Under NCCL they are queued
+ * on the context's stream like any other work and do not wait for the GPU.
+ *
+ * What a data-parallel model does:
+ *  - Scaling: each update max-reduces every delayed-scaling state's amax of the step across the ranks
+ *    in one collective on the device, so every rank computes the same scales (TransformerEngine's
+ *    reduce_amax); no host synchronisation.
+ *  - Gradients are averaged once per optimizer step: by fp8_optimizer_step before it updates, or
+ *    earlier by fp8_model_sync_grads (for an optimizer of the application's own). Micro-batches of
+ *    an accumulation do not communicate, so there is nothing to mark: accumulate as on one rank,
+ *    then step. A gradient written after the exchange (a backward, fp8_model_accumulate_grad,
+ *    zero_grad) is exchanged again at the next step.
+ *  - FP32 gradients (every gradient at te; biases and norms at O1..O3) are summed by an FP32
+ *    all-reduce and divided by the number of ranks.
+ *  - FP8 gradients (the Linear weights' at O1..O3) travel as their own FP8 codes, 1 byte per
+ *    element each way: each rank owns an equal share of the FP8 gradient storage, receives every
+ *    rank's codes of its share with each sender's per-tensor scale, decodes them and sums them in
+ *    FP32 in rank order (rank 0 first), divides by the number of ranks, and the ranks agree on each
+ *    tensor's amax of that mean (one small max all-reduce); each rank requantises its share with
+ *    scale = fp8_max / amax and the shares are all-gathered. So the result has one FP8 rounding, at
+ *    the end: never a sum of FP8 partial sums (MS-AMP's and NCCL's own FP8 reductions round every
+ *    partial sum to FP8). Every rank ends with the same codes and scales.
+ *  - fp8_model_set_comm starts every rank from rank 0's model: its parameters (values, O3's
+ *    masters and scales), gradients and scaling states are broadcast.
+ * Optimizer state is replicated: every rank steps every parameter from the same averaged gradient,
+ * as MS-AMP's O1/O2 data-parallel path does.
+ *
+ * Misuse never hangs and never trains on: fp8_model_set_comm and fp8_optimizer_create compare the
+ * models (layers, names, shapes, conversion, recipe, storage level) and the optimizer kind across
+ * the ranks and refuse on every rank with FP8_ERR_INVALID_STATE, naming the first difference. A
+ * rank that leaves the group (its communicator destroyed, or fp8_comm_abort) makes the others'
+ * collectives fail with FP8_ERR_NCCL under the in-process transport; under NCCL a rank that is gone
+ * cannot be noticed by the others, so a watchdog of the application calls fp8_comm_abort, which
+ * makes every pending and later collective of that rank fail with FP8_ERR_NCCL. Errors NCCL
+ * reports asynchronously (ncclCommGetAsyncError) come back as FP8_ERR_NCCL with NCCL's message at
+ * the next collective call or at fp8_context_synchronize.
+ * --------------------------------------------------------------------------------------------- */
+
+typedef struct fp8_comm fp8_comm_t;
+
+#define FP8_COMM_ID_BYTES 128
+/** The id that joins the ranks of a group (an ncclUniqueId); plain bytes to pass around. */
+typedef struct fp8_comm_id {
+  unsigned char bytes[FP8_COMM_ID_BYTES];
+} fp8_comm_id_t;
+
+/** [out] id: a new id for one group (ncclGetUniqueId); call on one rank, hand it to all. */
+FP8_API fp8_status_t fp8_comm_get_id(fp8_comm_id_t *id);
+/** Joins the group of `id` as `rank` (0 <= rank < nranks, nranks >= 1) on ctx's device; blocks until
+ *  every rank has joined. CUDA contexts only (CPU ranks are joined by fp8_comm_create_local). */
+FP8_API fp8_status_t fp8_comm_create(fp8_comm_t **out, fp8_context_t *ctx, int32_t nranks, int32_t rank,
+                                     const fp8_comm_id_t *id);
+/** Makes `nranks` communicators of one group at once: comms[k] is rank k on ctxs[k]. All contexts are
+ *  CUDA contexts of different devices, or all CPU contexts (the in-process transport). All or
+ *  nothing: on failure every comms[k] is NULL. */
+FP8_API fp8_status_t fp8_comm_create_local(fp8_comm_t **comms, fp8_context_t *const *ctxs, int32_t nranks);
+struct ncclComm;
+/** Borrows the application's NCCL communicator `nccl` (it stays the application's: destroy it after
+ *  the fp8_comm_t and every model using it). It must be a communicator of ctx's device. */
+FP8_API fp8_status_t fp8_comm_wrap_nccl(fp8_comm_t **out, fp8_context_t *ctx, struct ncclComm *nccl);
+/** [out] rank, size: this communicator's rank and the group's number of ranks. */
+FP8_API fp8_status_t fp8_comm_rank(const fp8_comm_t *comm, int32_t *rank);
+FP8_API fp8_status_t fp8_comm_size(const fp8_comm_t *comm, int32_t *size);
+/** Releases the handle; the group is left when the models using it are destroyed too (or detached
+ *  with fp8_model_set_comm(model, NULL)). NULL does nothing. */
+FP8_API void fp8_comm_destroy(fp8_comm_t *comm);
+/** Thread safe, from any thread: every collective of this rank in flight or called later fails with
+ *  FP8_ERR_NCCL instead of waiting (ncclCommAbort; under the in-process transport, every rank's). The
+ *  communicator stays failed: destroy it. */
+FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t *comm);
+
+/** Makes `model` data-parallel over `comm` (collective; see above), or single-rank again with NULL
+ *  (local). comm must be made from the model's context. Refused (FP8_ERR_INVALID_STATE) while an
+ *  optimizer of the model exists or inside an autocast region: set the communicator first. */
+FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t *model, fp8_comm_t *comm);
+/** Averages the model's gradients across its communicator now (collective; see above); does nothing
+ *  without one, or when they were averaged since the last gradient write. Asynchronous. */
+FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t *model);
+
+/* ---------------------------------------------------------------------------------------------
  * Checkpoints and safetensors
  *
  * fp8_checkpoint_save writes everything needed to resume training exactly: the recipe, every
@@ -1054,6 +1154,14 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  * towards te exactly (F16 and FP8 values widen), towards O1..O3 by rounding the weights to F16 and
  * requantising m and v with fresh per-tensor scales. A checkpoint without gradients loads with the
  * gradients zeroed. All four calls are synchronous.
+ *
+ * On a data-parallel model (fp8_model_set_comm) save and load are collective. Every rank holds the
+ * same state, so rank 0 writes the file and the ranks agree on the outcome (a failure on rank 0
+ * fails the call on every rank); FP8_CHECKPOINT_GRADIENTS is refused (FP8_ERR_INVALID_STATE), since
+ * each rank's gradients are its own until the step averages them. Every rank loads the file (its
+ * path must be readable on every host); if any rank fails, every rank fails and takes rank 0's model
+ * and optimizer state again, so the ranks never differ. A file saved by any number of ranks (or by a
+ * model without a communicator) loads into any number.
  * --------------------------------------------------------------------------------------------- */
 
 /** Flags of fp8_checkpoint_save. */

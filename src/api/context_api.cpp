@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "api/guard.hpp"
+#include "dist/data_parallel.hpp"
 #include "backend/device_info.hpp"
 
 using fp8::guard;
@@ -60,6 +61,7 @@ FP8_API fp8_status_t fp8_context_synchronize(fp8_context_t* ctx) {
   return guard("fp8_context_synchronize", [&] {
     require_arg(ctx, "ctx");
     ctx->backend->synchronize();
+    fp8::dist::check_comms(ctx->backend.get());
   });
 }
 

@@ -1,5 +1,6 @@
 // Checkpoints and safetensors: handle checks here, the work in src/io/checkpoint.cpp.
 #include "api/guard.hpp"
+#include "dist/data_parallel.hpp"
 #include "io/checkpoint.hpp"
 #include "nn/model.hpp"
 #include "optim/optimizer.hpp"
@@ -33,7 +34,22 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_opt
     require_arg(path, "path");
     require_flags(flags);
     require_model_optimizer(model, optimizer);
-    fp8::io::save_checkpoint(*model, optimizer, path, (flags & FP8_CHECKPOINT_GRADIENTS) != 0);
+    const bool grads = (flags & FP8_CHECKPOINT_GRADIENTS) != 0;
+    if (!model->comm) {
+      fp8::io::save_checkpoint(*model, optimizer, path, grads);
+      return;
+    }
+    // Collective: every rank holds the same state, so rank 0 writes it and the ranks agree.
+    if (grads)
+      fp8::fail(FP8_ERR_INVALID_STATE, "FP8_CHECKPOINT_GRADIENTS on a data-parallel model: each rank's gradients ",
+                "are its own until the step averages them; save after fp8_optimizer_step (without the flag)");
+    fp8::dist::Transport& t = *model->comm->transport;
+    fp8::dist::all_or_none(
+        t, model->backend, "fp8_checkpoint_save",
+        [&] {
+          if (t.rank() == 0) fp8::io::save_checkpoint(*model, optimizer, path, false);
+        },
+        [] {}, "and the previous file under that name (if any) is kept");
   });
 }
 
@@ -42,7 +58,19 @@ FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t* model, fp8_optimizer_t* op
     require_arg(model, "model");
     require_arg(path, "path");
     require_model_optimizer(model, optimizer);
-    fp8::io::load_checkpoint(*model, optimizer, path);
+    if (!model->comm) {
+      fp8::io::load_checkpoint(*model, optimizer, path);
+      return;
+    }
+    // Collective: every rank reads the file; if any failed, all take rank 0's state again.
+    fp8::dist::Transport& t = *model->comm->transport;
+    fp8::dist::all_or_none(
+        t, model->backend, "fp8_checkpoint_load", [&] { fp8::io::load_checkpoint(*model, optimizer, path); },
+        [&] {
+          fp8::dist::broadcast_model(t, *model);
+          if (optimizer) fp8::dist::broadcast_optimizer(t, *optimizer);
+        },
+        "and every rank now holds rank 0's model and optimizer state again");
   });
 }
 

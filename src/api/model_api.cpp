@@ -184,6 +184,7 @@ FP8_API fp8_status_t fp8_model_accumulate_grad(fp8_model_t* model, int32_t index
     if (g->numel != p.grad->numel)
       fp8::fail(FP8_ERR_SHAPE, "g has ", g->numel, " elements; parameter '", p.name, "' has ", p.grad->numel);
     const bool fp8 = fp8::dtype_is_fp8(p.grad->dtype);
+    fp8::nn::grads_written(*model);
     model->backend->grad_accumulate({fp8 ? static_cast<uint8_t*>(p.grad->data) : nullptr,
                                      p.grad->dtype == FP8_DTYPE_E5M2, static_cast<const float*>(g->data), g->numel,
                                      fp8 ? p.grad_scales() : nullptr, fp8 ? nullptr : static_cast<float*>(p.grad->data)});

@@ -2,6 +2,7 @@
 #include <cstddef>
 
 #include "api/guard.hpp"
+#include "dist/data_parallel.hpp"
 #include "nn/model.hpp"
 #include "optim/optimizer.hpp"
 
@@ -14,7 +15,21 @@ FP8_API fp8_status_t fp8_optimizer_create(fp8_optimizer_t** out, fp8_model_t* mo
   return guard("fp8_optimizer_create", [&] {
     require_arg(out, "out");
     require_arg(model, "model");
-    *out = fp8::optim::make_optimizer(*model, kind).release();
+    *out = nullptr;
+    if (!model->comm) {
+      *out = fp8::optim::make_optimizer(*model, kind).release();
+      return;
+    }
+    // Collective: the same model and optimizer kind on every rank, made on every rank or on none.
+    fp8::dist::Transport& t = *model->comm->transport;
+    const bool known = kind >= FP8_OPTIMIZER_SGD && kind <= FP8_OPTIMIZER_ADAMW;
+    fp8::dist::require_same_model(t, *model, known ? fp8::optim::kind_name(kind) : "(invalid kind)",
+                                  "fp8_optimizer_create");
+    std::unique_ptr<fp8_optimizer> o;
+    fp8::dist::all_or_none(
+        t, model->backend, "fp8_optimizer_create", [&] { o = fp8::optim::make_optimizer(*model, kind); },
+        [&] { o.reset(); });
+    *out = o.release();
   });
 }
 

@@ -35,6 +35,8 @@ class Transport {
   virtual void all_gather(const void* send, void* recv, size_t bytes) = 0;
   // Piece k of recv (`bytes` each) = piece `rank` of rank k's send. send and recv do not overlap.
   virtual void all_to_all(const void* send, void* recv, size_t bytes) = 0;
+  // buf = root's buf on every rank.
+  virtual void broadcast(void* buf, size_t bytes, int32_t root) = 0;
   // Waits until every rank has arrived (the local transport), or for the stream's queued work and
   // then every rank (NCCL).
   virtual void barrier() = 0;

@@ -9,6 +9,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/objects.hpp"
+#include "dist/data_parallel.hpp"
 
 namespace {
 std::atomic<uint64_t> next_model_serial{1};
@@ -22,8 +23,6 @@ fp8_model::~fp8_model() {
 
 namespace fp8::nn {
 
-namespace {
-
 const char* kind_name(int32_t kind) {
   switch (kind) {
     case FP8_LAYER_LINEAR: return "linear";
@@ -32,6 +31,8 @@ const char* kind_name(int32_t kind) {
     default: return "activation";
   }
 }
+
+namespace {
 
 const char* precision(int32_t p) { return p < 0 ? "-" : p ? "fp8" : "high"; }
 
@@ -105,6 +106,7 @@ void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor
   require_own_state(m, id, saved);
   const Step step = make_step(m);
   layer_at(m, id).check_saved(step, saved);
+  grads_written(m);
   layer_at(m, id).backward(step, saved, dy, dx, accumulate_dx);
   saved.consumed = true;
   saved.release();
@@ -181,10 +183,9 @@ void update_model_scaling(fp8_model& m, bool backward_only) {
   for (fp8_scaling* s : all)
     if (s->pending && (!backward_only || s->backward_role)) due.push_back(s);
   if (due.empty()) return;
-  // Reduce point: the states live in one arena (convert_model), and on one rank each state's history
-  // slot 0 already holds the step's amax. Under data parallelism the slots of `due` are gathered,
-  // max-reduced across ranks in one collective, and the update reads the reduced values, so that
-  // every rank computes the same scales.
+  // Under data parallelism every state's amax (history slot 0) is max-reduced across the ranks in one
+  // collective first, so that every rank computes the same scales.
+  if (m.comm) dist::reduce_amax(*m.comm->transport, m, all);
   fp8::update_scaling(*m.backend, due.data(), static_cast<int32_t>(due.size()), *m.recipe);
   for (fp8_scaling* s : due) s->pending = false;
 }
@@ -331,6 +332,7 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
     } else if (!dx && m.layers[0]->kind() != FP8_LAYER_LINEAR) {
       g_in = m.first_dx->bind(act, ndim, m.run_x_shape);  // norms and activations always make dx
     }
+    grads_written(m);
     m.layers[i]->backward(step, *m.run_saved[i], g_out, g_in, false);
     g_out = g_in;
   }
@@ -340,6 +342,11 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
 
 void zero_grad(fp8_model& m) {
   if (m.store) m.store->zero_grads();
+  grads_written(m);
+}
+
+void grads_written(fp8_model& m) {
+  if (m.comm) m.comm->grads_synced = false;
 }
 
 Parameter& parameter_at(fp8_model& m, int32_t index) {

@@ -11,6 +11,10 @@
 #include "nn/layer.hpp"
 #include "nn/storage.hpp"
 
+namespace fp8::dist {
+struct ModelComm;
+}
+
 namespace fp8::nn {
 
 // A tensor over a grow-only buffer: the activations and gradients between the layers of a
@@ -43,6 +47,8 @@ struct fp8_model {
   // and the optimizer that keeps MS-AMP state (compact scales) for the Linear weights while it lives.
   std::unique_ptr<fp8::nn::ParamStore> store;
   struct fp8_optimizer* weight_owner = nullptr;
+  // Set by fp8_model_set_comm: the communicator and the data-parallel state (dist/data_parallel.hpp).
+  std::unique_ptr<fp8::dist::ModelComm> comm;
   // The `model` field of every live optimizer made on this model: the destructor clears them, so
   // an optimizer that outlives its model refuses to run instead of touching freed memory.
   std::vector<fp8_model**> optimizer_links;
@@ -126,6 +132,8 @@ class AutowrapRegion {
 
 // Sets every gradient to zero.
 void zero_grad(fp8_model& m);
+// Every write of a gradient calls it: a data-parallel model exchanges them again before its next step.
+void grads_written(fp8_model& m);
 
 // The parameter at `index` in the model's order; FP8_ERR_INVALID_ARGUMENT naming the range otherwise.
 Parameter& parameter_at(fp8_model& m, int32_t index);
@@ -139,5 +147,6 @@ int32_t stored_layout(const fp8_model& m, const Parameter& p);
 Parameter* find_parameter(fp8_model& m, const std::string& full_name);
 
 std::string model_report(const fp8_model& m);
+const char* kind_name(int32_t layer_kind);  // "linear", "layernorm", "rmsnorm", "activation"
 
 }  // namespace fp8::nn

@@ -152,9 +152,10 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   // new layout puts it, and the arenas have room.
   // Without `slack` the arenas must fit exactly (a converted model keeps no room it cannot use).
   auto fits = [&](const Arena& a, size_t need) { return slack ? a.bytes() >= need : a.bytes() == need; };
+  const auto padded = [&](size_t bytes) { return (bytes + grad_padding_ - 1) / grad_padding_ * grad_padding_; };
   bool in_place = level == level_ && grad_dtype == grad_dtype_ && fits(grad_scales_, scale_bytes) &&
                   fits(value_scales_, scale_bytes) && fits(masters_, want.masters);
-  for (int d = 0; in_place && d < 5; ++d) in_place = fits(values_[d], want.values[d]) && fits(grads_[d], want.grads[d]);
+  for (int d = 0; in_place && d < 5; ++d) in_place = fits(values_[d], want.values[d]) && fits(grads_[d], padded(want.grads[d]));
   for (size_t i = 0; in_place && i < params.size(); ++i) {
     const Parameter& p = *params[i];
     const Placement& pl = want.places[i];
@@ -171,7 +172,10 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   if (!in_place) {  // a new set of arenas, filled below, committed at the end
     for (int d = 0; d < 5; ++d) {
       if (want.values[d]) values[d] = Arena(backend_, grow(want.values[d]));
-      if (want.grads[d]) grads[d] = Arena(backend_, grow(want.grads[d]));
+      if (want.grads[d]) {
+        grads[d] = Arena(backend_, padded(grow(want.grads[d])));
+        be.zero(grads[d].data(), grads[d].bytes());  // (the padding stays zero)
+      }
     }
     if (want.masters) masters = Arena(backend_, grow(want.masters));
     if (scale_bytes) {
@@ -227,6 +231,7 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   used_scales_ = scale_bytes;
   level_ = level;
   grad_dtype_ = grad_dtype;
+  ++generation_;
 }
 
 void ParamStore::flat(int32_t role, fp8_dtype_t dtype, void** data, size_t* bytes) const {
@@ -235,6 +240,18 @@ void ParamStore::flat(int32_t role, fp8_dtype_t dtype, void** data, size_t* byte
   const size_t used = role == kMasters ? used_masters_ : role == kValues ? used_values_[dtype] : used_grads_[dtype];
   *data = a && used ? a->data() : nullptr;
   *bytes = a && used ? used : 0;
+}
+
+std::vector<std::pair<void*, size_t>> ParamStore::arenas() const {
+  std::vector<std::pair<void*, size_t>> out;
+  const auto add = [&](const Arena& a, size_t used) {
+    if (used) out.emplace_back(a.data(), used);
+  };
+  add(masters_, used_masters_);
+  add(grad_scales_, used_scales_);
+  add(value_scales_, used_scales_);
+  for (int d = 0; d < 5; ++d) add(values_[d], used_values_[d]), add(grads_[d], used_grads_[d]);
+  return out;
 }
 
 void ParamStore::zero_grads() {

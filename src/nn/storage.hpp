@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.hpp"
@@ -63,6 +64,18 @@ class ParamStore {
   // Every gradient to zero (FP8 ones with their scales: "nothing accumulated yet"). Asynchronous.
   void zero_grads();
 
+  // Data parallelism. Every gradient arena is allocated (and zeroed) to a multiple of `multiple`
+  // bytes from the next layout on, so that equal shares of it can be exchanged in place; the
+  // padding stays zero. 1 (the default): no padding.
+  void set_grad_padding(size_t multiple) { grad_padding_ = multiple; }
+  size_t grad_capacity(fp8_dtype_t dtype) const { return grads_[dtype].bytes(); }
+  // Every parameter's GradScales, in parameter order (meaningful for FP8 gradients only).
+  GradScales* grad_scales() const { return reinterpret_cast<GradScales*>(grad_scales_.data()); }
+  // Grows at every layout(): what was derived from an earlier layout must be derived again.
+  uint64_t generation() const { return generation_; }
+  // Every arena in use, for copying a whole model state between ranks: data and bytes in use.
+  std::vector<std::pair<void*, size_t>> arenas() const;
+
  private:
   struct Arenas;
   std::shared_ptr<Backend> backend_;
@@ -71,6 +84,8 @@ class ParamStore {
   // The value and gradient arenas by dtype (index = fp8_dtype_t), the masters, the per-tensor scales.
   Arena values_[5], grads_[5], masters_, grad_scales_, value_scales_;
   size_t used_values_[5] = {}, used_grads_[5] = {}, used_masters_ = 0, used_scales_ = 0;
+  size_t grad_padding_ = 1;
+  uint64_t generation_ = 0;
 };
 
 }  // namespace fp8::nn

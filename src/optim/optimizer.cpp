@@ -6,6 +6,7 @@
 
 #include "core/error.hpp"
 #include "core/objects.hpp"
+#include "dist/data_parallel.hpp"
 #include "nn/model.hpp"
 
 fp8_optimizer::~fp8_optimizer() {
@@ -85,6 +86,7 @@ void allocate_states(fp8_optimizer& o) {
     for (void* b : blocks) be.release(b);
     throw;
   }
+  for (int k = 0; k < 3; ++k) o.block_bytes[k] = sizes[k];
   o.states = static_cast<float*>(blocks[0]);
   o.states_m8 = static_cast<uint8_t*>(blocks[1]);
   o.states_v16 = static_cast<uint16_t*>(blocks[2]);
@@ -195,6 +197,7 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
     if (nn::stored_layout(model, *p) != kLayoutF32) ++compact;
   Backend& be = *o->backend;
   o->scales = static_cast<CompactScales*>(be.allocate(static_cast<size_t>(compact) * sizeof(CompactScales)));
+  o->compact_count = compact;
   CompactScales* next_scales = o->scales;
   for (nn::Parameter* p : params) {
     const int32_t stored = nn::stored_layout(model, *p);
@@ -312,10 +315,10 @@ void step(fp8_optimizer& o) {
                              o.partials,       o.scalars,
                              o.hyper,          o.element_args};
   if (o.backend->capture_id()) m.step_captured = true;
+  // Data parallel: every rank steps from the same averaged gradients, so the norm, the skip and the
+  // update agree without further communication (the optimizer state is replicated).
+  dist::sync_grads(m);
   o.backend->optimizer_norm(job);
-  // Reduce point: on one rank the partials are already the whole norm's. Under data parallelism one
-  // sum all-reduce of o.partials (each rank's chunks, zeros elsewhere) goes here, so that every rank
-  // finishes the same step from the same sum in the same order.
   o.backend->optimizer_update(job);
   ++m.weights_version;  // the layers remake their FP8 and bf16 weight copies at the next forward
 }
@@ -333,6 +336,17 @@ fp8_optimizer_stats_t stats(const fp8_optimizer& o) {
   r.opt_level = o.level;
   r.training_bytes = static_cast<int64_t>(o.training_bytes);
   return r;
+}
+
+std::vector<std::pair<void*, size_t>> state_blocks(const fp8_optimizer& o) {
+  std::vector<std::pair<void*, size_t>> out;
+  const std::pair<void*, size_t> all[4] = {{o.states, o.block_bytes[0]},
+                                           {o.states_m8, o.block_bytes[1]},
+                                           {o.states_v16, o.block_bytes[2]},
+                                           {o.scales, static_cast<size_t>(o.compact_count) * sizeof(CompactScales)}};
+  for (const auto& b : all)
+    if (b.first && b.second) out.push_back(b);
+  return out;
 }
 
 }  // namespace fp8::optim

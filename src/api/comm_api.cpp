@@ -1,0 +1,170 @@
+// Communicators and data-parallel models: handle checks here, the work in src/dist.
+#include <set>
+
+#include "api/guard.hpp"
+#include "dist/data_parallel.hpp"
+#include "dist/local_transport.hpp"
+#include "dist/nccl_transport.hpp"
+#include "nn/model.hpp"
+
+using fp8::guard;
+using fp8::require_arg;
+
+namespace {
+
+fp8_comm_t* make_comm(std::shared_ptr<fp8::Backend> backend, std::unique_ptr<fp8::dist::Transport> transport) {
+  auto comm = std::make_unique<fp8_comm>();
+  comm->backend = std::move(backend);
+  comm->transport = std::move(transport);
+  fp8::dist::register_comm(comm->backend.get(), comm->transport);
+  return comm.release();
+}
+
+void require_cuda_context(const fp8_context_t* ctx, const char* name, const char* advice) {
+  if (ctx->backend->device() == FP8_DEVICE_CPU)
+    fp8::fail(FP8_ERR_UNSUPPORTED, name, " is a CPU context; ", advice);
+}
+
+}  // namespace
+
+extern "C" {
+
+FP8_API fp8_status_t fp8_comm_get_id(fp8_comm_id_t* id) {
+  return guard("fp8_comm_get_id", [&] {
+    require_arg(id, "id");
+    fp8::dist::nccl_unique_id(id->bytes);
+  });
+}
+
+FP8_API fp8_status_t fp8_comm_create(fp8_comm_t** out, fp8_context_t* ctx, int32_t nranks, int32_t rank,
+                                     const fp8_comm_id_t* id) {
+  return guard("fp8_comm_create", [&] {
+    require_arg(out, "out");
+    *out = nullptr;
+    require_arg(ctx, "ctx");
+    require_arg(id, "id");
+    if (nranks < 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "nranks = ", nranks, "; expected >= 1");
+    if (rank < 0 || rank >= nranks)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "rank = ", rank, "; expected 0 .. nranks - 1 = ", nranks - 1);
+    require_cuda_context(ctx, "ctx",
+                         "ranks on CPU contexts are joined inside one process by fp8_comm_create_local (the "
+                         "in-process transport)");
+    *out = make_comm(ctx->backend, fp8::dist::nccl_join(ctx->backend, nranks, rank, id->bytes));
+  });
+}
+
+FP8_API fp8_status_t fp8_comm_create_local(fp8_comm_t** comms, fp8_context_t* const* ctxs, int32_t nranks) {
+  return guard("fp8_comm_create_local", [&] {
+    require_arg(comms, "comms");
+    require_arg(ctxs, "ctxs");
+    if (nranks < 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "nranks = ", nranks, "; expected >= 1");
+    for (int32_t k = 0; k < nranks; ++k) comms[k] = nullptr;
+    std::vector<std::shared_ptr<fp8::Backend>> backends;
+    std::set<int32_t> devices;
+    for (int32_t k = 0; k < nranks; ++k) {
+      if (!ctxs[k]) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is NULL");
+      backends.push_back(ctxs[k]->backend);
+      const int32_t device = ctxs[k]->backend->device();
+      const bool cpu = device == FP8_DEVICE_CPU;
+      if (cpu != (backends.front()->device() == FP8_DEVICE_CPU))
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is a ", cpu ? "CPU" : "CUDA", " context but ctxs[0] is not; ",
+                  "expected all CUDA contexts (one rank per GPU) or all CPU contexts (the in-process transport)");
+      if (!cpu && !devices.insert(device).second)
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is on device ", device,
+                  " like an earlier context; expected one rank per GPU (NCCL refuses two ranks on one GPU)");
+      for (int32_t j = 0; j < k && cpu; ++j)
+        if (ctxs[j] == ctxs[k])
+          fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is ctxs[", j, "]; expected one context per rank");
+    }
+    std::vector<std::unique_ptr<fp8::dist::Transport>> transports =
+        backends.front()->device() == FP8_DEVICE_CPU ? fp8::dist::make_local_group(nranks)
+                                                     : fp8::dist::nccl_join_all(backends);
+    std::vector<std::unique_ptr<fp8_comm>> made;
+    for (int32_t k = 0; k < nranks; ++k) made.emplace_back(make_comm(backends[k], std::move(transports[k])));
+    for (int32_t k = 0; k < nranks; ++k) comms[k] = made[k].release();
+  });
+}
+
+FP8_API fp8_status_t fp8_comm_wrap_nccl(fp8_comm_t** out, fp8_context_t* ctx, struct ncclComm* nccl) {
+  return guard("fp8_comm_wrap_nccl", [&] {
+    require_arg(out, "out");
+    *out = nullptr;
+    require_arg(ctx, "ctx");
+    require_arg(nccl, "nccl");
+    require_cuda_context(ctx, "ctx", "an NCCL communicator serves a CUDA context");
+    *out = make_comm(ctx->backend, fp8::dist::nccl_borrow(ctx->backend, nccl));
+  });
+}
+
+FP8_API fp8_status_t fp8_comm_rank(const fp8_comm_t* comm, int32_t* rank) {
+  return guard("fp8_comm_rank", [&] {
+    require_arg(comm, "comm");
+    require_arg(rank, "rank");
+    *rank = comm->transport->rank();
+  });
+}
+
+FP8_API fp8_status_t fp8_comm_size(const fp8_comm_t* comm, int32_t* size) {
+  return guard("fp8_comm_size", [&] {
+    require_arg(comm, "comm");
+    require_arg(size, "size");
+    *size = comm->transport->size();
+  });
+}
+
+FP8_API void fp8_comm_destroy(fp8_comm_t* comm) { delete comm; }
+
+FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t* comm) {
+  return guard("fp8_comm_abort", [&] {
+    require_arg(comm, "comm");
+    comm->transport->abort();
+  });
+}
+
+FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t* model, fp8_comm_t* comm) {
+  return guard("fp8_model_set_comm", [&] {
+    require_arg(model, "model");
+    if (comm && comm->backend != model->backend)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "comm belongs to another context (device ", comm->backend->device(),
+                "); expected one made from the model's context (device ", model->backend->device(), ")");
+    if (!model->optimizer_links.empty())
+      fp8::fail(FP8_ERR_INVALID_STATE, "the model has an optimizer; set the communicator before fp8_optimizer_create ",
+                "(or destroy the optimizer first)");
+    if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
+    if (!comm) {
+      model->comm.reset();
+      return;
+    }
+    fp8::dist::Transport& t = *comm->transport;
+    fp8::dist::require_same_model(t, *model, nullptr, "fp8_model_set_comm");
+    fp8::nn::ParamStore* store = model->store.get();
+    fp8::dist::all_or_none(
+        t, model->backend, "fp8_model_set_comm",
+        [&] {
+          if (!store) return;
+          // Equal shares of every gradient arena, exchanged in place.
+          store->set_grad_padding(static_cast<size_t>(t.size()) * fp8::nn::kSliceAlign);
+          try {
+            store->layout(fp8::nn::all_parameters(*model), store->level(), store->grad_dtype(), false);
+          } catch (...) {
+            store->set_grad_padding(1);
+            throw;
+          }
+        },
+        [] {});
+    fp8::dist::broadcast_model(t, *model);
+    auto dp = std::make_unique<fp8::dist::ModelComm>();
+    dp->transport = comm->transport;
+    model->comm = std::move(dp);
+  });
+}
+
+FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t* model) {
+  return guard("fp8_model_sync_grads", [&] {
+    require_arg(model, "model");
+    if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
+    fp8::dist::sync_grads(*model);
+  });
+}
+
+}  // extern "C"

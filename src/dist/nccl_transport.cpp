@@ -1,0 +1,181 @@
+#include "dist/nccl_transport.hpp"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "core/error.hpp"
+
+namespace fp8::dist {
+
+static_assert(sizeof(ncclUniqueId) == kNcclIdBytes, "fp8_comm_id_t holds an ncclUniqueId");
+
+namespace {
+
+void nccl_check(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess) return;
+  const char* last = ncclGetLastError(nullptr);
+  fail(FP8_ERR_NCCL, what, ": ", ncclGetErrorString(r), last && *last ? " (" : "", last ? last : "",
+       last && *last ? ")" : "");
+}
+
+// Makes the backend's device current for a call and restores the caller's.
+class OnDevice {
+ public:
+  explicit OnDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) fail(FP8_ERR_CUDA, "cudaGetDevice failed");
+    if (previous_ != device && cudaSetDevice(device) != cudaSuccess)
+      fail(FP8_ERR_CUDA, "cudaSetDevice(", device, ") failed");
+  }
+  ~OnDevice() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+ncclDataType_t nccl_type(ElemType t) {
+  switch (t) {
+    case ElemType::kF32: return ncclFloat32;
+    case ElemType::kF64: return ncclFloat64;
+    default: return ncclUint32;
+  }
+}
+
+class NcclTransport final : public Transport {
+ public:
+  NcclTransport(std::shared_ptr<Backend> backend, ncclComm_t comm, bool owned)
+      : backend_(std::move(backend)), comm_(comm), owned_(owned) {
+    nccl_check(ncclCommCount(comm_, &size_), "ncclCommCount");
+    nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
+  }
+  ~NcclTransport() override {
+    backend_->release(token_);
+    if (!owned_ || aborted_) return;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(backend_->device());
+    ncclCommDestroy(comm_);
+    cudaSetDevice(previous);
+  }
+  int32_t rank() const override { return rank_; }
+  int32_t size() const override { return size_; }
+  const char* kind() const override { return "NCCL"; }
+
+  void all_reduce(void* buf, size_t count, ElemType type, ReduceOp op) override {
+    check();
+    OnDevice on(backend_->device());
+    nccl_check(ncclAllReduce(buf, buf, count, nccl_type(type), op == ReduceOp::kSum ? ncclSum : ncclMax, comm_,
+                             stream()),
+               "ncclAllReduce");
+  }
+  void all_gather(const void* send, void* recv, size_t bytes) override {
+    check();
+    OnDevice on(backend_->device());
+    nccl_check(ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream()), "ncclAllGather");
+  }
+  void all_to_all(const void* send, void* recv, size_t bytes) override {
+    check();
+    OnDevice on(backend_->device());
+    nccl_check(ncclGroupStart(), "ncclGroupStart");
+    for (int32_t p = 0; p < size_; ++p) {
+      ncclSend(static_cast<const char*>(send) + p * bytes, bytes, ncclUint8, p, comm_, stream());
+      ncclRecv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm_, stream());
+    }
+    nccl_check(ncclGroupEnd(), "all_to_all (ncclSend/ncclRecv group)");
+  }
+  void broadcast(void* buf, size_t bytes, int32_t root) override {
+    check();
+    OnDevice on(backend_->device());
+    nccl_check(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream()), "ncclBroadcast");
+  }
+  void barrier() override {
+    backend_->synchronize();
+    // A one-element all-reduce that every rank waits for.
+    check();
+    OnDevice on(backend_->device());
+    if (!token_) token_ = static_cast<uint32_t*>(backend_->allocate(sizeof(uint32_t)));
+    nccl_check(ncclAllReduce(token_, token_, 1, ncclUint32, ncclMax, comm_, stream()), "ncclAllReduce (barrier)");
+    backend_->synchronize();
+    check();
+  }
+  void abort() noexcept override {
+    if (aborted_.exchange(true)) return;
+    // The application keeps a borrowed communicator, but aborting is what it asked for.
+    ncclCommAbort(comm_);
+  }
+  void check() override {
+    if (aborted_) fail(FP8_ERR_NCCL, "the communicator was aborted (fp8_comm_abort)");
+    ncclResult_t async = ncclSuccess;
+    nccl_check(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
+    if (async != ncclSuccess && async != ncclInProgress) nccl_check(async, "NCCL reported an asynchronous error");
+  }
+
+ private:
+  cudaStream_t stream() const { return backend_->stream(); }
+  std::shared_ptr<Backend> backend_;
+  ncclComm_t comm_;
+  bool owned_;
+  std::atomic<bool> aborted_{false};
+  int size_ = 0, rank_ = 0;
+  uint32_t* token_ = nullptr;
+};
+
+}  // namespace
+
+void nccl_unique_id(unsigned char* id) {
+  ncclUniqueId u;
+  nccl_check(ncclGetUniqueId(&u), "ncclGetUniqueId");
+  std::memcpy(id, &u, sizeof u);
+}
+
+std::unique_ptr<Transport> nccl_join(std::shared_ptr<Backend> backend, int32_t nranks, int32_t rank,
+                                     const unsigned char* id) {
+  ncclUniqueId u;
+  std::memcpy(&u, id, sizeof u);
+  OnDevice on(backend->device());
+  ncclComm_t comm = nullptr;
+  nccl_check(ncclCommInitRank(&comm, nranks, u, rank), "ncclCommInitRank");
+  try {
+    return std::make_unique<NcclTransport>(std::move(backend), comm, true);
+  } catch (...) {
+    ncclCommDestroy(comm);
+    throw;
+  }
+}
+
+std::vector<std::unique_ptr<Transport>> nccl_join_all(const std::vector<std::shared_ptr<Backend>>& backends) {
+  std::vector<int> devices;
+  for (const auto& b : backends) devices.push_back(b->device());
+  std::vector<ncclComm_t> comms(backends.size(), nullptr);
+  nccl_check(ncclCommInitAll(comms.data(), static_cast<int>(comms.size()), devices.data()), "ncclCommInitAll");
+  std::vector<std::unique_ptr<Transport>> out;
+  try {
+    for (size_t i = 0; i < comms.size(); ++i) {
+      out.push_back(std::make_unique<NcclTransport>(backends[i], comms[i], true));
+      comms[i] = nullptr;
+    }
+  } catch (...) {
+    for (ncclComm_t c : comms)
+      if (c) ncclCommDestroy(c);
+    throw;
+  }
+  return out;
+}
+
+std::unique_ptr<Transport> nccl_borrow(std::shared_ptr<Backend> backend, ncclComm* comm) {
+  int device = -1;
+  nccl_check(ncclCommCuDevice(comm, &device), "ncclCommCuDevice");
+  if (device != backend->device())
+    fail(FP8_ERR_INVALID_ARGUMENT, "nccl is a communicator of device ", device, "; expected one of ctx's device ",
+         backend->device());
+  return std::make_unique<NcclTransport>(std::move(backend), comm, false);
+}
+
+}  // namespace fp8::dist

@@ -1,0 +1,561 @@
+// Data parallelism on CPU contexts joined by the in-process transport (fp8.h, "Data parallelism"):
+// every rank runs on its own thread, as ranks of one process do. What is checked: the ranks start from
+// rank 0's model; scales agree (and equal one rank seeing the whole batch); weights stay bit-identical
+// at te and O1..O3; the FP32 exchange equals micro-batch accumulation; the FP8 exchange against
+// float64 and against summing in FP8; the skip; collective checkpoints across group sizes; refused
+// mismatches; abort and a rank that leaves; argument errors.
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <future>
+#include <thread>
+
+#include "fp8_test_util.hpp"
+
+using namespace fp8test;
+
+namespace {
+
+constexpr int64_t kIn = 32, kHidden = 64, kOut = 16, kRows = 32;
+
+struct CommDeleter {
+  void operator()(fp8_comm_t* c) const { fp8_comm_destroy(c); }
+};
+using Comm = std::unique_ptr<fp8_comm_t, CommDeleter>;
+
+// Runs fn(rank) on one thread per rank and waits for all of them (at most 60 s: a hang fails).
+void on_ranks(int n, const std::function<void(int)>& fn) {
+  std::vector<std::future<void>> done;
+  for (int r = 0; r < n; ++r) done.push_back(std::async(std::launch::async, fn, r));
+  for (auto& f : done) ASSERT_EQ(f.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "a rank hangs";
+  for (auto& f : done) f.get();
+}
+
+// One rank: its context, model and optimizer, and its end of the group.
+struct Rank {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model;
+  Optimizer opt;
+  Comm comm;
+};
+
+// fc1 (in -> hidden, bias), gelu, fc2 (hidden -> out, bias), with weights from `seed`, converted
+// with `recipe` (nullptr: not converted) and trained in FP8 by the autowrap.
+Model build_model(fp8_context_t* ctx, const char* recipe, uint32_t seed, int64_t hidden = kHidden) {
+  Model m = make_model(ctx);
+  EXPECT_OK(fp8_model_add_linear(m.get(), "fc1", kIn, hidden, 1, nullptr));
+  EXPECT_OK(fp8_model_add_activation(m.get(), "act", FP8_ACTIVATION_GELU, nullptr));
+  EXPECT_OK(fp8_model_add_linear(m.get(), "fc2", hidden, kOut, 1, nullptr));
+  int32_t count = 0;
+  EXPECT_OK(fp8_model_parameter_count(m.get(), &count));
+  for (int32_t i = 0; i < count; ++i) {
+    fp8_tensor_t* v = nullptr;
+    EXPECT_OK(fp8_model_parameter_at(m.get(), i, nullptr, &v, nullptr));
+    int64_t n = 0;
+    fp8_tensor_numel(v, &n);
+    upload(v, randn(static_cast<size_t>(n), seed * 100 + static_cast<uint32_t>(i), 0.2f));
+  }
+  if (recipe) {
+    Recipe r = make_recipe(recipe);
+    EXPECT_OK(fp8_convert_model(m.get(), r.get(), nullptr));
+    EXPECT_OK(fp8_model_set_autowrap(m.get(), 1));
+  }
+  return m;
+}
+
+// A group of n ranks on CPU contexts, each with its own model (rank k built from seed k + 1, so
+// set_comm has something to broadcast), data-parallel, with an optimizer of `kind`.
+struct Group {
+  std::vector<Rank> ranks;
+  Group(int n, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM, float max_grad_norm = 0.0f)
+      : ranks(static_cast<size_t>(n)) {
+    std::vector<fp8_context_t*> ctxs;
+    for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
+    std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
+    EXPECT_OK(fp8_comm_create_local(comms.data(), ctxs.data(), n));
+    for (int k = 0; k < n; ++k) {
+      ranks[k].comm.reset(comms[k]);
+      ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
+    }
+    on_ranks(n, [&](int k) {
+      Rank& r = ranks[k];
+      EXPECT_OK(fp8_model_set_comm(r.model.get(), r.comm.get()));
+      fp8_optimizer_t* o = nullptr;
+      EXPECT_OK(fp8_optimizer_create(&o, r.model.get(), kind));
+      r.opt.reset(o);
+      EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_LR, kind == FP8_OPTIMIZER_SGD ? 0.05 : 0.01));
+      if (max_grad_norm > 0.0f) EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MAX_GRAD_NORM, max_grad_norm));
+    });
+  }
+  int size() const { return static_cast<int>(ranks.size()); }
+};
+
+std::vector<float> batch_x(int step, int rank) { return randn(kRows * kIn, 7000u + 97u * step + rank, 1.0f); }
+std::vector<float> batch_dy(int step, int rank) {
+  return randn(kRows * kOut, 9000u + 97u * step + rank, 0.05f + 0.05f * rank);
+}
+
+// One forward and backward of `rows` rows of x and dy (accumulating into the gradients).
+void forward_backward(fp8_context_t* ctx, fp8_model_t* m, const std::vector<float>& x, const std::vector<float>& dy) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / kIn;
+  Tensor tx = make_tensor(ctx, FP8_DTYPE_F32, {rows, kIn});
+  Tensor ty = make_tensor(ctx, FP8_DTYPE_F32, {rows, kOut});
+  Tensor tdy = make_tensor(ctx, FP8_DTYPE_F32, {rows, kOut});
+  upload(tx.get(), x);
+  upload(tdy.get(), dy);
+  EXPECT_OK(fp8_model_forward(m, tx.get(), ty.get()));
+  EXPECT_OK(fp8_model_backward(m, tdy.get(), nullptr));
+}
+
+void train_step(Rank& r, int step, int rank) {
+  forward_backward(r.ctx.get(), r.model.get(), batch_x(step, rank), batch_dy(step, rank));
+  EXPECT_OK(fp8_optimizer_step(r.opt.get()));
+  EXPECT_OK(fp8_optimizer_zero_grad(r.opt.get()));
+}
+
+// The bytes of every flat storage arena (values, gradients, masters) and of every scaling state
+// (scale, history): what must be identical on every rank.
+std::vector<unsigned char> state_bytes(fp8_model_t* m, bool grads) {
+  std::vector<unsigned char> out;
+  const fp8_storage_role_t roles[] = {FP8_STORAGE_VALUES, FP8_STORAGE_MASTERS, FP8_STORAGE_GRADS};
+  for (fp8_storage_role_t role : roles) {
+    if (role == FP8_STORAGE_GRADS && !grads) continue;
+    for (fp8_dtype_t dt : {FP8_DTYPE_F32, FP8_DTYPE_F16, FP8_DTYPE_E4M3, FP8_DTYPE_E5M2}) {
+      void* data = nullptr;
+      size_t bytes = 0;
+      EXPECT_OK(fp8_model_flat_storage(m, role, dt, &data, &bytes));
+      const auto* p = static_cast<const unsigned char*>(data);  // host memory on a CPU context
+      out.insert(out.end(), p, p + bytes);
+    }
+  }
+  for (int32_t layer : {0, 2})
+    for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
+      fp8_scaling_t* s = nullptr;
+      EXPECT_OK(fp8_layer_get_scaling(m, layer, slot, &s));
+      if (!s) continue;
+      const fp8_scaling_info_t info = info_of(s);
+      std::vector<float> history(static_cast<size_t>(info.amax_history_len));
+      EXPECT_OK(fp8_scaling_get_history(s, history.data(), info.amax_history_len));
+      const auto* a = reinterpret_cast<const unsigned char*>(&info.scale);
+      out.insert(out.end(), a, a + sizeof info.scale);
+      const auto* h = reinterpret_cast<const unsigned char*>(history.data());
+      out.insert(out.end(), h, h + history.size() * sizeof(float));
+    }
+  return out;
+}
+
+fp8_optimizer_stats_t stats_of(const fp8_optimizer_t* o) {
+  fp8_optimizer_stats_t s;
+  fp8_optimizer_stats_init(&s);
+  EXPECT_OK(fp8_optimizer_get_stats(o, &s));
+  return s;
+}
+
+struct LevelCase {
+  const char* name;
+  const char* recipe;  // nullptr: not converted (FP32 everything)
+  fp8_optimizer_kind_t kind;
+  float max_grad_norm;
+};
+void PrintTo(const LevelCase& c, std::ostream* os) { *os << c.name; }
+
+const LevelCase kLevels[] = {
+    {"unconverted_sgd", nullptr, FP8_OPTIMIZER_SGD, 0.0f},
+    {"te_adam", "backend=te, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f},
+    {"o1_adamw_clipped", "backend=msamp, opt_level=O1, small_layer_fallback=0", FP8_OPTIMIZER_ADAMW, 0.05f},
+    {"o2_adam", "backend=msamp, opt_level=O2, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f},
+    {"o2_e4m3_adam_clipped", "backend=msamp, opt_level=O2, fp8_format=E4M3, small_layer_fallback=0",
+     FP8_OPTIMIZER_ADAM, 0.05f},
+    {"o3_adam", "backend=msamp, opt_level=O3, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f},
+};
+
+class DataParallelLevels : public ::testing::TestWithParam<std::tuple<LevelCase, int>> {};
+
+TEST_P(DataParallelLevels, EveryRankHoldsTheSameBitsAfterEveryStep) {
+  const LevelCase& c = std::get<0>(GetParam());
+  const int n = std::get<1>(GetParam());
+  Group g(n, c.recipe, c.kind, c.max_grad_norm);
+  // set_comm started every rank from rank 0's model (each was built from its own seed).
+  for (int k = 1; k < n; ++k)
+    ASSERT_EQ(state_bytes(g.ranks[k].model.get(), true), state_bytes(g.ranks[0].model.get(), true)) << "rank " << k;
+  const std::vector<unsigned char> initial = state_bytes(g.ranks[0].model.get(), false);
+  for (int step = 0; step < 3; ++step) {
+    on_ranks(n, [&](int k) {
+      Rank& r = g.ranks[k];
+      forward_backward(r.ctx.get(), r.model.get(), batch_x(step, k), batch_dy(step, k));
+    });
+    // Each rank's own data gave it its own gradients (so the exchange has work to do) ...
+    EXPECT_NE(state_bytes(g.ranks[1].model.get(), true), state_bytes(g.ranks[0].model.get(), true));
+    on_ranks(n, [&](int k) {
+      EXPECT_OK(fp8_optimizer_step(g.ranks[k].opt.get()));
+      EXPECT_OK(fp8_optimizer_zero_grad(g.ranks[k].opt.get()));
+    });
+    // ... and after the step every rank holds the same weights, masters and scales.
+    const std::vector<unsigned char> want = state_bytes(g.ranks[0].model.get(), true);
+    for (int k = 1; k < n; ++k)
+      ASSERT_EQ(state_bytes(g.ranks[k].model.get(), true), want) << c.name << ", rank " << k << ", step " << step;
+    const fp8_optimizer_stats_t s0 = stats_of(g.ranks[0].opt.get());
+    EXPECT_EQ(s0.steps, step + 1);
+    for (int k = 1; k < n; ++k) EXPECT_EQ(stats_of(g.ranks[k].opt.get()).last_grad_norm, s0.last_grad_norm);
+  }
+  EXPECT_NE(state_bytes(g.ranks[0].model.get(), false), initial) << "the steps changed nothing";
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, DataParallelLevels, ::testing::Combine(::testing::ValuesIn(kLevels),
+                                                                         ::testing::Values(2, 3, 4)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param).name) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "ranks";
+                         });
+
+// One rank seeing all n ranks' rows in one batch records the amaxes the ranks agree on: its scales
+// are bit for bit those of every rank (amax over the union = max over the ranks' amaxes).
+TEST(DataParallelScaling, RanksAgreeOnTheScalesOfOneRankSeeingTheWholeBatch) {
+  const char* recipe = "backend=msamp, opt_level=O2, small_layer_fallback=0, amax_history_len=4";
+  for (int n : {2, 4}) {
+    Group g(n, recipe);
+    Rank whole;
+    whole.model = build_model(whole.ctx.get(), recipe, 1);  // rank 0's weights
+    for (int step = 0; step < 2; ++step) {
+      on_ranks(n, [&](int k) {
+        Rank& r = g.ranks[k];
+        forward_backward(r.ctx.get(), r.model.get(), batch_x(step, k), batch_dy(step, k));
+      });
+      std::vector<float> x, dy;
+      for (int k = 0; k < n; ++k) {
+        const auto xk = batch_x(step, k), dyk = batch_dy(step, k);
+        x.insert(x.end(), xk.begin(), xk.end());
+        dy.insert(dy.end(), dyk.begin(), dyk.end());
+      }
+      forward_backward(whole.ctx.get(), whole.model.get(), x, dy);
+      for (int32_t layer : {0, 2})
+        for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
+          fp8_scaling_t* want = nullptr;
+          EXPECT_OK(fp8_layer_get_scaling(whole.model.get(), layer, slot, &want));
+          const fp8_scaling_info_t w = info_of(want);
+          for (int k = 0; k < n; ++k) {
+            fp8_scaling_t* got = nullptr;
+            EXPECT_OK(fp8_layer_get_scaling(g.ranks[k].model.get(), layer, slot, &got));
+            const fp8_scaling_info_t i = info_of(got);
+            EXPECT_EQ(i.scale, w.scale) << "layer " << layer << " slot " << slot << " rank " << k << " step " << step;
+            EXPECT_EQ(i.amax, w.amax) << "layer " << layer << " slot " << slot << " rank " << k;
+          }
+        }
+      // Without the agreement the ranks' own amaxes would differ: the data is what makes it matter.
+      EXPECT_NE(amax_of(batch_dy(step, 0)), amax_of(batch_dy(step, n - 1)));
+      on_ranks(n, [&](int k) { EXPECT_OK(fp8_optimizer_zero_grad(g.ranks[k].opt.get())); });
+      EXPECT_OK(fp8_model_zero_grad(whole.model.get()));
+    }
+  }
+}
+
+// FP32 wire: N ranks with B rows each average to what one rank accumulating the same N micro-batches
+// holds divided by N, to within FP32 summation order.
+TEST(DataParallelFp32, AveragedGradientsEqualMicroBatchAccumulation) {
+  for (int n : {2, 3, 4}) {
+    Group g(n, nullptr, FP8_OPTIMIZER_SGD);
+    Rank one;
+    one.model = build_model(one.ctx.get(), nullptr, 1);
+    on_ranks(n, [&](int k) {
+      Rank& r = g.ranks[k];
+      forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+      EXPECT_OK(fp8_model_sync_grads(r.model.get()));
+    });
+    for (int k = 0; k < n; ++k) forward_backward(one.ctx.get(), one.model.get(), batch_x(0, k), batch_dy(0, k));
+    int32_t count = 0;
+    EXPECT_OK(fp8_model_parameter_count(one.model.get(), &count));
+    for (int32_t i = 0; i < count; ++i) {
+      fp8_tensor_t* want_t = nullptr;
+      EXPECT_OK(fp8_model_parameter_at(one.model.get(), i, nullptr, nullptr, &want_t));
+      const std::vector<float> want = download<float>(want_t);
+      for (int k = 0; k < n; ++k) {
+        fp8_tensor_t* got_t = nullptr;
+        EXPECT_OK(fp8_model_parameter_at(g.ranks[k].model.get(), i, nullptr, nullptr, &got_t));
+        const std::vector<float> got = download<float>(got_t);
+        double worst = 0.0;
+        for (size_t e = 0; e < got.size(); ++e) {
+          const double w = static_cast<double>(want[e]) / n;
+          worst = std::max(worst, std::fabs(got[e] - w) / (std::fabs(w) + 1e-6));
+        }
+        EXPECT_LT(worst, 1e-5) << "parameter " << i << ", rank " << k << ", " << n << " ranks";
+      }
+    }
+  }
+}
+
+// ---- the FP8 exchange against float64 ----------------------------------------------------------------
+
+float decode_e5m2(uint8_t c) {  // E5M2 is the top byte of an IEEE half
+  const uint16_t h = static_cast<uint16_t>(c) << 8;
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const double v = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+  return static_cast<float>((h & 0x8000) ? -v : v);
+}
+
+// Round to the E5M2 grid (nearest even, saturating at 57344), exactly, in double.
+double round_e5m2(double v) {
+  const double a = std::fabs(v);
+  if (a == 0.0) return 0.0;
+  const int e = std::max(std::ilogb(a), -14);
+  const double ulp = std::ldexp(1.0, e - 2);
+  const double q = std::min(std::nearbyint(a / ulp) * ulp, 57344.0);
+  return v < 0 ? -q : q;
+}
+
+TEST(DataParallelFp8, ExchangeMeetsItsBoundAndBeatsSummingInFp8) {
+  for (int n : {2, 3, 4}) {
+    Group g(n, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+    const int32_t index = 0;  // fc1.weight: E5M2 gradient
+    const size_t numel = static_cast<size_t>(kIn * kHidden);
+    std::vector<std::vector<double>> decoded(static_cast<size_t>(n));
+    on_ranks(n, [&](int k) {
+      Rank& r = g.ranks[k];
+      Tensor add = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {kHidden, kIn});
+      // Magnitudes differ across ranks, so their scales differ and the sum is not trivially exact.
+      upload(add.get(), randn(numel, 300u + static_cast<uint32_t>(k), 0.01f * static_cast<float>(1 << (2 * k))));
+      EXPECT_OK(fp8_model_accumulate_grad(r.model.get(), index, add.get()));
+      fp8_tensor_t* grad = nullptr;
+      EXPECT_OK(fp8_model_parameter_at(r.model.get(), index, nullptr, nullptr, &grad));
+      float scale_inv = 0.0f;
+      EXPECT_OK(fp8_tensor_get_scale_inv(grad, &scale_inv));
+      for (uint8_t c : download<uint8_t>(grad)) decoded[k].push_back(static_cast<double>(decode_e5m2(c)) * scale_inv);
+    });
+    on_ranks(n, [&](int k) { EXPECT_OK(fp8_model_sync_grads(g.ranks[k].model.get())); });
+    fp8_tensor_t* grad = nullptr;
+    EXPECT_OK(fp8_model_parameter_at(g.ranks[0].model.get(), index, nullptr, nullptr, &grad));
+    float scale_inv = 0.0f;
+    EXPECT_OK(fp8_tensor_get_scale_inv(grad, &scale_inv));
+    const std::vector<uint8_t> codes = download<uint8_t>(grad);
+    for (int k = 1; k < n; ++k) {
+      fp8_tensor_t* other = nullptr;
+      EXPECT_OK(fp8_model_parameter_at(g.ranks[k].model.get(), index, nullptr, nullptr, &other));
+      EXPECT_EQ(download<uint8_t>(other), codes) << "rank " << k;
+    }
+    double ours = 0.0, fp8_sums = 0.0;
+    for (size_t e = 0; e < numel; ++e) {
+      double exact = 0.0, magnitude = 0.0;
+      for (int k = 0; k < n; ++k) exact += decoded[k][e], magnitude += std::fabs(decoded[k][e]);
+      exact /= n;
+      const double got = static_cast<double>(decode_e5m2(codes[e])) * scale_inv;
+      // One E5M2 rounding of the FP32 mean (half a unit: 2^-3 relative, or half the smallest
+      // subnormal, 2^-17, at the scale), plus the FP32 sum's n roundings.
+      const double bound = std::max(std::ldexp(std::fabs(exact), -3), std::ldexp(1.0, -17) * scale_inv) * (1 + 1e-6) +
+                           n * std::ldexp(magnitude, -24);
+      ASSERT_LE(std::fabs(got - exact), bound) << "element " << e << ", " << n << " ranks";
+      ours += std::fabs(got - exact);
+      // Summing in FP8 (NCCL's FP8 reduction, MS-AMP's): every partial sum rounds to E5M2 at the
+      // common scale of the sum, then the mean.
+      const double sum_scale = 1.0 / (scale_inv * n);
+      double s = round_e5m2(decoded[0][e] * sum_scale);
+      for (int k = 1; k < n; ++k) s = round_e5m2(s + round_e5m2(decoded[k][e] * sum_scale));
+      fp8_sums += std::fabs(s / sum_scale / n - exact);
+    }
+    EXPECT_LT(ours, fp8_sums) << n << " ranks: total error of the exchange " << ours << ", of FP8 partial sums "
+                              << fp8_sums;
+    std::printf("[ exchange ] %d ranks: mean |error| %.3g (FP32 sums, one FP8 rounding) vs %.3g (FP8 partial sums)\n",
+                n, ours / numel, fp8_sums / numel);
+  }
+}
+
+// ---- the skip, checkpoints --------------------------------------------------------------------------
+
+TEST(DataParallelSkip, ANonFiniteGradientOnOneRankSkipsTheStepOnEveryRank) {
+  for (const char* recipe : {static_cast<const char*>(nullptr), "backend=msamp, opt_level=O2, small_layer_fallback=0"}) {
+    Group g(3, recipe);
+    on_ranks(3, [&](int k) { train_step(g.ranks[k], 0, k); });
+    const std::vector<unsigned char> before = state_bytes(g.ranks[0].model.get(), false);
+    on_ranks(3, [&](int k) {
+      Rank& r = g.ranks[k];
+      forward_backward(r.ctx.get(), r.model.get(), batch_x(1, k), batch_dy(1, k));
+      if (k == 1) {
+        Tensor bad = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {kHidden, kIn});
+        std::vector<float> v(static_cast<size_t>(kHidden * kIn), 0.5f);
+        v[17] = NAN;
+        upload(bad.get(), v);
+        EXPECT_OK(fp8_model_accumulate_grad(r.model.get(), 0, bad.get()));
+      }
+      EXPECT_OK(fp8_optimizer_step(r.opt.get()));
+    });
+    for (int k = 0; k < 3; ++k) {
+      const fp8_optimizer_stats_t s = stats_of(g.ranks[k].opt.get());
+      EXPECT_EQ(s.last_skipped, 1) << "rank " << k;
+      EXPECT_EQ(s.steps, 1) << "rank " << k;
+      EXPECT_EQ(state_bytes(g.ranks[k].model.get(), false), before) << "rank " << k;
+    }
+  }
+}
+
+std::string temp_path(const char* name) {
+  return (std::filesystem::temp_directory_path() / (std::string("fp8_dist_") + name)).string();
+}
+
+// Saved by 4 ranks (rank 0 writes), loaded by 4, 2 and 1: the weights are those saved, and a group
+// of 4 that loads trains on bit-identically with the group that saved.
+TEST(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIdentically) {
+  const char* recipe = "backend=msamp, opt_level=O2, small_layer_fallback=0";
+  const std::string path = temp_path("four.ckpt");
+  std::remove(path.c_str());
+  Group four(4, recipe);
+  on_ranks(4, [&](int k) { train_step(four.ranks[k], 0, k); });
+  on_ranks(4, [&](int k) { EXPECT_OK(fp8_checkpoint_save(four.ranks[k].model.get(), four.ranks[k].opt.get(), path.c_str(), 0)); });
+  const std::vector<unsigned char> saved = state_bytes(four.ranks[0].model.get(), false);
+  for (int step = 1; step < 3; ++step) on_ranks(4, [&](int k) { train_step(four.ranks[k], step, k); });
+  const std::vector<unsigned char> trained = state_bytes(four.ranks[0].model.get(), false);
+
+  for (int n : {4, 2, 1}) {
+    Group g(n, recipe);
+    on_ranks(n, [&](int k) { EXPECT_OK(fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str())); });
+    for (int k = 0; k < n; ++k) EXPECT_EQ(state_bytes(g.ranks[k].model.get(), false), saved) << n << " ranks, rank " << k;
+    if (n == 4) {
+      for (int step = 1; step < 3; ++step) on_ranks(4, [&](int k) { train_step(g.ranks[k], step, k); });
+      EXPECT_EQ(state_bytes(g.ranks[0].model.get(), false), trained);
+    }
+  }
+  // A model without a communicator loads the same file.
+  Rank single;
+  single.model = build_model(single.ctx.get(), recipe, 9);
+  single.opt = make_optimizer(single.model.get(), FP8_OPTIMIZER_ADAM);
+  EXPECT_OK(fp8_checkpoint_load(single.model.get(), single.opt.get(), path.c_str()));
+  EXPECT_EQ(state_bytes(single.model.get(), false), saved);
+  // Gradients mid-accumulation are each rank's own: refused on every rank, nothing written.
+  const std::string other = temp_path("grads.ckpt");
+  std::remove(other.c_str());
+  for (int k = 0; k < 4; ++k)
+    EXPECT_REFUSED(fp8_checkpoint_save(four.ranks[k].model.get(), nullptr, other.c_str(), FP8_CHECKPOINT_GRADIENTS),
+                   FP8_ERR_INVALID_STATE, "fp8_checkpoint_save", "fp8_optimizer_step");
+  EXPECT_FALSE(std::filesystem::exists(other));
+  // A file one rank cannot read fails the load on every rank, and every rank keeps rank 0's state.
+  Group two(2, recipe);
+  const std::vector<unsigned char> before = state_bytes(two.ranks[0].model.get(), false);
+  std::vector<fp8_status_t> got(2);
+  on_ranks(2, [&](int k) {
+    got[k] = fp8_checkpoint_load(two.ranks[k].model.get(), two.ranks[k].opt.get(),
+                                 k == 1 ? "/nonexistent/dir/file.ckpt" : path.c_str());
+  });
+  EXPECT_EQ(got[0], FP8_ERR_INVALID_STATE);
+  EXPECT_EQ(got[1], FP8_ERR_IO);
+  EXPECT_EQ(state_bytes(two.ranks[1].model.get(), false), state_bytes(two.ranks[0].model.get(), false));
+  EXPECT_EQ(state_bytes(two.ranks[0].model.get(), false), saved) << "rank 0 loaded, so every rank holds the file's state";
+  (void)before;
+  std::remove(path.c_str());
+}
+
+// ---- misuse --------------------------------------------------------------------------------------------
+
+TEST(DataParallelMisuse, DifferentModelsAreRefusedOnEveryRankNamingTheDifference) {
+  Rank a, b;
+  std::vector<fp8_context_t*> ctxs = {a.ctx.get(), b.ctx.get()};
+  fp8_comm_t* comms[2] = {};
+  FP8_ASSERT_OK(fp8_comm_create_local(comms, ctxs.data(), 2));
+  a.comm.reset(comms[0]);
+  b.comm.reset(comms[1]);
+  a.model = build_model(a.ctx.get(), nullptr, 1);
+  b.model = build_model(b.ctx.get(), nullptr, 1, kHidden + 16);
+  Rank* rs[2] = {&a, &b};
+  std::vector<fp8_status_t> st(2);
+  std::vector<std::string> msg(2);
+  on_ranks(2, [&](int k) {
+    st[k] = fp8_model_set_comm(rs[k]->model.get(), rs[k]->comm.get());
+    msg[k] = fp8_last_error_message();
+  });
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(st[k], FP8_ERR_INVALID_STATE) << msg[k];
+    EXPECT_NE(msg[k].find("rank 1 has layer 0 'fc1'"), std::string::npos) << msg[k];
+    EXPECT_NE(msg[k].find("[80, 32]"), std::string::npos) << msg[k];
+  }
+  // Same models, different optimizer kinds: refused at fp8_optimizer_create on both.
+  b.model = build_model(b.ctx.get(), nullptr, 1);
+  on_ranks(2, [&](int k) { EXPECT_OK(fp8_model_set_comm(rs[k]->model.get(), rs[k]->comm.get())); });
+  on_ranks(2, [&](int k) {
+    fp8_optimizer_t* o = nullptr;
+    st[k] = fp8_optimizer_create(&o, rs[k]->model.get(), k == 0 ? FP8_OPTIMIZER_ADAM : FP8_OPTIMIZER_SGD);
+    msg[k] = fp8_last_error_message();
+    EXPECT_EQ(o, nullptr);
+  });
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(st[k], FP8_ERR_INVALID_STATE) << msg[k];
+    EXPECT_NE(msg[k].find("optimizer SGD"), std::string::npos) << msg[k];
+  }
+  // With an optimizer, the communicator can no longer change.
+  a.opt = make_optimizer(a.model.get(), FP8_OPTIMIZER_SGD);
+  EXPECT_REFUSED(fp8_model_set_comm(a.model.get(), nullptr), FP8_ERR_INVALID_STATE, "fp8_model_set_comm",
+                 "fp8_optimizer_create");
+}
+
+TEST(DataParallelMisuse, AbortUnblocksARankWaitingForAnother) {
+  Group g(2, nullptr, FP8_OPTIMIZER_SGD);
+  Rank& r0 = g.ranks[0];
+  forward_backward(r0.ctx.get(), r0.model.get(), batch_x(0, 0), batch_dy(0, 0));
+  std::thread watchdog([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_OK(fp8_comm_abort(g.ranks[1].comm.get()));
+  });
+  // Rank 1 never steps: rank 0 waits in the exchange until the abort.
+  EXPECT_REFUSED(fp8_optimizer_step(r0.opt.get()), FP8_ERR_NCCL, "fp8_optimizer_step", "aborted");
+  watchdog.join();
+  EXPECT_REFUSED(fp8_model_sync_grads(g.ranks[1].model.get()), FP8_ERR_NCCL, "fp8_model_sync_grads", "aborted");
+}
+
+TEST(DataParallelMisuse, ARankThatLeavesMakesTheOthersFailInsteadOfWaiting) {
+  Group g(3, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+  on_ranks(3, [&](int k) { train_step(g.ranks[k], 0, k); });
+  std::vector<fp8_status_t> st(2);
+  on_ranks(3, [&](int k) {
+    Rank& r = g.ranks[k];
+    if (k == 2) {  // leaves: its optimizer, model and communicator go
+      r.opt.reset();
+      r.model.reset();
+      r.comm.reset();
+      return;
+    }
+    forward_backward(r.ctx.get(), r.model.get(), batch_x(1, k), batch_dy(1, k));
+    st[k] = fp8_optimizer_step(r.opt.get());
+    EXPECT_NE(std::string(fp8_last_error_message()).find("rank 2 left"), std::string::npos)
+        << fp8_last_error_message();
+  });
+  EXPECT_EQ(st[0], FP8_ERR_NCCL);
+  EXPECT_EQ(st[1], FP8_ERR_NCCL);
+}
+
+TEST(DataParallelMisuse, BadArguments) {
+  Context c0 = make_context(FP8_DEVICE_CPU), c1 = make_context(FP8_DEVICE_CPU);
+  fp8_context_t* ctxs[2] = {c0.get(), c1.get()};
+  fp8_comm_t* comms[2] = {};
+  EXPECT_REFUSED(fp8_comm_create_local(nullptr, ctxs, 2), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_create_local", "comms");
+  EXPECT_REFUSED(fp8_comm_create_local(comms, ctxs, 0), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_create_local", "nranks");
+  fp8_context_t* same[2] = {c0.get(), c0.get()};
+  EXPECT_REFUSED(fp8_comm_create_local(comms, same, 2), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_create_local",
+                 "one context per rank");
+  EXPECT_EQ(comms[0], nullptr);
+  fp8_context_t* with_null[2] = {c0.get(), nullptr};
+  EXPECT_REFUSED(fp8_comm_create_local(comms, with_null, 2), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_create_local",
+                 "ctxs[1]");
+  fp8_comm_id_t id{};
+  fp8_comm_t* one = nullptr;
+  EXPECT_REFUSED(fp8_comm_create(&one, c0.get(), 2, 0, &id), FP8_ERR_UNSUPPORTED, "fp8_comm_create",
+                 "fp8_comm_create_local");
+  EXPECT_REFUSED(fp8_comm_create(&one, c0.get(), 2, 2, &id), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_create", "rank");
+  EXPECT_REFUSED(fp8_comm_create(&one, c0.get(), 0, 0, &id), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_create", "nranks");
+  EXPECT_REFUSED(fp8_comm_wrap_nccl(&one, c0.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_wrap_nccl", "nccl");
+  FP8_ASSERT_OK(fp8_comm_create_local(comms, ctxs, 2));
+  Comm a(comms[0]), b(comms[1]);
+  int32_t rank = -1, size = -1;
+  EXPECT_OK(fp8_comm_rank(b.get(), &rank));
+  EXPECT_OK(fp8_comm_size(b.get(), &size));
+  EXPECT_EQ(rank, 1);
+  EXPECT_EQ(size, 2);
+  EXPECT_REFUSED(fp8_comm_rank(nullptr, &rank), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_rank", "comm");
+  EXPECT_REFUSED(fp8_comm_size(a.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_size", "size");
+  Model m = build_model(c0.get(), nullptr, 1);
+  EXPECT_REFUSED(fp8_model_set_comm(m.get(), b.get()), FP8_ERR_INVALID_ARGUMENT, "fp8_model_set_comm",
+                 "another context");
+  EXPECT_REFUSED(fp8_model_set_comm(nullptr, a.get()), FP8_ERR_INVALID_ARGUMENT, "fp8_model_set_comm", "model");
+  // Without a communicator, sync_grads has nothing to do.
+  EXPECT_OK(fp8_model_sync_grads(m.get()));
+  fp8_comm_destroy(nullptr);
+}
+
+}  // namespace
