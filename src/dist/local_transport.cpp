@@ -1,0 +1,364 @@
+#include "dist/local_transport.hpp"
+
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "core/error.hpp"
+
+namespace fp8::dist {
+
+namespace {
+
+enum class Collective : int32_t { kAllReduce, kAllGather, kAllToAll, kBarrier };
+
+// One rank's call as posted to the group: what it is (compared across ranks) and its buffers.
+struct Call {
+  Collective what = Collective::kBarrier;
+  ElemType type = ElemType::kF32;  // all_reduce only
+  ReduceOp op = ReduceOp::kSum;    // all_reduce only
+  size_t size = 0;                 // elements for all_reduce, bytes (per rank) otherwise
+  const void* send = nullptr;
+  void* recv = nullptr;
+};
+
+const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kMax:
+      return "max";
+  }
+  return "unknown";
+}
+
+// How messages name a call: "all_reduce(16 x f32, sum)", "all_gather(64 bytes)".
+std::string describe(const Call& call) {
+  std::ostringstream os;
+  switch (call.what) {
+    case Collective::kAllReduce:
+      os << "all_reduce(" << call.size << " x " << elem_type_name(call.type) << ", " << op_name(call.op) << ")";
+      break;
+    case Collective::kAllGather:
+      os << "all_gather(" << call.size << " bytes)";
+      break;
+    case Collective::kAllToAll:
+      os << "all_to_all(" << call.size << " bytes per rank)";
+      break;
+    case Collective::kBarrier:
+      os << "barrier()";
+      break;
+  }
+  return os.str();
+}
+
+bool same_call(const Call& a, const Call& b) {
+  if (a.what != b.what || a.size != b.size) return false;
+  return a.what != Collective::kAllReduce || (a.type == b.type && a.op == b.op);
+}
+
+// The bytes of one rank's result of `call`; refuses a call that cannot run before the rank posts it.
+size_t result_bytes(const Call& call, int32_t nranks) {
+  size_t bytes = 0;
+  switch (call.what) {
+    case Collective::kAllReduce: {
+      if (call.op != ReduceOp::kSum && call.op != ReduceOp::kMax) {
+        fail(FP8_ERR_INVALID_ARGUMENT, "unknown reduction op ", static_cast<int32_t>(call.op));
+      }
+      const size_t elem = elem_size(call.type);
+      if (call.size > std::numeric_limits<size_t>::max() / elem) {
+        fail(FP8_ERR_INVALID_ARGUMENT, describe(call), " is larger than memory");
+      }
+      bytes = call.size * elem;
+      if (bytes > 0) require_arg(call.send, "buf");
+      return bytes;
+    }
+    case Collective::kAllGather:
+    case Collective::kAllToAll:
+      if (call.size > std::numeric_limits<size_t>::max() / static_cast<size_t>(nranks)) {
+        fail(FP8_ERR_INVALID_ARGUMENT, describe(call), " over ", nranks, " ranks is larger than memory");
+      }
+      bytes = call.size * static_cast<size_t>(nranks);
+      if (bytes > 0) {
+        require_arg(call.send, "send");
+        require_arg(call.recv, "recv");
+      }
+      return bytes;
+    case Collective::kBarrier:
+      return 0;
+  }
+  return 0;
+}
+
+// kMax of floats: NaN wins (the lowest rank's, as `acc` holds the lower ranks' result), so a rank's
+// overflowed amax is never hidden; otherwise the larger, ties keeping the lower rank's value.
+template <typename T>
+T larger(T acc, T v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (std::isnan(acc)) return acc;
+    if (std::isnan(v)) return v;
+  }
+  return v > acc ? v : acc;
+}
+
+// out[i] = combine(...combine(combine(b0[i], b1[i]), b2[i])..., b{N-1}[i]): rank order, rank 0 first.
+// memcpy per element: the posted buffers are untyped and need not be aligned for T.
+template <typename T, typename Combine>
+void reduce_in_rank_order(const std::vector<Call>& calls, size_t count, unsigned char* out, Combine combine) {
+  std::memcpy(out, calls[0].send, count * sizeof(T));
+  for (size_t k = 1; k < calls.size(); ++k) {
+    const auto* in = static_cast<const unsigned char*>(calls[k].send);
+    for (size_t i = 0; i < count; ++i) {
+      T acc;
+      T v;
+      std::memcpy(&acc, out + i * sizeof(T), sizeof(T));
+      std::memcpy(&v, in + i * sizeof(T), sizeof(T));
+      acc = combine(acc, v);
+      std::memcpy(out + i * sizeof(T), &acc, sizeof(T));
+    }
+  }
+}
+
+template <typename T>
+void reduce(const std::vector<Call>& calls, size_t count, ReduceOp op, unsigned char* out) {
+  if (op == ReduceOp::kSum) {
+    // In T: float sums round at every step, u32 sums wrap.
+    reduce_in_rank_order<T>(calls, count, out, [](T a, T b) { return static_cast<T>(a + b); });
+  } else {
+    reduce_in_rank_order<T>(calls, count, out, larger<T>);
+  }
+}
+
+// Rank `rank`'s result of `call`, read from every rank's posted buffers into `out` (private).
+void compute_result(const std::vector<Call>& calls, int32_t rank, const Call& call, unsigned char* out) noexcept {
+  const size_t bytes = call.size;
+  switch (call.what) {
+    case Collective::kAllReduce:
+      switch (call.type) {
+        case ElemType::kF32:
+          reduce<float>(calls, call.size, call.op, out);
+          break;
+        case ElemType::kF64:
+          reduce<double>(calls, call.size, call.op, out);
+          break;
+        case ElemType::kU32:
+          reduce<uint32_t>(calls, call.size, call.op, out);
+          break;
+      }
+      break;
+    case Collective::kAllGather:
+      for (size_t k = 0; k < calls.size(); ++k) std::memcpy(out + k * bytes, calls[k].send, bytes);
+      break;
+    case Collective::kAllToAll:
+      for (size_t k = 0; k < calls.size(); ++k) {
+        std::memcpy(out + k * bytes,
+                    static_cast<const unsigned char*>(calls[k].send) + static_cast<size_t>(rank) * bytes, bytes);
+      }
+      break;
+    case Collective::kBarrier:
+      break;
+  }
+}
+
+enum class Failure { kNone, kAborted, kDeparted, kMismatch, kRankFailed };
+
+// What the ranks' transports share. Everything is guarded by `mutex`, except that between a
+// collective's two barriers every rank reads calls[k] and rank k's buffers unlocked: rank k is
+// inside the collective until the second barrier, so neither changes.
+struct Group {
+  explicit Group(int32_t n) : size(n), calls(static_cast<size_t>(n)) {}
+
+  const int32_t size;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::vector<Call> calls;  // calls[k]: rank k's current call
+  int32_t arrived = 0;      // ranks waiting at the current barrier
+  uint64_t generation = 0;  // barriers completed: a waiter goes on when it moves
+  Failure failure = Failure::kNone;
+  int32_t failed_rank = -1;     // kDeparted, kRankFailed, kMismatch (the rank that differs)
+  std::string failure_message;  // kMismatch, kRankFailed; empty when it could not be built
+};
+
+// Only the first failure is kept: it is the cause, what follows (ranks leaving on the error) is not.
+void record_failure(Group& g, Failure failure, int32_t rank, std::string message) noexcept {
+  if (g.failure != Failure::kNone) return;
+  g.failure = failure;
+  g.failed_rank = rank;
+  g.failure_message = std::move(message);
+  g.changed.notify_all();
+}
+
+// Why `rank` cannot go on: waiting in `call` (`waited`), calling it, or in check() (`call` NULL).
+std::string failure_reason(const Group& g, int32_t rank, const Call* call, bool waited) {
+  std::ostringstream os;
+  switch (g.failure) {
+    case Failure::kNone:
+      break;
+    case Failure::kMismatch:
+      // A rank waiting in the mismatched collective gets the message alone: it names its call.
+      if (call != nullptr && !waited) os << "rank " << rank << " called " << describe(*call) << " after ";
+      if (g.failure_message.empty()) {
+        os << "collective mismatch: rank " << g.failed_rank << " called another collective than rank 0";
+      }
+      os << g.failure_message;
+      return os.str();
+    case Failure::kAborted:
+      os << "the communicator was aborted (fp8_comm_abort)";
+      break;
+    case Failure::kDeparted:
+      os << "rank " << g.failed_rank << " left the group (its communicator was destroyed)";
+      break;
+    case Failure::kRankFailed:
+      os << "rank " << g.failed_rank << " could not take part in a collective";
+      if (!g.failure_message.empty()) os << " (" << g.failure_message << ")";
+      break;
+  }
+  if (call != nullptr && waited) os << " while rank " << rank << " waited in " << describe(*call);
+  if (call != nullptr && !waited) os << " before rank " << rank << " called " << describe(*call);
+  return os.str();
+}
+
+// The first rank whose call differs from rank 0's, or 0 when every rank posted the same call.
+size_t first_mismatched_rank(const std::vector<Call>& calls) noexcept {
+  for (size_t k = 1; k < calls.size(); ++k) {
+    if (!same_call(calls[k], calls[0])) return k;
+  }
+  return 0;
+}
+
+// Empty when it cannot be built: failure_reason then says less, but every rank is still released.
+std::string mismatch_message(const std::vector<Call>& calls, size_t rank) noexcept {
+  try {
+    std::ostringstream os;
+    os << "collective mismatch: rank " << rank << " called " << describe(calls[rank]) << " while rank 0 called "
+       << describe(calls[0]) << "; every rank must call the same collectives in the same order";
+    return os.str();
+  } catch (...) {
+    return {};
+  }
+}
+
+class LocalTransport final : public Transport {
+ public:
+  LocalTransport(std::shared_ptr<Group> group, int32_t rank) : group_(std::move(group)), rank_(rank) {}
+  LocalTransport(const LocalTransport&) = delete;
+  LocalTransport& operator=(const LocalTransport&) = delete;
+
+  // Leaving: the others, waiting for this rank or calling later, fail instead of waiting forever.
+  ~LocalTransport() override {
+    std::lock_guard<std::mutex> lock(group_->mutex);
+    record_failure(*group_, Failure::kDeparted, rank_, {});
+  }
+
+  int32_t rank() const override { return rank_; }
+  int32_t size() const override { return group_->size; }
+  const char* kind() const override { return "local"; }
+
+  void all_reduce(void* buf, size_t count, ElemType type, ReduceOp op) override {
+    run({Collective::kAllReduce, type, op, count, buf, buf});
+  }
+  void all_gather(const void* send, void* recv, size_t bytes) override {
+    run({Collective::kAllGather, ElemType::kF32, ReduceOp::kSum, bytes, send, recv});
+  }
+  void all_to_all(const void* send, void* recv, size_t bytes) override {
+    run({Collective::kAllToAll, ElemType::kF32, ReduceOp::kSum, bytes, send, recv});
+  }
+  void barrier() override { run({}); }
+
+  void abort() noexcept override {
+    std::lock_guard<std::mutex> lock(group_->mutex);
+    record_failure(*group_, Failure::kAborted, -1, {});
+  }
+
+  void check() override {
+    std::lock_guard<std::mutex> lock(group_->mutex);
+    if (group_->failure != Failure::kNone) fail(FP8_ERR_NCCL, failure_reason(*group_, rank_, nullptr, false));
+  }
+
+ private:
+  // Posts `call`, waits until every rank has posted the same, computes this rank's result into a
+  // private buffer, waits until every rank has read, then writes the result.
+  void run(const Call& call) {
+    Group& g = *group_;
+    std::vector<unsigned char> result;
+    try {
+      // Before posting, so that nothing can fail once the others may read this rank's buffers.
+      result.resize(result_bytes(call, g.size));
+    } catch (const std::exception& e) {
+      fail_before_posting(call, e.what());
+      throw;
+    }
+
+    std::unique_lock<std::mutex> lock(g.mutex);
+    if (g.failure != Failure::kNone) fail(FP8_ERR_NCCL, failure_reason(g, rank_, &call, false));
+    const uint64_t posted = g.generation;
+    g.calls[static_cast<size_t>(rank_)] = call;
+    if (++g.arrived == g.size) {
+      const size_t mismatched = first_mismatched_rank(g.calls);
+      if (mismatched == 0) {
+        g.arrived = 0;
+        ++g.generation;
+        g.changed.notify_all();
+      } else {
+        record_failure(g, Failure::kMismatch, static_cast<int32_t>(mismatched), mismatch_message(g.calls, mismatched));
+      }
+    } else {
+      g.changed.wait(lock, [&] { return g.generation != posted || g.failure != Failure::kNone; });
+    }
+    if (g.generation == posted) {  // released by a failure, not by the last rank to post
+      --g.arrived;
+      fail(FP8_ERR_NCCL, failure_reason(g, rank_, &call, true));
+    }
+    if (result.empty()) return;
+
+    lock.unlock();
+    compute_result(g.calls, rank_, call, result.data());
+    lock.lock();
+    // No failure releases this wait: a rank leaving it could free a buffer another still reads.
+    // It is bounded, as every rank is past the first barrier and only computing.
+    const uint64_t read = g.generation;
+    if (++g.arrived == g.size) {
+      g.arrived = 0;
+      ++g.generation;
+      g.changed.notify_all();
+    } else {
+      g.changed.wait(lock, [&] { return g.generation != read; });
+    }
+    lock.unlock();
+    std::memcpy(call.recv, result.data(), result.size());
+  }
+
+  // A rank that throws before posting would leave the others waiting for it: fail them too.
+  void fail_before_posting(const Call& call, const char* what) noexcept {
+    std::string message;
+    try {
+      message = describe(call) + ": " + what;
+    } catch (...) {
+      // failure_reason names the rank without the details
+    }
+    std::lock_guard<std::mutex> lock(group_->mutex);
+    record_failure(*group_, Failure::kRankFailed, rank_, std::move(message));
+  }
+
+  std::shared_ptr<Group> group_;
+  int32_t rank_;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Transport>> make_local_group(int32_t nranks) {
+  if (nranks < 1) fail(FP8_ERR_INVALID_ARGUMENT, "a local group needs at least one rank, got ", nranks);
+  auto group = std::make_shared<Group>(nranks);
+  std::vector<std::unique_ptr<Transport>> ranks;
+  ranks.reserve(static_cast<size_t>(nranks));
+  for (int32_t r = 0; r < nranks; ++r) ranks.push_back(std::make_unique<LocalTransport>(group, r));
+  return ranks;
+}
+
+}  // namespace fp8::dist

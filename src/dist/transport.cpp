@@ -1,0 +1,31 @@
+#include "dist/transport.hpp"
+
+#include "core/error.hpp"
+
+namespace fp8::dist {
+
+const char* elem_type_name(ElemType t) {
+  switch (t) {
+    case ElemType::kF32:
+      return "f32";
+    case ElemType::kF64:
+      return "f64";
+    case ElemType::kU32:
+      return "u32";
+  }
+  return "unknown";  // a value cast from outside the enum: named in messages, refused by elem_size
+}
+
+size_t elem_size(ElemType t) {
+  switch (t) {
+    case ElemType::kF32:
+      return 4;
+    case ElemType::kF64:
+      return 8;
+    case ElemType::kU32:
+      return 4;
+  }
+  fail(FP8_ERR_INVALID_ARGUMENT, "unknown collective element type ", static_cast<int32_t>(t));
+}
+
+}  // namespace fp8::dist
