@@ -1039,10 +1039,11 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *  - fp8_comm_create: one process per GPU, on one host or many. One rank calls fp8_comm_get_id and
  *    the launcher hands the id to every rank (a file, MPI, torchrun's store); each rank then calls
  *    fp8_comm_create with its rank, which waits until all nranks have joined (ncclCommInitRank).
- *  - fp8_comm_create_local: every rank inside this process, made at once. CUDA contexts of
- *    different devices (one rank per GPU; NCCL refuses two ranks on one GPU), or CPU contexts, whose
- *    ranks are joined by libfp8's in-process transport: each rank's calls then come from its own
- *    thread. The in-process transport runs the same data-parallel code without a GPU (tests,
+ *  - fp8_comm_create_local: every rank inside this process, made at once, each rank's calls then
+ *    coming from its own thread. CUDA contexts each on a GPU of its own are joined by NCCL
+ *    (ncclCommInitAll). CPU contexts, and CUDA contexts sharing a GPU (which NCCL refuses), are
+ *    joined by libfp8's in-process transport, the latter through host memory (slow: for testing
+ *    multi-rank code on one GPU). It runs the same data-parallel code without a GPU (tests,
  *    debugging on a laptop) and also reports ranks that call different collectives.
  *  - fp8_comm_wrap_nccl: an NCCL communicator the application already has, borrowed (libfp8 never
  *    destroys it); it must be on the context's device.
@@ -1102,9 +1103,9 @@ FP8_API fp8_status_t fp8_comm_get_id(fp8_comm_id_t *id);
  *  every rank has joined. CUDA contexts only (CPU ranks are joined by fp8_comm_create_local). */
 FP8_API fp8_status_t fp8_comm_create(fp8_comm_t **out, fp8_context_t *ctx, int32_t nranks, int32_t rank,
                                      const fp8_comm_id_t *id);
-/** Makes `nranks` communicators of one group at once: comms[k] is rank k on ctxs[k]. All contexts are
- *  CUDA contexts of different devices, or all CPU contexts (the in-process transport). All or
- *  nothing: on failure every comms[k] is NULL. */
+/** Makes `nranks` communicators of one group at once: comms[k] is rank k on ctxs[k] (all CUDA or all
+ *  CPU contexts, each a different one; see above for the transport). All or nothing: on failure
+ *  every comms[k] is NULL. */
 FP8_API fp8_status_t fp8_comm_create_local(fp8_comm_t **comms, fp8_context_t *const *ctxs, int32_t nranks);
 struct ncclComm;
 /** Borrows the application's NCCL communicator `nccl` (it stays the application's: destroy it after

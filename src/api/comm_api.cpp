@@ -68,17 +68,17 @@ FP8_API fp8_status_t fp8_comm_create_local(fp8_comm_t** comms, fp8_context_t* co
       const bool cpu = device == FP8_DEVICE_CPU;
       if (cpu != (backends.front()->device() == FP8_DEVICE_CPU))
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is a ", cpu ? "CPU" : "CUDA", " context but ctxs[0] is not; ",
-                  "expected all CUDA contexts (one rank per GPU) or all CPU contexts (the in-process transport)");
-      if (!cpu && !devices.insert(device).second)
-        fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is on device ", device,
-                  " like an earlier context; expected one rank per GPU (NCCL refuses two ranks on one GPU)");
-      for (int32_t j = 0; j < k && cpu; ++j)
+                  "expected all CUDA contexts or all CPU contexts");
+      if (!cpu) devices.insert(device);
+      for (int32_t j = 0; j < k; ++j)
         if (ctxs[j] == ctxs[k])
           fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is ctxs[", j, "]; expected one context per rank");
     }
+    // NCCL when every rank has a GPU of its own; else the in-process transport (through the host
+    // for CUDA contexts sharing a GPU, which NCCL refuses).
+    const bool nccl = devices.size() == static_cast<size_t>(nranks);
     std::vector<std::unique_ptr<fp8::dist::Transport>> transports =
-        backends.front()->device() == FP8_DEVICE_CPU ? fp8::dist::make_local_group(nranks)
-                                                     : fp8::dist::nccl_join_all(backends);
+        nccl ? fp8::dist::nccl_join_all(backends) : fp8::dist::make_local_group(backends);
     std::vector<std::unique_ptr<fp8_comm>> made;
     for (int32_t k = 0; k < nranks; ++k) made.emplace_back(make_comm(backends[k], std::move(transports[k])));
     for (int32_t k = 0; k < nranks; ++k) comms[k] = made[k].release();

@@ -16,7 +16,7 @@ namespace fp8::dist {
 
 namespace {
 
-enum class Collective : int32_t { kAllReduce, kAllGather, kAllToAll, kBarrier };
+enum class Collective : int32_t { kAllReduce, kAllGather, kAllToAll, kBroadcast, kBarrier };
 
 // One rank's call as posted to the group: what it is (compared across ranks) and its buffers.
 struct Call {
@@ -26,6 +26,7 @@ struct Call {
   size_t size = 0;                 // elements for all_reduce, bytes (per rank) otherwise
   const void* send = nullptr;
   void* recv = nullptr;
+  int32_t root = 0;  // broadcast only
 };
 
 const char* op_name(ReduceOp op) {
@@ -51,6 +52,9 @@ std::string describe(const Call& call) {
     case Collective::kAllToAll:
       os << "all_to_all(" << call.size << " bytes per rank)";
       break;
+    case Collective::kBroadcast:
+      os << "broadcast(" << call.size << " bytes from rank " << call.root << ")";
+      break;
     case Collective::kBarrier:
       os << "barrier()";
       break;
@@ -59,7 +63,7 @@ std::string describe(const Call& call) {
 }
 
 bool same_call(const Call& a, const Call& b) {
-  if (a.what != b.what || a.size != b.size) return false;
+  if (a.what != b.what || a.size != b.size || a.root != b.root) return false;
   return a.what != Collective::kAllReduce || (a.type == b.type && a.op == b.op);
 }
 
@@ -90,6 +94,11 @@ size_t result_bytes(const Call& call, int32_t nranks) {
         require_arg(call.recv, "recv");
       }
       return bytes;
+    case Collective::kBroadcast:
+      if (call.root < 0 || call.root >= nranks)
+        fail(FP8_ERR_INVALID_ARGUMENT, describe(call), ": root must be 0 .. ", nranks - 1);
+      if (call.size > 0) require_arg(call.recv, "buf");
+      return call.size;
     case Collective::kBarrier:
       return 0;
   }
@@ -160,6 +169,9 @@ void compute_result(const std::vector<Call>& calls, int32_t rank, const Call& ca
         std::memcpy(out + k * bytes,
                     static_cast<const unsigned char*>(calls[k].send) + static_cast<size_t>(rank) * bytes, bytes);
       }
+      break;
+    case Collective::kBroadcast:
+      std::memcpy(out, calls[static_cast<size_t>(call.root)].send, bytes);
       break;
     case Collective::kBarrier:
       break;
@@ -246,7 +258,9 @@ std::string mismatch_message(const std::vector<Call>& calls, size_t rank) noexce
 
 class LocalTransport final : public Transport {
  public:
-  LocalTransport(std::shared_ptr<Group> group, int32_t rank) : group_(std::move(group)), rank_(rank) {}
+  // `device`: the rank's CUDA backend, whose buffers are staged through the host; nullptr: host buffers.
+  LocalTransport(std::shared_ptr<Group> group, int32_t rank, std::shared_ptr<Backend> device)
+      : group_(std::move(group)), rank_(rank), device_(std::move(device)) {}
   LocalTransport(const LocalTransport&) = delete;
   LocalTransport& operator=(const LocalTransport&) = delete;
 
@@ -269,6 +283,11 @@ class LocalTransport final : public Transport {
   void all_to_all(const void* send, void* recv, size_t bytes) override {
     run({Collective::kAllToAll, ElemType::kF32, ReduceOp::kSum, bytes, send, recv});
   }
+  void broadcast(void* buf, size_t bytes, int32_t root) override {
+    Call call{Collective::kBroadcast, ElemType::kF32, ReduceOp::kSum, bytes, buf, buf};
+    call.root = root;
+    run(call);
+  }
   void barrier() override { run({}); }
 
   void abort() noexcept override {
@@ -285,6 +304,32 @@ class LocalTransport final : public Transport {
   // Posts `call`, waits until every rank has posted the same, computes this rank's result into a
   // private buffer, waits until every rank has read, then writes the result.
   void run(const Call& call) {
+    if (!device_) return run_host(call);
+    // Device buffers: the rank's queued work first, then the collective over host copies.
+    Call host = call;
+    const size_t in_bytes = send_bytes(call, group_->size);
+    std::vector<unsigned char> send(in_bytes), recv(result_bytes(call, group_->size));
+    device_->synchronize();
+    if (in_bytes) device_->copy_to_host(send.data(), call.send, in_bytes);
+    host.send = send.data();
+    host.recv = recv.data();
+    run_host(host);
+    if (!recv.empty()) device_->copy_from_host(call.recv, recv.data(), recv.size());
+  }
+
+  // The bytes `call` reads from this rank's send buffer.
+  static size_t send_bytes(const Call& call, int32_t nranks) {
+    switch (call.what) {
+      case Collective::kAllReduce: return call.size * elem_size(call.type);
+      case Collective::kAllToAll: return call.size * static_cast<size_t>(nranks);
+      case Collective::kAllGather:
+      case Collective::kBroadcast: return call.size;
+      case Collective::kBarrier: return 0;
+    }
+    return 0;
+  }
+
+  void run_host(const Call& call) {
     Group& g = *group_;
     std::vector<unsigned char> result;
     try {
@@ -348,6 +393,7 @@ class LocalTransport final : public Transport {
 
   std::shared_ptr<Group> group_;
   int32_t rank_;
+  std::shared_ptr<Backend> device_;
 };
 
 }  // namespace
@@ -357,7 +403,19 @@ std::vector<std::unique_ptr<Transport>> make_local_group(int32_t nranks) {
   auto group = std::make_shared<Group>(nranks);
   std::vector<std::unique_ptr<Transport>> ranks;
   ranks.reserve(static_cast<size_t>(nranks));
-  for (int32_t r = 0; r < nranks; ++r) ranks.push_back(std::make_unique<LocalTransport>(group, r));
+  for (int32_t r = 0; r < nranks; ++r) ranks.push_back(std::make_unique<LocalTransport>(group, r, nullptr));
+  return ranks;
+}
+
+std::vector<std::unique_ptr<Transport>> make_local_group(const std::vector<std::shared_ptr<Backend>>& backends) {
+  const auto nranks = static_cast<int32_t>(backends.size());
+  if (nranks < 1) fail(FP8_ERR_INVALID_ARGUMENT, "a local group needs at least one rank, got ", nranks);
+  auto group = std::make_shared<Group>(nranks);
+  std::vector<std::unique_ptr<Transport>> ranks;
+  for (int32_t r = 0; r < nranks; ++r) {
+    const auto& b = backends[static_cast<size_t>(r)];
+    ranks.push_back(std::make_unique<LocalTransport>(group, r, b->device() == FP8_DEVICE_CPU ? nullptr : b));
+  }
   return ranks;
 }
 

@@ -18,18 +18,25 @@
 //   reason; so does a rank failing before it could take part (a NULL buffer, an allocation). A
 //   collective that every rank had already joined when that happens still completes.
 // - A failed group stays failed, the first failure being the reason given (as NCCL after an abort).
+// - Ranks on CUDA contexts (several on one GPU, which NCCL refuses) take part through host memory:
+//   each collective waits for the rank's stream, copies its buffers to the host and the result back.
+//   Slow, and meant for testing multi-rank code on one GPU.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "backend/backend.hpp"
 #include "dist/transport.hpp"
 
 namespace fp8::dist {
 
 // A group of `nranks` (>= 1) ranks; element k is rank k's transport. Destroying one means that rank
 // left the group. The transports share the group, so they may be destroyed in any order.
+// With `backends` (one per rank), the buffers are memory of rank k's backend: a CUDA backend's are
+// staged through the host.
 std::vector<std::unique_ptr<Transport>> make_local_group(int32_t nranks);
+std::vector<std::unique_ptr<Transport>> make_local_group(const std::vector<std::shared_ptr<Backend>>& backends);
 
 }  // namespace fp8::dist

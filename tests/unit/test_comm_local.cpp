@@ -275,6 +275,31 @@ TEST(CommLocal, all_gather_in_place) {
   }
 }
 
+TEST(CommLocal, broadcast_gives_every_rank_the_roots_bytes) {
+  constexpr size_t kBytes = 11;
+  for (int32_t n = 1; n <= 4; ++n) {
+    for (int32_t root = 0; root < n; ++root) {
+      const Group group = make_local_group(n);
+      std::vector<std::vector<unsigned char>> bufs(static_cast<size_t>(n));
+      run_ranks(group, [&](int32_t rank, Transport& t) {
+        auto& buf = bufs[static_cast<size_t>(rank)];
+        for (size_t j = 0; j < kBytes; ++j) buf.push_back(gather_byte(rank, j));
+        t.broadcast(buf.data(), kBytes, root);
+      });
+      for (const auto& buf : bufs)
+        for (size_t j = 0; j < kBytes; ++j) ASSERT_EQ(buf[j], gather_byte(root, j)) << n << " ranks, root " << root;
+    }
+  }
+  // A different root on one rank is a mismatch, reported on every rank.
+  const Group group = make_local_group(2);
+  std::vector<std::string> errors(2);
+  run_ranks(group, [&](int32_t rank, Transport& t) {
+    unsigned char b[4] = {1, 2, 3, 4};
+    errors[static_cast<size_t>(rank)] = nccl_error_of([&] { t.broadcast(b, sizeof b, rank); });
+  });
+  for (const std::string& e : errors) EXPECT_TRUE(contains(e, "mismatch")) << e;
+}
+
 TEST(CommLocal, all_to_all_delivers_piece_rank_of_every_sender) {
   constexpr size_t kBytes = 5;
   for (int32_t n = 1; n <= 4; ++n) {

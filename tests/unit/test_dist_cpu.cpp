@@ -13,147 +13,12 @@
 #include <future>
 #include <thread>
 
-#include "fp8_test_util.hpp"
+#include "dist_cases.hpp"
 
 using namespace fp8test;
+using namespace fp8test::dist_cases;
 
 namespace {
-
-constexpr int64_t kIn = 32, kHidden = 64, kOut = 16, kRows = 32;
-
-struct CommDeleter {
-  void operator()(fp8_comm_t* c) const { fp8_comm_destroy(c); }
-};
-using Comm = std::unique_ptr<fp8_comm_t, CommDeleter>;
-
-// Runs fn(rank) on one thread per rank and waits for all of them (at most 60 s: a hang fails).
-void on_ranks(int n, const std::function<void(int)>& fn) {
-  std::vector<std::future<void>> done;
-  for (int r = 0; r < n; ++r) done.push_back(std::async(std::launch::async, fn, r));
-  for (auto& f : done) ASSERT_EQ(f.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "a rank hangs";
-  for (auto& f : done) f.get();
-}
-
-// One rank: its context, model and optimizer, and its end of the group.
-struct Rank {
-  Context ctx = make_context(FP8_DEVICE_CPU);
-  Model model;
-  Optimizer opt;
-  Comm comm;
-};
-
-// fc1 (in -> hidden, bias), gelu, fc2 (hidden -> out, bias), with weights from `seed`, converted
-// with `recipe` (nullptr: not converted) and trained in FP8 by the autowrap.
-Model build_model(fp8_context_t* ctx, const char* recipe, uint32_t seed, int64_t hidden = kHidden) {
-  Model m = make_model(ctx);
-  EXPECT_OK(fp8_model_add_linear(m.get(), "fc1", kIn, hidden, 1, nullptr));
-  EXPECT_OK(fp8_model_add_activation(m.get(), "act", FP8_ACTIVATION_GELU, nullptr));
-  EXPECT_OK(fp8_model_add_linear(m.get(), "fc2", hidden, kOut, 1, nullptr));
-  int32_t count = 0;
-  EXPECT_OK(fp8_model_parameter_count(m.get(), &count));
-  for (int32_t i = 0; i < count; ++i) {
-    fp8_tensor_t* v = nullptr;
-    EXPECT_OK(fp8_model_parameter_at(m.get(), i, nullptr, &v, nullptr));
-    int64_t n = 0;
-    fp8_tensor_numel(v, &n);
-    upload(v, randn(static_cast<size_t>(n), seed * 100 + static_cast<uint32_t>(i), 0.2f));
-  }
-  if (recipe) {
-    Recipe r = make_recipe(recipe);
-    EXPECT_OK(fp8_convert_model(m.get(), r.get(), nullptr));
-    EXPECT_OK(fp8_model_set_autowrap(m.get(), 1));
-  }
-  return m;
-}
-
-// A group of n ranks on CPU contexts, each with its own model (rank k built from seed k + 1, so
-// set_comm has something to broadcast), data-parallel, with an optimizer of `kind`.
-struct Group {
-  std::vector<Rank> ranks;
-  Group(int n, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM, float max_grad_norm = 0.0f)
-      : ranks(static_cast<size_t>(n)) {
-    std::vector<fp8_context_t*> ctxs;
-    for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
-    std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
-    EXPECT_OK(fp8_comm_create_local(comms.data(), ctxs.data(), n));
-    for (int k = 0; k < n; ++k) {
-      ranks[k].comm.reset(comms[k]);
-      ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
-    }
-    on_ranks(n, [&](int k) {
-      Rank& r = ranks[k];
-      EXPECT_OK(fp8_model_set_comm(r.model.get(), r.comm.get()));
-      fp8_optimizer_t* o = nullptr;
-      EXPECT_OK(fp8_optimizer_create(&o, r.model.get(), kind));
-      r.opt.reset(o);
-      EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_LR, kind == FP8_OPTIMIZER_SGD ? 0.05 : 0.01));
-      if (max_grad_norm > 0.0f) EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MAX_GRAD_NORM, max_grad_norm));
-    });
-  }
-  int size() const { return static_cast<int>(ranks.size()); }
-};
-
-std::vector<float> batch_x(int step, int rank) { return randn(kRows * kIn, 7000u + 97u * step + rank, 1.0f); }
-std::vector<float> batch_dy(int step, int rank) {
-  return randn(kRows * kOut, 9000u + 97u * step + rank, 0.05f + 0.05f * rank);
-}
-
-// One forward and backward of `rows` rows of x and dy (accumulating into the gradients).
-void forward_backward(fp8_context_t* ctx, fp8_model_t* m, const std::vector<float>& x, const std::vector<float>& dy) {
-  const int64_t rows = static_cast<int64_t>(x.size()) / kIn;
-  Tensor tx = make_tensor(ctx, FP8_DTYPE_F32, {rows, kIn});
-  Tensor ty = make_tensor(ctx, FP8_DTYPE_F32, {rows, kOut});
-  Tensor tdy = make_tensor(ctx, FP8_DTYPE_F32, {rows, kOut});
-  upload(tx.get(), x);
-  upload(tdy.get(), dy);
-  EXPECT_OK(fp8_model_forward(m, tx.get(), ty.get()));
-  EXPECT_OK(fp8_model_backward(m, tdy.get(), nullptr));
-}
-
-void train_step(Rank& r, int step, int rank) {
-  forward_backward(r.ctx.get(), r.model.get(), batch_x(step, rank), batch_dy(step, rank));
-  EXPECT_OK(fp8_optimizer_step(r.opt.get()));
-  EXPECT_OK(fp8_optimizer_zero_grad(r.opt.get()));
-}
-
-// The bytes of every flat storage arena (values, gradients, masters) and of every scaling state
-// (scale, history): what must be identical on every rank.
-std::vector<unsigned char> state_bytes(fp8_model_t* m, bool grads) {
-  std::vector<unsigned char> out;
-  const fp8_storage_role_t roles[] = {FP8_STORAGE_VALUES, FP8_STORAGE_MASTERS, FP8_STORAGE_GRADS};
-  for (fp8_storage_role_t role : roles) {
-    if (role == FP8_STORAGE_GRADS && !grads) continue;
-    for (fp8_dtype_t dt : {FP8_DTYPE_F32, FP8_DTYPE_F16, FP8_DTYPE_E4M3, FP8_DTYPE_E5M2}) {
-      void* data = nullptr;
-      size_t bytes = 0;
-      EXPECT_OK(fp8_model_flat_storage(m, role, dt, &data, &bytes));
-      const auto* p = static_cast<const unsigned char*>(data);  // host memory on a CPU context
-      out.insert(out.end(), p, p + bytes);
-    }
-  }
-  for (int32_t layer : {0, 2})
-    for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
-      fp8_scaling_t* s = nullptr;
-      EXPECT_OK(fp8_layer_get_scaling(m, layer, slot, &s));
-      if (!s) continue;
-      const fp8_scaling_info_t info = info_of(s);
-      std::vector<float> history(static_cast<size_t>(info.amax_history_len));
-      EXPECT_OK(fp8_scaling_get_history(s, history.data(), info.amax_history_len));
-      const auto* a = reinterpret_cast<const unsigned char*>(&info.scale);
-      out.insert(out.end(), a, a + sizeof info.scale);
-      const auto* h = reinterpret_cast<const unsigned char*>(history.data());
-      out.insert(out.end(), h, h + history.size() * sizeof(float));
-    }
-  return out;
-}
-
-fp8_optimizer_stats_t stats_of(const fp8_optimizer_t* o) {
-  fp8_optimizer_stats_t s;
-  fp8_optimizer_stats_init(&s);
-  EXPECT_OK(fp8_optimizer_get_stats(o, &s));
-  return s;
-}
-
 struct LevelCase {
   const char* name;
   const char* recipe;  // nullptr: not converted (FP32 everything)
@@ -180,28 +45,28 @@ TEST_P(DataParallelLevels, EveryRankHoldsTheSameBitsAfterEveryStep) {
   Group g(n, c.recipe, c.kind, c.max_grad_norm);
   // set_comm started every rank from rank 0's model (each was built from its own seed).
   for (int k = 1; k < n; ++k)
-    ASSERT_EQ(state_bytes(g.ranks[k].model.get(), true), state_bytes(g.ranks[0].model.get(), true)) << "rank " << k;
-  const std::vector<unsigned char> initial = state_bytes(g.ranks[0].model.get(), false);
+    ASSERT_EQ(state_bytes(g.ranks[k], true), state_bytes(g.ranks[0], true)) << "rank " << k;
+  const std::vector<unsigned char> initial = state_bytes(g.ranks[0], false);
   for (int step = 0; step < 3; ++step) {
     on_ranks(n, [&](int k) {
       Rank& r = g.ranks[k];
       forward_backward(r.ctx.get(), r.model.get(), batch_x(step, k), batch_dy(step, k));
     });
     // Each rank's own data gave it its own gradients (so the exchange has work to do) ...
-    EXPECT_NE(state_bytes(g.ranks[1].model.get(), true), state_bytes(g.ranks[0].model.get(), true));
+    EXPECT_NE(state_bytes(g.ranks[1], true), state_bytes(g.ranks[0], true));
     on_ranks(n, [&](int k) {
       EXPECT_OK(fp8_optimizer_step(g.ranks[k].opt.get()));
       EXPECT_OK(fp8_optimizer_zero_grad(g.ranks[k].opt.get()));
     });
     // ... and after the step every rank holds the same weights, masters and scales.
-    const std::vector<unsigned char> want = state_bytes(g.ranks[0].model.get(), true);
+    const std::vector<unsigned char> want = state_bytes(g.ranks[0], true);
     for (int k = 1; k < n; ++k)
-      ASSERT_EQ(state_bytes(g.ranks[k].model.get(), true), want) << c.name << ", rank " << k << ", step " << step;
+      ASSERT_EQ(state_bytes(g.ranks[k], true), want) << c.name << ", rank " << k << ", step " << step;
     const fp8_optimizer_stats_t s0 = stats_of(g.ranks[0].opt.get());
     EXPECT_EQ(s0.steps, step + 1);
     for (int k = 1; k < n; ++k) EXPECT_EQ(stats_of(g.ranks[k].opt.get()).last_grad_norm, s0.last_grad_norm);
   }
-  EXPECT_NE(state_bytes(g.ranks[0].model.get(), false), initial) << "the steps changed nothing";
+  EXPECT_NE(state_bytes(g.ranks[0], false), initial) << "the steps changed nothing";
 }
 
 INSTANTIATE_TEST_SUITE_P(Levels, DataParallelLevels, ::testing::Combine(::testing::ValuesIn(kLevels),
@@ -288,13 +153,6 @@ TEST(DataParallelFp32, AveragedGradientsEqualMicroBatchAccumulation) {
 
 // ---- the FP8 exchange against float64 ----------------------------------------------------------------
 
-float decode_e5m2(uint8_t c) {  // E5M2 is the top byte of an IEEE half
-  const uint16_t h = static_cast<uint16_t>(c) << 8;
-  const int e = (h >> 10) & 31, m = h & 1023;
-  const double v = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
-  return static_cast<float>((h & 0x8000) ? -v : v);
-}
-
 // Round to the E5M2 grid (nearest even, saturating at 57344), exactly, in double.
 double round_e5m2(double v) {
   const double a = std::fabs(v);
@@ -366,7 +224,7 @@ TEST(DataParallelSkip, ANonFiniteGradientOnOneRankSkipsTheStepOnEveryRank) {
   for (const char* recipe : {static_cast<const char*>(nullptr), "backend=msamp, opt_level=O2, small_layer_fallback=0"}) {
     Group g(3, recipe);
     on_ranks(3, [&](int k) { train_step(g.ranks[k], 0, k); });
-    const std::vector<unsigned char> before = state_bytes(g.ranks[0].model.get(), false);
+    const std::vector<unsigned char> before = state_bytes(g.ranks[0], false);
     on_ranks(3, [&](int k) {
       Rank& r = g.ranks[k];
       forward_backward(r.ctx.get(), r.model.get(), batch_x(1, k), batch_dy(1, k));
@@ -383,7 +241,7 @@ TEST(DataParallelSkip, ANonFiniteGradientOnOneRankSkipsTheStepOnEveryRank) {
       const fp8_optimizer_stats_t s = stats_of(g.ranks[k].opt.get());
       EXPECT_EQ(s.last_skipped, 1) << "rank " << k;
       EXPECT_EQ(s.steps, 1) << "rank " << k;
-      EXPECT_EQ(state_bytes(g.ranks[k].model.get(), false), before) << "rank " << k;
+      EXPECT_EQ(state_bytes(g.ranks[k], false), before) << "rank " << k;
     }
   }
 }
@@ -401,17 +259,17 @@ TEST(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIde
   Group four(4, recipe);
   on_ranks(4, [&](int k) { train_step(four.ranks[k], 0, k); });
   on_ranks(4, [&](int k) { EXPECT_OK(fp8_checkpoint_save(four.ranks[k].model.get(), four.ranks[k].opt.get(), path.c_str(), 0)); });
-  const std::vector<unsigned char> saved = state_bytes(four.ranks[0].model.get(), false);
+  const std::vector<unsigned char> saved = state_bytes(four.ranks[0], false);
   for (int step = 1; step < 3; ++step) on_ranks(4, [&](int k) { train_step(four.ranks[k], step, k); });
-  const std::vector<unsigned char> trained = state_bytes(four.ranks[0].model.get(), false);
+  const std::vector<unsigned char> trained = state_bytes(four.ranks[0], false);
 
   for (int n : {4, 2, 1}) {
     Group g(n, recipe);
     on_ranks(n, [&](int k) { EXPECT_OK(fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str())); });
-    for (int k = 0; k < n; ++k) EXPECT_EQ(state_bytes(g.ranks[k].model.get(), false), saved) << n << " ranks, rank " << k;
+    for (int k = 0; k < n; ++k) EXPECT_EQ(state_bytes(g.ranks[k], false), saved) << n << " ranks, rank " << k;
     if (n == 4) {
       for (int step = 1; step < 3; ++step) on_ranks(4, [&](int k) { train_step(g.ranks[k], step, k); });
-      EXPECT_EQ(state_bytes(g.ranks[0].model.get(), false), trained);
+      EXPECT_EQ(state_bytes(g.ranks[0], false), trained);
     }
   }
   // A model without a communicator loads the same file.
@@ -419,7 +277,7 @@ TEST(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIde
   single.model = build_model(single.ctx.get(), recipe, 9);
   single.opt = make_optimizer(single.model.get(), FP8_OPTIMIZER_ADAM);
   EXPECT_OK(fp8_checkpoint_load(single.model.get(), single.opt.get(), path.c_str()));
-  EXPECT_EQ(state_bytes(single.model.get(), false), saved);
+  EXPECT_EQ(state_bytes(single, false), saved);
   // Gradients mid-accumulation are each rank's own: refused on every rank, nothing written.
   const std::string other = temp_path("grads.ckpt");
   std::remove(other.c_str());
@@ -429,7 +287,7 @@ TEST(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIde
   EXPECT_FALSE(std::filesystem::exists(other));
   // A file one rank cannot read fails the load on every rank, and every rank keeps rank 0's state.
   Group two(2, recipe);
-  const std::vector<unsigned char> before = state_bytes(two.ranks[0].model.get(), false);
+  const std::vector<unsigned char> before = state_bytes(two.ranks[0], false);
   std::vector<fp8_status_t> got(2);
   on_ranks(2, [&](int k) {
     got[k] = fp8_checkpoint_load(two.ranks[k].model.get(), two.ranks[k].opt.get(),
@@ -437,8 +295,8 @@ TEST(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIde
   });
   EXPECT_EQ(got[0], FP8_ERR_INVALID_STATE);
   EXPECT_EQ(got[1], FP8_ERR_IO);
-  EXPECT_EQ(state_bytes(two.ranks[1].model.get(), false), state_bytes(two.ranks[0].model.get(), false));
-  EXPECT_EQ(state_bytes(two.ranks[0].model.get(), false), saved) << "rank 0 loaded, so every rank holds the file's state";
+  EXPECT_EQ(state_bytes(two.ranks[1], false), state_bytes(two.ranks[0], false));
+  EXPECT_EQ(state_bytes(two.ranks[0], false), saved) << "rank 0 loaded, so every rank holds the file's state";
   (void)before;
   std::remove(path.c_str());
 }

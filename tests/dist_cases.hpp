@@ -1,0 +1,161 @@
+// Data-parallel test cases shared by the CPU suite (tests/unit/test_dist_cpu.cpp) and the GPU suite
+// (tests/gpu/gpu_dist.cpp): groups of ranks on threads, a small MLP, each rank's data, and the bytes
+// that must be identical on every rank.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <functional>
+#include <future>
+
+#include "fp8_test_util.hpp"
+
+namespace fp8test::dist_cases {
+
+constexpr int64_t kIn = 32, kHidden = 64, kOut = 16, kRows = 32;
+
+struct CommDeleter {
+  void operator()(fp8_comm_t* c) const { fp8_comm_destroy(c); }
+};
+using Comm = std::unique_ptr<fp8_comm_t, CommDeleter>;
+
+// Runs fn(rank) on one thread per rank and waits for all of them (at most 60 s: a hang fails).
+inline void on_ranks(int n, const std::function<void(int)>& fn) {
+  std::vector<std::future<void>> done;
+  for (int r = 0; r < n; ++r) done.push_back(std::async(std::launch::async, fn, r));
+  for (auto& f : done) ASSERT_EQ(f.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "a rank hangs";
+  for (auto& f : done) f.get();
+}
+
+// One rank: its context, model and optimizer, and its end of the group.
+struct Rank {
+  explicit Rank(int32_t device = FP8_DEVICE_CPU) : ctx(make_context(device)) {}
+  Context ctx;
+  Model model;
+  Optimizer opt;
+  Comm comm;
+};
+
+// fc1 (in -> hidden, bias), gelu, fc2 (hidden -> out, bias), with weights from `seed`, converted
+// with `recipe` (nullptr: not converted) and trained in FP8 by the autowrap.
+inline Model build_model(fp8_context_t* ctx, const char* recipe, uint32_t seed, int64_t hidden = kHidden) {
+  Model m = make_model(ctx);
+  EXPECT_OK(fp8_model_add_linear(m.get(), "fc1", kIn, hidden, 1, nullptr));
+  EXPECT_OK(fp8_model_add_activation(m.get(), "act", FP8_ACTIVATION_GELU, nullptr));
+  EXPECT_OK(fp8_model_add_linear(m.get(), "fc2", hidden, kOut, 1, nullptr));
+  int32_t count = 0;
+  EXPECT_OK(fp8_model_parameter_count(m.get(), &count));
+  for (int32_t i = 0; i < count; ++i) {
+    fp8_tensor_t* v = nullptr;
+    EXPECT_OK(fp8_model_parameter_at(m.get(), i, nullptr, &v, nullptr));
+    int64_t n = 0;
+    fp8_tensor_numel(v, &n);
+    upload(v, randn(static_cast<size_t>(n), seed * 100 + static_cast<uint32_t>(i), 0.2f));
+  }
+  if (recipe) {
+    Recipe r = make_recipe(recipe);
+    EXPECT_OK(fp8_convert_model(m.get(), r.get(), nullptr));
+    EXPECT_OK(fp8_model_set_autowrap(m.get(), 1));
+  }
+  return m;
+}
+
+// A group of n ranks, each with its own model (rank k built from seed k + 1, so
+// set_comm has something to broadcast), data-parallel, with an optimizer of `kind`.
+struct Group {
+  std::vector<Rank> ranks;
+  // Every rank on `device` (FP8_DEVICE_CPU, or one GPU: NCCL for one rank, else the in-process
+  // transport through the host).
+  Group(int n, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM, float max_grad_norm = 0.0f,
+        int32_t device = FP8_DEVICE_CPU) {
+    for (int k = 0; k < n; ++k) ranks.emplace_back(device);
+    std::vector<fp8_context_t*> ctxs;
+    for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
+    std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
+    EXPECT_OK(fp8_comm_create_local(comms.data(), ctxs.data(), n));
+    for (int k = 0; k < n; ++k) {
+      ranks[k].comm.reset(comms[k]);
+      ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
+    }
+    on_ranks(n, [&](int k) {
+      Rank& r = ranks[k];
+      EXPECT_OK(fp8_model_set_comm(r.model.get(), r.comm.get()));
+      fp8_optimizer_t* o = nullptr;
+      EXPECT_OK(fp8_optimizer_create(&o, r.model.get(), kind));
+      r.opt.reset(o);
+      EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_LR, kind == FP8_OPTIMIZER_SGD ? 0.05 : 0.01));
+      if (max_grad_norm > 0.0f) EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MAX_GRAD_NORM, max_grad_norm));
+    });
+  }
+  int size() const { return static_cast<int>(ranks.size()); }
+};
+
+inline std::vector<float> batch_x(int step, int rank) { return randn(kRows * kIn, 7000u + 97u * step + rank, 1.0f); }
+inline std::vector<float> batch_dy(int step, int rank) {
+  return randn(kRows * kOut, 9000u + 97u * step + rank, 0.05f + 0.05f * rank);
+}
+
+// One forward and backward of `rows` rows of x and dy (accumulating into the gradients).
+inline void forward_backward(fp8_context_t* ctx, fp8_model_t* m, const std::vector<float>& x, const std::vector<float>& dy) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / kIn;
+  Tensor tx = make_tensor(ctx, FP8_DTYPE_F32, {rows, kIn});
+  Tensor ty = make_tensor(ctx, FP8_DTYPE_F32, {rows, kOut});
+  Tensor tdy = make_tensor(ctx, FP8_DTYPE_F32, {rows, kOut});
+  upload(tx.get(), x);
+  upload(tdy.get(), dy);
+  EXPECT_OK(fp8_model_forward(m, tx.get(), ty.get()));
+  EXPECT_OK(fp8_model_backward(m, tdy.get(), nullptr));
+}
+
+inline void train_step(Rank& r, int step, int rank) {
+  forward_backward(r.ctx.get(), r.model.get(), batch_x(step, rank), batch_dy(step, rank));
+  EXPECT_OK(fp8_optimizer_step(r.opt.get()));
+  EXPECT_OK(fp8_optimizer_zero_grad(r.opt.get()));
+}
+
+// The bytes of every flat storage arena (values, gradients, masters) and of every scaling state
+// (scale, history): what must be identical on every rank.
+inline std::vector<unsigned char> state_bytes(const Rank& r, bool grads) {
+  fp8_model_t* m = r.model.get();
+  int32_t device = FP8_DEVICE_CPU;
+  EXPECT_OK(fp8_context_device(r.ctx.get(), &device));
+  std::vector<unsigned char> out;
+  const fp8_storage_role_t roles[] = {FP8_STORAGE_VALUES, FP8_STORAGE_MASTERS, FP8_STORAGE_GRADS};
+  for (fp8_storage_role_t role : roles) {
+    if (role == FP8_STORAGE_GRADS && !grads) continue;
+    for (fp8_dtype_t dt : {FP8_DTYPE_F32, FP8_DTYPE_F16, FP8_DTYPE_E4M3, FP8_DTYPE_E5M2}) {
+      void* data = nullptr;
+      size_t bytes = 0;
+      EXPECT_OK(fp8_model_flat_storage(m, role, dt, &data, &bytes));
+      const size_t at = out.size();
+      out.resize(at + bytes);
+      if (bytes && device == FP8_DEVICE_CPU) std::memcpy(out.data() + at, data, bytes);
+      if (bytes && device != FP8_DEVICE_CPU)
+        EXPECT_EQ(cudaMemcpy(out.data() + at, data, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+  }
+  for (int32_t layer : {0, 2})
+    for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
+      fp8_scaling_t* s = nullptr;
+      EXPECT_OK(fp8_layer_get_scaling(m, layer, slot, &s));
+      if (!s) continue;
+      const fp8_scaling_info_t info = info_of(s);
+      std::vector<float> history(static_cast<size_t>(info.amax_history_len));
+      EXPECT_OK(fp8_scaling_get_history(s, history.data(), info.amax_history_len));
+      const auto* a = reinterpret_cast<const unsigned char*>(&info.scale);
+      out.insert(out.end(), a, a + sizeof info.scale);
+      const auto* h = reinterpret_cast<const unsigned char*>(history.data());
+      out.insert(out.end(), h, h + history.size() * sizeof(float));
+    }
+  return out;
+}
+
+inline float decode_e5m2(uint8_t c) {  // E5M2 is the top byte of an IEEE half
+  const uint16_t h = static_cast<uint16_t>(c) << 8;
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const double v = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+  return static_cast<float>((h & 0x8000) ? -v : v);
+}
+
+}  // namespace fp8test::dist_cases
