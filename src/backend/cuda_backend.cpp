@@ -61,7 +61,8 @@ class CudaBackend final : public Backend {
     limits_ = {device, prop.multiProcessorCount};
     DeviceScope scope(device);
     gemm_ = std::make_unique<CublasLtGemm>(device);
-    cuda_check(cudaMalloc(reinterpret_cast<void**>(&scratch_), kScratchFloats * sizeof(float)), "cudaMalloc of the scratch buffer");
+    cuda_check(cudaMalloc(reinterpret_cast<void**>(&scratch_), kScratchFloats * sizeof(float)),
+               "cudaMalloc of the scratch buffer");
   }
   ~CudaBackend() override {
     DeviceScope scope(limits_.device, std::nothrow);
@@ -143,7 +144,8 @@ class CudaBackend final : public Backend {
       kernels::cast_transpose(job, limits_, stream_);  // column sums fused in
     } else {
       kernels::quantize(job, limits_, stream_);
-      if (job.dbias) kernels::bias_grad({job.in, job.in_dtype, job.rows, job.cols, job.dbias, job.dbias_partials}, limits_, stream_);
+      if (job.dbias)
+        kernels::bias_grad({job.in, job.in_dtype, job.rows, job.cols, job.dbias, job.dbias_partials}, limits_, stream_);
     }
   }
   void bias_grad(const BiasGradJob& job) override {
@@ -170,6 +172,24 @@ class CudaBackend final : public Backend {
   void grad_accumulate(const GradAccumulateJob& job) override {
     DeviceScope scope(limits_.device);
     kernels::grad_accumulate(job, limits_, stream_);
+  }
+  void grad_reduce(const GradReduceJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::grad_reduce(job, stream_);
+  }
+  void grad_requantize(const GradRequantizeJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::grad_requantize(job, stream_);
+  }
+  void divide(const DivideJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::divide(job, limits_, stream_);
+  }
+  void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height) override {
+    if (!width || !height) return;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice, stream_),
+               "cudaMemcpy2DAsync");
   }
   void zero(void* p, size_t bytes) override {
     if (!bytes) return;
@@ -227,6 +247,8 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int32_t device) { return std::make_unique<CudaBackend>(device); }
+std::unique_ptr<Backend> make_cuda_backend(int32_t device) {
+  return std::make_unique<CudaBackend>(device);
+}
 
 }  // namespace fp8
