@@ -301,7 +301,10 @@ class CpuBackend final : public Backend {
   void grad_reduce(const GradReduceJob& j) override { cpu_grad_reduce(j); }
   void grad_requantize(const GradRequantizeJob& j) override { cpu_grad_requantize(j); }
   void divide(const DivideJob& j) override {
-    for (int64_t i = 0; i < j.n; ++i) j.x[i] = j.x[i] / j.divisor;
+    for (int64_t i = 0; i < j.n; ++i) {
+      const float q = j.x[i] / j.divisor;
+      j.x[i] = q != q ? bits_float(0x7FFFFFFFu) : q;  // canonical NaN, as the GPU's division
+    }
   }
   void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height) override {
     for (size_t r = 0; r < height; ++r)

@@ -19,7 +19,10 @@ FP8_OPTIM_FN float exchange_mean(const uint8_t* pieces, int64_t piece_bytes, int
   for (int32_t k = 1; k < nranks; ++k)
     sum = add_rn(sum, dequantize_rn(pieces[k * piece_bytes + i], e5m2,
                                     sender_scales[static_cast<int64_t>(k) * tensor_count + tensor].scale_inv));
-  return div_rn(sum, static_cast<float>(nranks));
+  // A NaN comes out canonical (0x7FFFFFFF), as the GPU's division gives it (+inf + -inf on the CPU
+  // would give another NaN's bits).
+  const float mean = div_rn(sum, static_cast<float>(nranks));
+  return mean != mean ? bits_float(0x7FFFFFFFu) : mean;
 }
 
 // The scale of a tensor's averaged gradient from its agreed amax (as bits): fp8_max / amax, 1 for an
