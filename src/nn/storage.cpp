@@ -171,13 +171,19 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   Arena* vs = &value_scales_;
   if (!in_place) {  // a new set of arenas, filled below, committed at the end
     for (int d = 0; d < 5; ++d) {
-      if (want.values[d]) values[d] = Arena(backend_, grow(want.values[d]));
+      if (want.values[d]) {
+        values[d] = Arena(backend_, grow(want.values[d]));
+        be.zero(values[d].data(), values[d].bytes());  // the padding between slices stays zero
+      }
       if (want.grads[d]) {
         grads[d] = Arena(backend_, padded(grow(want.grads[d])));
         be.zero(grads[d].data(), grads[d].bytes());  // (the padding stays zero)
       }
     }
-    if (want.masters) masters = Arena(backend_, grow(want.masters));
+    if (want.masters) {
+      masters = Arena(backend_, grow(want.masters));
+      be.zero(masters.data(), masters.bytes());
+    }
     if (scale_bytes) {
       grad_scales = Arena(backend_, grow(scale_bytes));
       value_scales = Arena(backend_, grow(scale_bytes));

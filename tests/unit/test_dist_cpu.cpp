@@ -140,12 +140,14 @@ TEST(DataParallelFp32, AveragedGradientsEqualMicroBatchAccumulation) {
         fp8_tensor_t* got_t = nullptr;
         EXPECT_OK(fp8_model_parameter_at(g.ranks[k].model.get(), i, nullptr, nullptr, &got_t));
         const std::vector<float> got = download<float>(got_t);
-        double worst = 0.0;
+        // Relative to the tensor's largest value: elements that nearly cancel have no relative bound.
+        double worst = 0.0, largest = 0.0;
         for (size_t e = 0; e < got.size(); ++e) {
           const double w = static_cast<double>(want[e]) / n;
-          worst = std::max(worst, std::fabs(got[e] - w) / (std::fabs(w) + 1e-6));
+          worst = std::max(worst, std::fabs(got[e] - w));
+          largest = std::max(largest, std::fabs(w));
         }
-        EXPECT_LT(worst, 1e-5) << "parameter " << i << ", rank " << k << ", " << n << " ranks";
+        EXPECT_LT(worst, 4 * n * std::ldexp(largest, -24)) << "parameter " << i << ", rank " << k << ", " << n << " ranks";
       }
     }
   }
@@ -224,7 +226,8 @@ TEST(DataParallelSkip, ANonFiniteGradientOnOneRankSkipsTheStepOnEveryRank) {
   for (const char* recipe : {static_cast<const char*>(nullptr), "backend=msamp, opt_level=O2, small_layer_fallback=0"}) {
     Group g(3, recipe);
     on_ranks(3, [&](int k) { train_step(g.ranks[k], 0, k); });
-    const std::vector<unsigned char> before = state_bytes(g.ranks[0], false);
+    // (The forward and backward update the scaling states; the skipped step changes no parameter.)
+    const std::vector<unsigned char> before = state_bytes(g.ranks[0], false, false);
     on_ranks(3, [&](int k) {
       Rank& r = g.ranks[k];
       forward_backward(r.ctx.get(), r.model.get(), batch_x(1, k), batch_dy(1, k));
@@ -241,7 +244,7 @@ TEST(DataParallelSkip, ANonFiniteGradientOnOneRankSkipsTheStepOnEveryRank) {
       const fp8_optimizer_stats_t s = stats_of(g.ranks[k].opt.get());
       EXPECT_EQ(s.last_skipped, 1) << "rank " << k;
       EXPECT_EQ(s.steps, 1) << "rank " << k;
-      EXPECT_EQ(state_bytes(g.ranks[k], false), before) << "rank " << k;
+      EXPECT_EQ(state_bytes(g.ranks[k], false, false), before) << "rank " << k;
     }
   }
 }
@@ -337,8 +340,8 @@ TEST(DataParallelMisuse, DifferentModelsAreRefusedOnEveryRankNamingTheDifference
     EXPECT_EQ(st[k], FP8_ERR_INVALID_STATE) << msg[k];
     EXPECT_NE(msg[k].find("optimizer SGD"), std::string::npos) << msg[k];
   }
-  // With an optimizer, the communicator can no longer change.
-  a.opt = make_optimizer(a.model.get(), FP8_OPTIMIZER_SGD);
+  // With an optimizer (made on every rank: a collective call), the communicator can no longer change.
+  on_ranks(2, [&](int k) { rs[k]->opt = make_optimizer(rs[k]->model.get(), FP8_OPTIMIZER_SGD); });
   EXPECT_REFUSED(fp8_model_set_comm(a.model.get(), nullptr), FP8_ERR_INVALID_STATE, "fp8_model_set_comm",
                  "fp8_optimizer_create");
 }
@@ -360,6 +363,10 @@ TEST(DataParallelMisuse, AbortUnblocksARankWaitingForAnother) {
 TEST(DataParallelMisuse, ARankThatLeavesMakesTheOthersFailInsteadOfWaiting) {
   Group g(3, "backend=msamp, opt_level=O2, small_layer_fallback=0");
   on_ranks(3, [&](int k) { train_step(g.ranks[k], 0, k); });
+  on_ranks(3, [&](int k) {
+    Rank& r = g.ranks[k];
+    forward_backward(r.ctx.get(), r.model.get(), batch_x(1, k), batch_dy(1, k));
+  });
   std::vector<fp8_status_t> st(2);
   on_ranks(3, [&](int k) {
     Rank& r = g.ranks[k];
@@ -369,7 +376,6 @@ TEST(DataParallelMisuse, ARankThatLeavesMakesTheOthersFailInsteadOfWaiting) {
       r.comm.reset();
       return;
     }
-    forward_backward(r.ctx.get(), r.model.get(), batch_x(1, k), batch_dy(1, k));
     st[k] = fp8_optimizer_step(r.opt.get());
     EXPECT_NE(std::string(fp8_last_error_message()).find("rank 2 left"), std::string::npos)
         << fp8_last_error_message();

@@ -1,0 +1,160 @@
+// The cost of data parallelism on one GPU (NCCL with one rank): a Linear training step at MS-AMP O2
+// (forward, backward, AdamW step, zero_grad) with and without a communicator, and the gradient
+// exchange alone against a device-to-device copy of the bytes its kernels move.
+//
+// Usage: bench_dist [out.json]
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.hpp"
+
+namespace {
+
+fp8_context_t* ctx = nullptr;
+cudaStream_t stream = nullptr;
+FILE* json = nullptr;
+bool first_row = true;
+
+void row(const std::string& name, double ms) {
+  std::printf("%-52s %9.4f ms\n", name.c_str(), ms);
+  std::fflush(stdout);
+  std::fprintf(json, "%s {\"name\": \"%s\", \"ms\": %.5f}", first_row ? "" : ",\n", name.c_str(), ms);
+  first_row = false;
+}
+
+fp8_tensor_t* tensor(fp8_dtype_t dt, int64_t rows, int64_t cols) {
+  fp8_tensor_t* t = nullptr;
+  const int64_t shape[2] = {rows, cols};
+  CHECK_FP8(fp8_tensor_create(&t, ctx, dt, 2, shape));
+  return t;
+}
+
+// Uniform values in [-scale, scale) (never zeros), written as F32 or BF16.
+void fill(fp8_tensor_t* t, float scale, uint32_t seed) {
+  int64_t n = 0;
+  fp8_dtype_t dt = 0;
+  CHECK_FP8(fp8_tensor_numel(t, &n));
+  CHECK_FP8(fp8_tensor_dtype(t, &dt));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  if (dt == FP8_DTYPE_F32) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& f : v) f = u(rng);
+    CHECK_FP8(fp8_tensor_copy_from_host(t, v.data(), v.size() * sizeof(float)));
+    return;
+  }
+  std::vector<uint16_t> v(static_cast<size_t>(n));
+  for (uint16_t& h : v) {
+    const float f = u(rng);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    h = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+  CHECK_FP8(fp8_tensor_copy_from_host(t, v.data(), v.size() * sizeof(uint16_t)));
+}
+
+struct Step {
+  fp8_model_t* model = nullptr;
+  fp8_optimizer_t* opt = nullptr;
+  fp8_comm_t* comm = nullptr;
+};
+
+// Linear k -> n with bias at O2, data-parallel over a one-rank NCCL communicator when `dp`.
+Step make_step(int64_t k, int64_t n, bool dp) {
+  Step s;
+  CHECK_FP8(fp8_model_create(&s.model, ctx));
+  CHECK_FP8(fp8_model_add_linear(s.model, "fc", k, n, 1, nullptr));
+  fp8_tensor_t *w = nullptr, *b = nullptr;
+  CHECK_FP8(fp8_model_parameter(s.model, "fc.weight", &w, nullptr));
+  CHECK_FP8(fp8_model_parameter(s.model, "fc.bias", &b, nullptr));
+  fill(w, 1.0f / std::sqrt(static_cast<float>(k)), 1);
+  fill(b, 0.1f, 2);
+  fp8_recipe_t* r = nullptr;
+  CHECK_FP8(fp8_recipe_create(&r));
+  CHECK_FP8(fp8_recipe_parse(r, "backend=msamp, opt_level=O2, small_layer_fallback=0"));
+  CHECK_FP8(fp8_convert_model(s.model, r, nullptr));
+  fp8_recipe_destroy(r);
+  CHECK_FP8(fp8_model_set_autowrap(s.model, 1));
+  if (dp) {
+    CHECK_FP8(fp8_comm_create_local(&s.comm, &ctx, 1));
+    CHECK_FP8(fp8_model_set_comm(s.model, s.comm));
+  }
+  CHECK_FP8(fp8_optimizer_create(&s.opt, s.model, FP8_OPTIMIZER_ADAMW));
+  return s;
+}
+
+void destroy(Step& s) {
+  fp8_optimizer_destroy(s.opt);
+  fp8_model_destroy(s.model);
+  fp8_comm_destroy(s.comm);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  json = std::fopen(argc > 1 ? argv[1] : "bench_dist.json", "w");
+  if (!json) return 1;
+  CHECK_FP8(fp8_context_create(&ctx, 0));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CHECK_FP8(fp8_context_set_stream(ctx, stream));
+  std::fprintf(json, "[\n");
+
+  // A Linear training step, 16384 tokens, 8192 -> 8192, bf16 activations.
+  const int64_t m = 16384, k = 8192, n = 8192;
+  fp8_tensor_t *x = tensor(FP8_DTYPE_BF16, m, k), *y = tensor(FP8_DTYPE_BF16, m, n);
+  fp8_tensor_t *dy = tensor(FP8_DTYPE_BF16, m, n), *dx = tensor(FP8_DTYPE_BF16, m, k);
+  fill(x, 1.0f, 3);
+  fill(dy, 1e-3f, 4);
+  double step_ms[2] = {};
+  for (int dp = 0; dp < 2; ++dp) {
+    Step s = make_step(k, n, dp != 0);
+    step_ms[dp] = fp8bench::median_ms(
+        stream,
+        [&](int) {
+          CHECK_FP8(fp8_model_forward(s.model, x, y));
+          CHECK_FP8(fp8_model_backward(s.model, dy, dx));
+          CHECK_FP8(fp8_optimizer_step(s.opt));
+          CHECK_FP8(fp8_optimizer_zero_grad(s.opt));
+        },
+        1, 3, 20);
+    row(dp ? "O2 linear step 16384x8192->8192, NCCL 1 rank" : "O2 linear step 16384x8192->8192, no communicator",
+        step_ms[dp]);
+    destroy(s);
+  }
+  std::printf("data-parallel overhead at 1 rank: %+.2f%%\n", 100.0 * (step_ms[1] / step_ms[0] - 1.0));
+
+  // The exchange alone: 8192 x 8192 FP8 (E5M2) weight gradient and its FP32 bias, one rank. Each
+  // repetition writes the gradients (zero_grad), so the exchange runs every time; zero_grad alone
+  // is timed too and taken off.
+  Step s = make_step(k, n, true);
+  CHECK_FP8(fp8_model_forward(s.model, x, y));
+  CHECK_FP8(fp8_model_backward(s.model, dy, dx));
+  const double zero_ms = fp8bench::median_ms(stream, [&](int) { CHECK_FP8(fp8_model_zero_grad(s.model)); });
+  const double sync_ms = fp8bench::median_ms(stream, [&](int) {
+    CHECK_FP8(fp8_model_zero_grad(s.model));
+    CHECK_FP8(fp8_model_sync_grads(s.model));
+  });
+  row("exchange of 8192x8192 FP8 + 8192 FP32 grads, 1 rank", sync_ms - zero_ms);
+  // Its kernels read and write 10 bytes per FP8 element (dequantise-sum: 1 + 4; requantise: 4 + 1).
+  const size_t bytes = static_cast<size_t>(k * n) * 10 / 2;
+  void *a = nullptr, *b = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemsetAsync(a, 1, bytes, stream));
+  const double copy_ms =
+      fp8bench::median_ms(stream, [&](int) { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream)); });
+  row("device-to-device copy of the same bytes (5 per element each way)", copy_ms);
+  std::printf("exchange at 1 rank: %.0f%% of copy bandwidth (its NCCL calls with one rank included)\n",
+              100.0 * copy_ms / (sync_ms - zero_ms));
+  destroy(s);
+  cudaFree(a);
+  cudaFree(b);
+  for (fp8_tensor_t* t : {x, y, dy, dx}) fp8_tensor_destroy(t);
+  std::fprintf(json, "\n]\n");
+  std::fclose(json);
+  fp8_context_destroy(ctx);
+  return 0;
+}
