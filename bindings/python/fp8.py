@@ -132,10 +132,16 @@ for _name, _args in {
     "fp8_checkpoint_read_recipe": (ctypes.c_char_p, _p),
     "fp8_model_export_safetensors": (_p, ctypes.c_char_p),
     "fp8_model_import_safetensors": (_p, ctypes.c_char_p),
+    "fp8_comm_create_local": (ctypes.POINTER(_p), ctypes.POINTER(_p), _i32),
+    "fp8_comm_rank": (_p, ctypes.POINTER(_i32)),
+    "fp8_comm_size": (_p, ctypes.POINTER(_i32)),
+    "fp8_comm_abort": (_p,),
+    "fp8_model_set_comm": (_p, _p),
+    "fp8_model_sync_grads": (_p,),
 }.items():
     _declare(_name, _i32, *_args)
 for _name in ["fp8_context_destroy", "fp8_recipe_destroy", "fp8_tensor_destroy", "fp8_scaling_destroy",
-              "fp8_model_destroy", "fp8_optimizer_destroy", "fp8_saved_destroy"]:
+              "fp8_model_destroy", "fp8_optimizer_destroy", "fp8_saved_destroy", "fp8_comm_destroy"]:
     _declare(_name, None, _p)
 
 
@@ -520,6 +526,48 @@ class Model(_Handle):
 
     def report(self):
         return _text(lambda buf, cap, needed: _lib.fp8_model_report(self.handle, buf, cap, needed))
+
+    def set_comm(self, comm):
+        """Data-parallel over `comm` (collective: every rank calls it), or single-rank with None."""
+        _check(_lib.fp8_model_set_comm(self.handle, comm.handle if comm else None))
+        self.comm = comm  # the model uses the communicator until it goes
+
+    def sync_grads(self):
+        _check(_lib.fp8_model_sync_grads(self.handle))
+
+
+class Comm(_Handle):
+    """One rank's end of a group (see "Data parallelism" in fp8.h). Comm.local(ctxs) makes every rank
+    of a group inside this process, comms[k] on ctxs[k]; each rank's calls then come from its own
+    thread (ctypes lets go of the GIL during every call, so ranks on threads run together)."""
+    _destroy = "fp8_comm_destroy"
+
+    @classmethod
+    def local(cls, ctxs):
+        handles = (_p * len(ctxs))()
+        _check(_lib.fp8_comm_create_local(handles, (_p * len(ctxs))(*[c.handle.value for c in ctxs]), len(ctxs)))
+        comms = []
+        for k, ctx in enumerate(ctxs):
+            c = cls.__new__(cls)
+            _Handle.__init__(c)
+            c.handle, c.ctx = _p(handles[k]), ctx
+            comms.append(c)
+        return comms
+
+    @property
+    def rank(self):
+        v = _i32()
+        _check(_lib.fp8_comm_rank(self.handle, ctypes.byref(v)))
+        return v.value
+
+    @property
+    def size(self):
+        v = _i32()
+        _check(_lib.fp8_comm_size(self.handle, ctypes.byref(v)))
+        return v.value
+
+    def abort(self):
+        _check(_lib.fp8_comm_abort(self.handle))
 
 
 class Saved(_Handle):

@@ -6,6 +6,7 @@ import os
 import re
 import struct
 import sys
+import threading
 import unittest
 import weakref
 
@@ -184,6 +185,58 @@ class BindingTest(unittest.TestCase):
         del x
         gc.collect()
         self.assertIsNotNone(x_ref())
+
+    def test_two_ranks_on_threads_average_their_gradients_and_stay_identical(self):
+        ctxs = [fp8.Context(), fp8.Context()]
+        comms = fp8.Comm.local(ctxs)
+        self.assertEqual([(c.rank, c.size) for c in comms], [(0, 2), (1, 2)])
+        models, grads = [], []
+        for k, ctx in enumerate(ctxs):
+            m = fp8.Model(ctx)
+            m.add_linear("fc", 4, 2, bias=False)
+            w, g = m.parameter("fc.weight")
+            w.write_floats([0.1 * (i + k) for i in range(8)])  # rank 1's differ: set_comm gives rank 0's
+            models.append(m)
+            grads.append(g)
+        errors = []
+
+        def on_rank(k, fn):
+            try:
+                fn(k)
+            except Exception as e:  # pylint: disable=broad-except
+                errors.append(e)
+
+        def run(fn):
+            threads = [threading.Thread(target=on_rank, args=(k, fn)) for k in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            self.assertFalse(errors, errors)
+
+        run(lambda k: models[k].set_comm(comms[k]))
+        self.assertEqual(models[0].parameter("fc.weight")[0].read_floats(), models[1].parameter("fc.weight")[0].read_floats())
+        xs = []
+
+        def step(k):
+            x, y = fp8.Tensor(ctxs[k], fp8.DTYPE_F32, (1, 4)), fp8.Tensor(ctxs[k], fp8.DTYPE_F32, (1, 2))
+            x.write_floats([float(k + 1)] * 4)
+            models[k].run(x, y)
+            dy = fp8.Tensor(ctxs[k], fp8.DTYPE_F32, (1, 2))
+            dy.write_floats([1.0, 2.0])
+            models[k].run_backward(dy)
+            models[k].sync_grads()
+            xs.append(x)
+
+        run(step)
+        # dW[o][i] = dy[o] * x[i], averaged over x = 1 and x = 2: dy[o] * 1.5 on both ranks.
+        for g in grads:
+            self.assertEqual(g.read_floats(), [1.5] * 4 + [3.0] * 4)
+        comms[1].abort()
+        with self.assertRaises(fp8.Fp8Error) as err:
+            models[0].zero_grad()
+            models[0].sync_grads()
+        self.assertEqual(err.exception.status_name, "FP8_ERR_NCCL")
 
     def test_whole_model_run_and_an_sgd_step(self):
         ctx = fp8.Context()

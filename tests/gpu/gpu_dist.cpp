@@ -141,9 +141,16 @@ TEST(GpuDataParallel, CreateFromAnIdAndWrapAnApplicationsCommunicator) {
 TEST(GpuDataParallel, AbortMakesLaterCollectivesFail) {
   Group g(1, kO2, FP8_OPTIMIZER_ADAM, 0.0f, 0);
   train_step(g.ranks[0], 0, 0);
-  EXPECT_OK(fp8_comm_abort(g.ranks[0].comm.get()));
-  forward_backward(g.ranks[0].ctx.get(), g.ranks[0].model.get(), batch_x(1, 0), batch_dy(1, 0));
-  EXPECT_EQ(fp8_optimizer_step(g.ranks[0].opt.get()), FP8_ERR_NCCL) << fp8_last_error_message();
+  Rank& r = g.ranks[0];
+  EXPECT_OK(fp8_comm_abort(r.comm.get()));
+  // Every collective fails from now on: the forward's scaling update, the exchange, the step.
+  Tensor x = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {kRows, kIn});
+  Tensor y = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {kRows, kOut});
+  upload(x.get(), batch_x(1, 0));
+  EXPECT_REFUSED(fp8_model_forward(r.model.get(), x.get(), y.get()), FP8_ERR_NCCL, "fp8_model_forward", "aborted");
+  EXPECT_OK(fp8_optimizer_zero_grad(r.opt.get()));  // local: gradients written, to exchange again
+  EXPECT_REFUSED(fp8_model_sync_grads(r.model.get()), FP8_ERR_NCCL, "fp8_model_sync_grads", "aborted");
+  EXPECT_REFUSED(fp8_optimizer_step(r.opt.get()), FP8_ERR_NCCL, "fp8_optimizer_step", "aborted");
 }
 
 }  // namespace
