@@ -37,6 +37,7 @@ void convert(const ConvertJob& job, const LaunchLimits& lim, cudaStream_t stream
 void transpose(const TransposeJob& job, const LaunchLimits& lim, cudaStream_t stream);
 void optimizer_norm(const OptimizerStepJob& job, cudaStream_t stream);
 void optimizer_update(const OptimizerStepJob& job, cudaStream_t stream);
+void optimizer_promote(const OptimizerStepJob& job, cudaStream_t stream);
 void grad_accumulate(const GradAccumulateJob& job, const LaunchLimits& lim, cudaStream_t stream);
 // The FP8 gradient exchange's local halves (kernels/dist/exchange.cu) and the FP32 gradients' mean.
 void grad_reduce(const GradReduceJob& job, cudaStream_t stream);

@@ -1,4 +1,5 @@
-// The optimizer step on the GPU in four launches and no host round trip:
+// The optimizer step on the GPU in four launches (optimizer_norm: 1; optimizer_update: 2 and 3;
+// optimizer_promote: 4) and no host round trip:
 //   1. one block per chunk sums its g^2 in double in core/optim_rule.hpp's order -> partials;
 //   2. one block sums the partials in the same order, runs finish_step (skip, clip, bias
 //      corrections) and, for each compact tensor, finish_compact (the scales of this step's writes);
@@ -230,6 +231,10 @@ void optimizer_update(const OptimizerStepJob& job, cudaStream_t stream) {
   cuda_check(cudaGetLastError(), "optimizer finish kernel launch");
   update_kernel<<<blocks, kSumThreads, 0, stream>>>(job.tensors, job.chunks, job.scalars, job.args);
   cuda_check(cudaGetLastError(), "optimizer update kernel launch");
+}
+
+void optimizer_promote(const OptimizerStepJob& job, cudaStream_t stream) {
+  if (job.chunk_count <= 0) return;
   promote_kernel<<<1, kSumThreads, 0, stream>>>(job.tensors, job.tensor_count, job.scalars);
   cuda_check(cudaGetLastError(), "optimizer promote kernel launch");
 }

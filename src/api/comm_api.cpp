@@ -124,35 +124,47 @@ FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t* comm) {
 FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t* model, fp8_comm_t* comm) {
   return guard("fp8_model_set_comm", [&] {
     require_arg(model, "model");
-    if (comm && comm->backend != model->backend)
+    if (comm && comm->backend != model->backend)  // (the arguments: refused at once, as on every rank)
       fp8::fail(FP8_ERR_INVALID_ARGUMENT, "comm belongs to another context (device ", comm->backend->device(),
                 "); expected one made from the model's context (device ", model->backend->device(), ")");
-    if (!model->optimizer_links.empty())
-      fp8::fail(FP8_ERR_INVALID_STATE, "the model has an optimizer; set the communicator before fp8_optimizer_create ",
-                "(or destroy the optimizer first)");
-    if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
+    // The model's state: agreed on across the ranks below.
+    const auto checks = [&] {
+      if (!model->optimizer_links.empty())
+        fp8::fail(FP8_ERR_INVALID_STATE, "the model has an optimizer; set the communicator before ",
+                  "fp8_optimizer_create (or destroy the optimizer first)");
+      if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
+      if (model->store && model->store->masters_sharded())
+        fp8::fail(FP8_ERR_INVALID_STATE, "the model's F16 master weights are sharded over its ",
+                  model->store->shares().nranks, " ranks (O3), so this rank holds only its share; it cannot leave or ",
+                  "change its group. Save a checkpoint and load it into a model built anew");
+    };
     if (!comm) {
+      checks();
       model->comm.reset();
+      if (model->store) model->store->set_shares({});
       return;
     }
+    // Each rank's own checks first, agreed on: a rank that refuses does not leave the others waiting.
     fp8::dist::Transport& t = *comm->transport;
+    fp8::dist::all_or_none(t, comm->backend, "fp8_model_set_comm", checks, [] {});
     fp8::dist::require_same_model(t, *model, nullptr, "fp8_model_set_comm");
+    // Rank 0's model everywhere, then the shares (at O3 each rank keeps its share of those masters).
+    fp8::dist::broadcast_model(t, *model);
     fp8::nn::ParamStore* store = model->store.get();
     fp8::dist::all_or_none(
         t, model->backend, "fp8_model_set_comm",
         [&] {
           if (!store) return;
-          // Equal shares of every gradient arena, exchanged in place.
-          store->set_grad_padding(static_cast<size_t>(t.size()) * fp8::nn::kSliceAlign);
+          const fp8::nn::Shares before = store->shares();
+          store->set_shares({t.size(), t.rank()});
           try {
             store->layout(fp8::nn::all_parameters(*model), store->level(), store->grad_dtype(), false);
           } catch (...) {
-            store->set_grad_padding(1);
+            store->set_shares(before);
             throw;
           }
         },
-        [] {});
-    fp8::dist::broadcast_model(t, *model);
+        [] {}, "so no rank is data-parallel (every rank holds rank 0's parameters)");
     auto dp = std::make_unique<fp8::dist::ModelComm>();
     dp->transport = comm->transport;
     model->comm = std::move(dp);
@@ -162,8 +174,12 @@ FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t* model, fp8_comm_t* comm) {
 FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t* model) {
   return guard("fp8_model_sync_grads", [&] {
     require_arg(model, "model");
-    if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
+    if (!model->comm) return;
+    fp8::dist::all_or_none(*model->comm->transport, model->backend, "fp8_model_sync_grads", [&] {
+      if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
+    }, [] {});
     fp8::dist::sync_grads(*model);
+    model->comm->explicit_sync = true;
   });
 }
 

@@ -15,6 +15,8 @@ void require_flags(uint32_t flags) {
     fp8::fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags, "; expected 0 or FP8_CHECKPOINT_GRADIENTS (1)");
 }
 
+bool sharded(const fp8_model* model) { return model->store && model->store->masters_sharded(); }
+
 void require_model_optimizer(const fp8_model* model, const fp8_optimizer* optimizer) {
   if (optimizer) fp8::optim::model_of(*optimizer);  // refuses an optimizer whose model is gone
   if (optimizer && optimizer->model != model)
@@ -39,15 +41,19 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_opt
       fp8::io::save_checkpoint(*model, optimizer, path, grads);
       return;
     }
-    // Collective: every rank holds the same state, so rank 0 writes it and the ranks agree.
+    // Collective: every rank holds the same state (or its share of it, gathered first), so rank 0
+    // writes it and the ranks agree.
     if (grads)
       fp8::fail(FP8_ERR_INVALID_STATE, "FP8_CHECKPOINT_GRADIENTS on a data-parallel model: each rank's gradients ",
                 "are its own until the step averages them; save after fp8_optimizer_step (without the flag)");
     fp8::dist::Transport& t = *model->comm->transport;
+    std::vector<fp8::nn::Arena> keep;
+    const fp8::io::WholeState whole = sharded(model) ? fp8::dist::gather_whole(*model, optimizer, keep)
+                                                     : fp8::io::WholeState{};
     fp8::dist::all_or_none(
         t, model->backend, "fp8_checkpoint_save",
         [&] {
-          if (t.rank() == 0) fp8::io::save_checkpoint(*model, optimizer, path, false);
+          if (t.rank() == 0) fp8::io::save_checkpoint(*model, optimizer, path, false, &whole);
         },
         [] {}, "and the previous file under that name (if any) is kept");
   });
@@ -62,15 +68,25 @@ FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t* model, fp8_optimizer_t* op
       fp8::io::load_checkpoint(*model, optimizer, path);
       return;
     }
-    // Collective: every rank reads the file; if any failed, all take rank 0's state again.
+    // Collective: every rank reads and checks the file; they agree before any writes a byte.
     fp8::dist::Transport& t = *model->comm->transport;
-    fp8::dist::all_or_none(
-        t, model->backend, "fp8_checkpoint_load", [&] { fp8::io::load_checkpoint(*model, optimizer, path); },
-        [&] {
-          fp8::dist::broadcast_model(t, *model);
-          if (optimizer) fp8::dist::broadcast_optimizer(t, *optimizer);
-        },
-        "and every rank now holds rank 0's model and optimizer state again");
+    bool checked = false;
+    try {
+      fp8::io::load_checkpoint(*model, optimizer, path, [&] {
+        checked = true;
+        const fp8::dist::Agreement a = fp8::dist::agree(t, model->backend, FP8_OK);
+        if (a.status != FP8_OK)
+          fp8::fail(FP8_ERR_INVALID_STATE, "fp8_checkpoint_load failed on rank ", a.rank, " (",
+                    fp8_status_string(a.status), "; its message says why), so no rank changed");
+      });
+    } catch (const fp8::Error& e) {
+      if (!checked) fp8::dist::agree(t, model->backend, e.status());
+      throw;
+    } catch (...) {
+      if (!checked) fp8::dist::agree(t, model->backend, FP8_ERR_INTERNAL);
+      throw;
+    }
+    model->comm->explicit_sync = false;  // (the file's gradients, or zeros)
   });
 }
 
@@ -88,7 +104,21 @@ FP8_API fp8_status_t fp8_model_export_safetensors(const fp8_model_t* model, cons
   return guard("fp8_model_export_safetensors", [&] {
     require_arg(model, "model");
     require_arg(path, "path");
-    fp8::io::export_safetensors(*model, path);
+    if (!model->comm) {
+      fp8::io::export_safetensors(*model, path);
+      return;
+    }
+    // Collective, as a checkpoint: the sharded masters are gathered, rank 0 writes.
+    fp8::dist::Transport& t = *model->comm->transport;
+    std::vector<fp8::nn::Arena> keep;
+    const fp8::io::WholeState whole =
+        sharded(model) ? fp8::dist::gather_whole(*model, nullptr, keep) : fp8::io::WholeState{};
+    fp8::dist::all_or_none(
+        t, model->backend, "fp8_model_export_safetensors",
+        [&] {
+          if (t.rank() == 0) fp8::io::export_safetensors(*model, path, &whole);
+        },
+        [] {}, "and the previous file under that name (if any) is kept");
   });
 }
 

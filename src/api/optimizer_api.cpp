@@ -25,10 +25,13 @@ FP8_API fp8_status_t fp8_optimizer_create(fp8_optimizer_t** out, fp8_model_t* mo
     const bool known = kind >= FP8_OPTIMIZER_SGD && kind <= FP8_OPTIMIZER_ADAMW;
     fp8::dist::require_same_model(t, *model, known ? fp8::optim::kind_name(kind) : "(invalid kind)",
                                   "fp8_optimizer_create");
+    // Layers added or converted since fp8_model_set_comm start from rank 0's values too.
+    fp8::dist::broadcast_model(t, *model);
     std::unique_ptr<fp8_optimizer> o;
     fp8::dist::all_or_none(
         t, model->backend, "fp8_optimizer_create", [&] { o = fp8::optim::make_optimizer(*model, kind); },
         [&] { o.reset(); });
+    if (o->sharded) fp8::dist::agree_compact_scales(*o);  // the masters' amaxes, from every share
     *out = o.release();
   });
 }

@@ -50,12 +50,14 @@ class Backend {
   virtual void bias_grad(const BiasGradJob& job) = 0;
   virtual void convert(const ConvertJob& job) = 0;
   virtual void transpose(const TransposeJob& job) = 0;
-  // An optimizer step in two halves, with the reduce point between them: the squared norm's
-  // per-chunk partials (job.partials), then the rest (their sum in the fixed order, the step
-  // scalars, the element updates, the scales). Across ranks, the partials are what one sum
-  // all-reduce would combine (each rank's chunks, zeros elsewhere) before every rank finishes alike.
+  // An optimizer step in three parts, with a reduce point after each of the first two: the squared
+  // norm's per-chunk partials (job.partials); their sum in the fixed order, the step scalars and the
+  // element updates (with each compact tensor's largest codes written); promote_compact. Across
+  // ranks that shard the elements, the partials and the compact scales are what one max all-reduce
+  // each combines (each rank's chunks hold values, its others zeros).
   virtual void optimizer_norm(const OptimizerStepJob& job) = 0;
   virtual void optimizer_update(const OptimizerStepJob& job) = 0;
+  virtual void optimizer_promote(const OptimizerStepJob& job) = 0;
   virtual void grad_accumulate(const GradAccumulateJob& job) = 0;
   // The FP8 gradient exchange's local halves (core/exchange_rule.hpp) and the FP32 gradients' mean.
   virtual void grad_reduce(const GradReduceJob& job) = 0;
@@ -85,6 +87,7 @@ std::unique_ptr<Backend> make_cpu_backend();
 // The CPU reference of Backend::optimizer_norm / optimizer_update (src/backend/cpu_optimizer.cpp).
 void cpu_optimizer_norm(const OptimizerStepJob& job);
 void cpu_optimizer_update(const OptimizerStepJob& job);
+void cpu_optimizer_promote(const OptimizerStepJob& job);
 void cpu_grad_accumulate(const GradAccumulateJob& job);
 void cpu_grad_reduce(const GradReduceJob& job);
 void cpu_grad_requantize(const GradRequantizeJob& job);

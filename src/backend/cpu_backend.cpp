@@ -297,6 +297,7 @@ class CpuBackend final : public Backend {
 
   void optimizer_norm(const OptimizerStepJob& j) override { cpu_optimizer_norm(j); }
   void optimizer_update(const OptimizerStepJob& j) override { cpu_optimizer_update(j); }
+  void optimizer_promote(const OptimizerStepJob& j) override { cpu_optimizer_promote(j); }
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
   void grad_reduce(const GradReduceJob& j) override { cpu_grad_reduce(j); }
   void grad_requantize(const GradRequantizeJob& j) override { cpu_grad_requantize(j); }

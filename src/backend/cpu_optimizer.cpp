@@ -55,6 +55,10 @@ void cpu_optimizer_update(const OptimizerStepJob& j) {
       t.scales->next_p_code = std::max(t.scales->next_p_code, mx.p);
     }
   }
+}
+
+void cpu_optimizer_promote(const OptimizerStepJob& j) {
+  const OptimScalars& s = *j.scalars;
   for (int64_t i = 0; i < j.tensor_count; ++i) {
     const OptimTensor& t = j.tensors[i];
     if (t.scales) promote_compact(*t.scales, t.w_scale_inv, s, t.layout);

@@ -169,6 +169,10 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::optimizer_update(job, stream_);
   }
+  void optimizer_promote(const OptimizerStepJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::optimizer_promote(job, stream_);
+  }
   void grad_accumulate(const GradAccumulateJob& job) override {
     DeviceScope scope(limits_.device);
     kernels::grad_accumulate(job, limits_, stream_);

@@ -48,6 +48,7 @@ std::vector<std::string> describe(const fp8_model& m, const char* optimizer_kind
   std::vector<std::string> items;
   items.push_back("recipe " + (m.recipe ? m.recipe->to_string() : std::string("none (not converted)")));
   items.push_back("storage level " + std::to_string(m.store ? m.store->level() : 0));
+  items.push_back(std::string("training ") + (m.training ? "on" : "off") + ", autowrap " + (m.autowrap ? "on" : "off"));
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const nn::Layer& l = *m.layers[i];
     std::ostringstream os;
@@ -152,21 +153,22 @@ void reduce_amax(Transport& t, fp8_model& m, const std::vector<fp8_scaling*>& st
   if (states.empty()) return;
   Backend& be = *m.backend;
   ModelComm::Plan& plan = plan_of(m);
-  if (plan.amax_count < states.size()) {
-    plan.amaxes = nn::Arena(m.backend, states.size() * sizeof(uint32_t));
-    plan.amax_count = states.size();
-  }
-  // Slot 0 of each state, in address order; states of one arena sit at one stride, so each run of
-  // equal strides is one strided copy.
+  if (plan.amax_count < states.size())  // (the same on every rank: agreed before the reduce)
+    all_or_none(t, m.backend, "the amax agreement's buffer", [&] {
+      plan.amaxes = nn::Arena(m.backend, states.size() * sizeof(uint32_t));
+      plan.amax_count = states.size();
+    }, [] {});
+  // Slot 0 of each state, in the model's order (the same on every rank); a model's states sit in one
+  // arena at one stride, so each run of equal strides is one strided copy.
   std::vector<char*> slots;
   for (fp8_scaling* s : states) slots.push_back(reinterpret_cast<char*>(scaling_history(s->state)));
-  std::sort(slots.begin(), slots.end());
   char* buf = plan.amaxes.data();
   const auto runs = [&](auto&& copy) {
     size_t first = 0;
     while (first < slots.size()) {
       size_t last = first + 1;
-      const ptrdiff_t stride = last < slots.size() ? slots[last] - slots[first] : sizeof(float);
+      ptrdiff_t stride = last < slots.size() ? slots[last] - slots[first] : 0;
+      if (stride <= 0) stride = sizeof(float);  // a run of one (a pitch must cover its row)
       while (last < slots.size() && slots[last] - slots[last - 1] == stride) ++last;
       copy(slots[first], static_cast<size_t>(stride), first, last - first);
       first = last;
@@ -200,8 +202,7 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
   store.flat(nn::kGrads, d8, &data, &bytes);
   const std::vector<nn::Parameter*> params = nn::all_parameters(m);
   if (bytes) {
-    const size_t share = n * nn::kSliceAlign;
-    fresh.piece = (bytes + share - 1) / share * nn::kSliceAlign;
+    fresh.piece = nn::share_bytes(bytes, t.size());
     if (fresh.piece * n > store.grad_capacity(d8))
       fail(FP8_ERR_INTERNAL, "the FP8 gradient arena (", store.grad_capacity(d8), " bytes) is not padded for ", n,
            " shares of ", fresh.piece, " bytes");
@@ -235,36 +236,101 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
 
 }  // namespace
 
-void sync_grads(fp8_model& m) {
-  if (!m.comm || m.comm->grads_synced || !m.store) return;
+void sync_grads(fp8_model& m, bool whole) {
+  if (!m.comm || !m.store) return;
   Transport& t = *m.comm->transport;
   Backend& be = *m.backend;
   t.check();
   ModelComm::Plan& plan = plan_of(m);
-  if (plan.generation != m.store->generation()) build_plan(m, t, plan);
+  if (plan.generation != m.store->generation())  // (the same on every rank: agreed before any exchange)
+    all_or_none(t, m.backend, "the gradient exchange's buffers", [&] { build_plan(m, t, plan); }, [] {});
   const auto n = static_cast<float>(t.size());
   if (plan.f32_count) {
     t.all_reduce(plan.f32, plan.f32_count, ElemType::kF32, ReduceOp::kSum);
     be.divide({plan.f32, static_cast<int64_t>(plan.f32_count), n});
   }
-  if (plan.codes) {
-    const size_t scale_bytes = static_cast<size_t>(plan.tensor_count) * sizeof(GradScales);
-    GradScales* mine = m.store->grad_scales();
-    auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data());
-    t.all_gather(mine, senders, scale_bytes);
-    t.all_to_all(plan.codes, plan.recv.data(), plan.piece);
-    auto* amax = reinterpret_cast<uint32_t*>(plan.amax.data());
-    be.zero(amax, static_cast<size_t>(plan.tensor_count) * sizeof(uint32_t));
-    const auto* chunks = reinterpret_cast<const OptimChunk*>(plan.chunks.data());
-    auto* mean = reinterpret_cast<float*>(plan.mean.data());
-    be.grad_reduce({reinterpret_cast<const uint8_t*>(plan.recv.data()), t.size(), static_cast<int64_t>(plan.piece),
-                    senders, plan.tensor_count, chunks, plan.chunk_count, plan.e5m2, mean, amax});
-    t.all_reduce(amax, static_cast<size_t>(plan.tensor_count), ElemType::kU32, ReduceOp::kMax);
-    uint8_t* share = plan.codes + static_cast<size_t>(t.rank()) * plan.piece;
-    be.grad_requantize({mean, chunks, plan.chunk_count, amax, plan.tensor_count, plan.e5m2, share, mine});
-    t.all_gather(share, plan.codes, plan.piece);
+  if (!plan.codes) return;
+  const size_t scale_bytes = static_cast<size_t>(plan.tensor_count) * sizeof(GradScales);
+  GradScales* mine = m.store->grad_scales();
+  auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data());
+  t.all_gather(mine, senders, scale_bytes);
+  t.all_to_all(plan.codes, plan.recv.data(), plan.piece);
+  auto* amax = reinterpret_cast<uint32_t*>(plan.amax.data());
+  be.zero(amax, static_cast<size_t>(plan.tensor_count) * sizeof(uint32_t));
+  const auto* chunks = reinterpret_cast<const OptimChunk*>(plan.chunks.data());
+  auto* mean = reinterpret_cast<float*>(plan.mean.data());
+  be.grad_reduce({reinterpret_cast<const uint8_t*>(plan.recv.data()), t.size(), static_cast<int64_t>(plan.piece),
+                  senders, plan.tensor_count, chunks, plan.chunk_count, plan.e5m2, mean, amax});
+  t.all_reduce(amax, static_cast<size_t>(plan.tensor_count), ElemType::kU32, ReduceOp::kMax);
+  uint8_t* share = plan.codes + static_cast<size_t>(t.rank()) * plan.piece;
+  be.grad_requantize({mean, chunks, plan.chunk_count, amax, plan.tensor_count, plan.e5m2, share, mine});
+  if (whole) t.all_gather(share, plan.codes, plan.piece);
+}
+
+void agree_partials(fp8_optimizer& o) {
+  Transport& t = *optim::model_of(o).comm->transport;
+  t.all_reduce(o.partials, o.chunks.size() * 2, ElemType::kU32, ReduceOp::kMax);
+}
+
+void agree_compact_scales(fp8_optimizer& o) {
+  Transport& t = *optim::model_of(o).comm->transport;
+  static_assert(sizeof(CompactScales) % sizeof(uint32_t) == 0, "compact scales travel as u32 words");
+  t.all_reduce(o.scales, static_cast<size_t>(o.compact_count) * sizeof(CompactScales) / sizeof(uint32_t),
+               ElemType::kU32, ReduceOp::kMax);
+}
+
+namespace {
+
+// The E4M3 weight arena (O3) and the bytes of one rank's share of it.
+std::pair<char*, size_t> weight_shares(const fp8_model& m, int32_t nranks) {
+  void* base = nullptr;
+  size_t used = 0;
+  m.store->flat(nn::kValues, FP8_DTYPE_E4M3, &base, &used);
+  return {static_cast<char*>(base), nn::share_bytes(used, nranks)};
+}
+
+}  // namespace
+
+void gather_weights(fp8_model& m) {
+  Transport& t = *m.comm->transport;
+  const auto [base, piece] = weight_shares(m, t.size());
+  if (piece) t.all_gather(base + static_cast<size_t>(t.rank()) * piece, base, piece);
+}
+
+io::WholeState gather_whole(const fp8_model& m, const fp8_optimizer* o, std::vector<nn::Arena>& keep) {
+  Transport& t = *m.comm->transport;
+  Backend& be = *m.backend;
+  const auto [base, piece] = weight_shares(m, t.size());
+  const size_t n = static_cast<size_t>(t.size()), r = static_cast<size_t>(t.rank());
+  const std::vector<const nn::Parameter*> params = nn::all_parameters(m);
+  io::WholeState whole;
+  whole.master.assign(params.size(), nullptr);
+  whole.m.assign(params.size(), nullptr);
+  whole.v.assign(params.size(), nullptr);
+  // Each array (element size `size`) mirrors the E4M3 arena: element e of a tensor at byte `at`
+  // sits at (at + e) * size, so rank k's share is one contiguous range, all-gathered in place.
+  const auto gather = [&](std::vector<const void*>& out, size_t size, auto&& own) {
+    nn::Arena& a = keep.emplace_back(m.backend, n * piece * size);
+    be.zero(a.data(), a.bytes());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const nn::Parameter& p = *params[i];
+      const char* indexed = own(i);
+      if (!p.master || !indexed) continue;
+      const size_t at = static_cast<size_t>(static_cast<char*>(p.value->data) - base);
+      const size_t lo = static_cast<size_t>(p.owned_lo), hi = static_cast<size_t>(p.owned_hi);
+      if (hi > lo) be.copy(a.data() + (at + lo) * size, indexed + lo * size, (hi - lo) * size);
+      out[i] = a.data() + at * size;
+    }
+    char* mine = a.data() + r * piece * size;
+    t.all_gather(mine, a.data(), piece * size);
+  };
+  gather(whole.master, 2, [&](size_t i) { return reinterpret_cast<const char*>(params[i]->master); });
+  const bool states = o && o->states_m8;
+  if (states) {
+    gather(whole.m, 1, [&](size_t i) { return static_cast<const char*>(o->tensors[i].m); });
+    gather(whole.v, 2, [&](size_t i) { return static_cast<const char*>(o->tensors[i].v); });
   }
-  m.comm->grads_synced = true;
+  return whole;
 }
 
 namespace {

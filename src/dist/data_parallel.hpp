@@ -11,6 +11,8 @@
 #include "backend/backend.hpp"
 #include "core/error.hpp"
 #include "dist/transport.hpp"
+#include "io/checkpoint.hpp"
+#include "nn/storage.hpp"
 
 struct fp8_model;
 struct fp8_optimizer;
@@ -39,9 +41,22 @@ void broadcast_optimizer(Transport& t, fp8_optimizer& o);
 // every rank reduces the same amount whatever is due.
 void reduce_amax(Transport& t, fp8_model& m, const std::vector<fp8_scaling*>& states);
 
-// Collective: averages the model's gradients across the ranks (a no-op when already averaged since
-// the last gradient write).
-void sync_grads(fp8_model& m);
+// Collective: averages the model's gradients across the ranks. With `whole` false each rank needs
+// only its share of the FP8 gradients averaged (the sharded O3 step's case): the final all-gather
+// is left out.
+void sync_grads(fp8_model& m, bool whole = true);
+
+// The sharded O3 step's agreements (collective): the norm's per-chunk partials (each rank's chunks
+// hold values, the others zeros, replicated tensors' chunks the same values everywhere: a max of
+// the bits gives every rank every value), the compact scales (the largest codes written, and at
+// creation the masters' amaxes), and the E4M3 weights, each rank's share all-gathered.
+void agree_partials(fp8_optimizer& o);
+void agree_compact_scales(fp8_optimizer& o);
+void gather_weights(fp8_model& m);
+
+// Collective: whole copies of the sharded masters (and with `o`, its m and v), for a checkpoint or
+// an export; the arenas in `keep` hold them until the caller is done.
+io::WholeState gather_whole(const fp8_model& m, const fp8_optimizer* o, std::vector<nn::Arena>& keep);
 
 // Agrees on one status across the ranks after a step that could fail on some of them: returns the
 // worst (largest) status of any rank, and the rank that had it.
@@ -86,7 +101,10 @@ void check_comms(const Backend* backend);
 // storage layout changes.
 struct ModelComm {
   std::shared_ptr<Transport> transport;
-  bool grads_synced = false;  // gradients averaged and not written since
+  // Set by fp8_model_sync_grads, cleared by the step and zero_grad: whether to exchange is decided by
+  // the calls, which are the same on every rank, never by what one rank wrote. While it is set,
+  // gradient writes are refused.
+  bool explicit_sync = false;
   struct Plan;
   std::unique_ptr<Plan> plan;
   ModelComm();

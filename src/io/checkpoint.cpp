@@ -50,7 +50,21 @@ const OptimTensor* optim_tensor(const fp8_optimizer* o, size_t index) {
   return o && index < o->tensors.size() ? &o->tensors[index] : nullptr;
 }
 
-std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer* o, bool gradients) {
+// The part [lo, hi) of an element-indexed device array (elements of `size` bytes) from host bytes
+// holding the whole array.
+void upload_range(Backend& be, void* indexed, const std::vector<uint8_t>& whole, int64_t lo, int64_t hi, size_t size) {
+  if (whole.empty() || hi <= lo) return;
+  be.copy_from_host(static_cast<char*>(indexed) + lo * size, whole.data() + lo * size, (hi - lo) * size);
+}
+
+// A whole tensor's state: from `whole` where the rank holds a share of it, else its own array.
+const void* whole_or(const WholeState* whole, const std::vector<const void*> WholeState::*which, size_t i,
+                     const void* own) {
+  return whole && i < (whole->*which).size() && (whole->*which)[i] ? (whole->*which)[i] : own;
+}
+
+std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer* o, bool gradients,
+                                    const WholeState* whole = nullptr) {
   Backend& be = *model.backend;
   const fp8_optimizer* owner = o ? o : model.weight_owner;
   const std::vector<const nn::Parameter*> all = nn::all_parameters(model);
@@ -72,10 +86,10 @@ std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer*
       s.grad = download(be, p.grad->data, p.grad->nbytes());
       if (dtype_is_fp8(p.grad->dtype)) be.copy_to_host(&s.grad_scales, p.grad_scales(), sizeof(GradScales));
     }
-    if (p.master) s.master = download(be, p.master, bytes_of(s.n, 2));
+    if (p.master) s.master = download(be, whole_or(whole, &WholeState::master, i, p.master), bytes_of(s.n, 2));
     if (const OptimTensor* t = ot) {
-      if (o && t->m) s.m = download(be, t->m, bytes_of(s.n, m_size(t->layout)));
-      if (o && t->v) s.v = download(be, t->v, bytes_of(s.n, v_size(t->layout)));
+      if (o && t->m) s.m = download(be, whole_or(whole, &WholeState::m, i, t->m), bytes_of(s.n, m_size(t->layout)));
+      if (o && t->v) s.v = download(be, whole_or(whole, &WholeState::v, i, t->v), bytes_of(s.n, v_size(t->layout)));
       if (t->scales) {
         s.has_scales = true;
         be.copy_to_host(&s.scales, t->scales, sizeof(CompactScales));
@@ -187,16 +201,17 @@ void convert_for(ParamState& p, const fp8_model& model, const nn::Parameter& t, 
 void write_weight(Backend& be, nn::Parameter& t, const ParamState& p, const OptimTensor* ot) {
   upload(be, t.value->data, p.value);
   if (dtype_is_fp8(t.value->dtype)) be.copy_from_host(t.value->scale_inv, &p.value_scale_inv, sizeof(float));
-  if (t.master) upload(be, t.master, p.master);
+  upload_range(be, t.master, p.master, t.owned_lo, t.owned_hi, 2);
   if (ot && ot->scales) be.copy_from_host(ot->scales, &p.scales, sizeof(CompactScales));
 }
 
 }  // namespace
 
-void save_checkpoint(const fp8_model& model, const fp8_optimizer* o, const std::string& path, bool gradients) {
+void save_checkpoint(const fp8_model& model, const fp8_optimizer* o, const std::string& path, bool gradients,
+                     const WholeState* whole) {
   if (o && o->model != &model) fail(FP8_ERR_INVALID_ARGUMENT, "optimizer belongs to another model");
   model.backend->synchronize();
-  const std::vector<ParamState> params = read_params(model, o, gradients);
+  const std::vector<ParamState> params = read_params(model, o, gradients, whole);
   std::vector<Section> sections;
   std::vector<uint8_t> head;
   ByteWriter w(head);
@@ -220,7 +235,8 @@ void save_checkpoint(const fp8_model& model, const fp8_optimizer* o, const std::
   write_file_atomic(path, encode_container(sections));
 }
 
-void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path) {
+void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path,
+                     const std::function<void()>& checked) {
   if (o && o->model != &model) fail(FP8_ERR_INVALID_ARGUMENT, "optimizer belongs to another model");
   const std::vector<uint8_t> file = read_file(path);
   const std::vector<Section> sections = decode_container(file.data(), file.size());
@@ -282,6 +298,7 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   }
 
   // 2. Write. Nothing above touched the model or the optimizer.
+  if (checked) checked();
   Backend& be = *model.backend;
   if (o && std::any_of(params.begin(), params.end(), [](const ParamState& p) { return !p.m.empty(); }))
     optim::ensure_states(*o);
@@ -297,8 +314,13 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
       be.zero(t.grad->data, t.grad->nbytes());
       if (dtype_is_fp8(t.grad->dtype)) be.zero(t.grad_scales(), sizeof(GradScales));
     }
-    if (o && ot && ot->m) p.m.empty() ? be.zero(ot->m, bytes_of(p.n, m_size(ot->layout))) : upload(be, ot->m, p.m);
-    if (o && ot && ot->v) p.v.empty() ? be.zero(ot->v, bytes_of(p.n, v_size(ot->layout))) : upload(be, ot->v, p.v);
+    // m and v: this rank's share [owned_lo, owned_hi) (the whole tensor unless sharded).
+    const auto write_state = [&](void* state, const std::vector<uint8_t>& bytes, size_t size) {
+      if (!o || !state) return;
+      if (bytes.empty()) be.zero(static_cast<char*>(state) + t.owned_lo * size, bytes_of(t.owned_hi - t.owned_lo, size));
+      else upload_range(be, state, bytes, t.owned_lo, t.owned_hi, size);
+    };
+    if (ot) write_state(ot->m, p.m, m_size(ot->layout)), write_state(ot->v, p.v, v_size(ot->layout));
   }
   const std::vector<fp8_scaling*> states = model_states(model);
   for (size_t i = 0; i < states.size(); ++i) {
@@ -322,9 +344,9 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
 
 // ---- safetensors ------------------------------------------------------------------------------------
 
-void export_safetensors(const fp8_model& model, const std::string& path) {
+void export_safetensors(const fp8_model& model, const std::string& path, const WholeState* whole) {
   model.backend->synchronize();
-  const std::vector<ParamState> params = read_params(model, nullptr, false);
+  const std::vector<ParamState> params = read_params(model, nullptr, false, whole);
   const std::vector<const nn::Parameter*> all = nn::all_parameters(model);
   std::vector<SafeTensor> tensors;
   for (size_t i = 0; i < all.size(); ++i) {

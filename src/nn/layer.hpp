@@ -125,7 +125,8 @@ struct Step {
 struct Parameter {
   std::string name;  // "<layer>.<weight|bias|gamma|beta>"
   std::unique_ptr<fp8_tensor> value, grad;
-  uint16_t* master = nullptr;  // O3: the F16 master weight
+  uint16_t* master = nullptr;  // O3: the F16 master weight, indexed by element: it holds [owned_lo, owned_hi)
+  int64_t owned_lo = 0, owned_hi = 0;  // the whole tensor, except O3 masters sharded over ranks
   bool linear_weight = false;  // takes its opt level's layout
   GradScales* grad_scales() const { return reinterpret_cast<GradScales*>(grad->scale_inv); }  // FP8 grad only
 };

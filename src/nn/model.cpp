@@ -118,7 +118,10 @@ void drop_kept_states(fp8_model& m) {
 }
 
 void add_layer(fp8_model& m, std::unique_ptr<Layer> layer) {
-  if (!m.store) m.store = std::make_unique<ParamStore>(m.backend);
+  if (!m.store) {
+    m.store = std::make_unique<ParamStore>(m.backend);
+    if (m.comm) m.store->set_shares({m.comm->transport->size(), m.comm->transport->rank()});
+  }
   drop_kept_states(m);  // a run's states no longer match the layers
   m.layers.push_back(std::move(layer));
   try {
@@ -182,10 +185,12 @@ void update_model_scaling(fp8_model& m, bool backward_only) {
   for (auto& l : m.layers) l->scaling_states(all);
   for (fp8_scaling* s : all)
     if (s->pending && (!backward_only || s->backward_role)) due.push_back(s);
-  if (due.empty()) return;
+  // (Under data parallelism the reduce runs whatever is due here: the calls decide, not one rank's flags.)
+  if (due.empty() && !m.comm) return;
   // Under data parallelism every state's amax (history slot 0) is max-reduced across the ranks in one
   // collective first, so that every rank computes the same scales.
   if (m.comm) dist::reduce_amax(*m.comm->transport, m, all);
+  if (due.empty()) return;
   fp8::update_scaling(*m.backend, due.data(), static_cast<int32_t>(due.size()), *m.recipe);
   for (fp8_scaling* s : due) s->pending = false;
 }
@@ -342,11 +347,13 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
 
 void zero_grad(fp8_model& m) {
   if (m.store) m.store->zero_grads();
-  grads_written(m);
+  if (m.comm) m.comm->explicit_sync = false;
 }
 
 void grads_written(fp8_model& m) {
-  if (m.comm) m.comm->grads_synced = false;
+  if (m.comm && m.comm->explicit_sync)
+    fail(FP8_ERR_INVALID_STATE, "the gradients were averaged across the ranks by fp8_model_sync_grads; step the ",
+         "optimizer (or zero_grad) before writing them again");
 }
 
 Parameter& parameter_at(fp8_model& m, int32_t index) {

@@ -132,7 +132,8 @@ class AutowrapRegion {
 
 // Sets every gradient to zero.
 void zero_grad(fp8_model& m);
-// Every write of a gradient calls it: a data-parallel model exchanges them again before its next step.
+// Every write of a gradient through libfp8 calls it first: refused (FP8_ERR_INVALID_STATE) between
+// fp8_model_sync_grads and the next step or zero_grad of a data-parallel model.
 void grads_written(fp8_model& m);
 
 // The parameter at `index` in the model's order; FP8_ERR_INVALID_ARGUMENT naming the range otherwise.

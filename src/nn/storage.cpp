@@ -1,5 +1,6 @@
 #include "nn/storage.hpp"
 
+#include <algorithm>
 #include <utility>
 
 #include "core/dtype.hpp"
@@ -41,6 +42,7 @@ static_assert(sizeof(GradScales) == kScaleSlot, "one GradScales per slot");
 struct Placement {
   fp8_dtype_t value_dtype, grad_dtype;
   size_t value_at, grad_at, master_at;  // byte offsets in their arenas
+  int64_t lo, hi;                        // the elements whose master this rank keeps (O3)
   bool master;
 };
 
@@ -51,7 +53,14 @@ struct ParamStore::Arenas {
   size_t values[5] = {}, grads[5] = {}, masters = 0;  // bytes in use
   std::vector<Placement> places;
 
-  Arenas(const std::vector<Parameter*>& params, int32_t level, fp8_dtype_t grad8) {
+  // `shares`: at O3, the E4M3 weights (and so their masters) are split into shares.nranks equal
+  // ranges of the padded arena, of which this rank keeps the masters of shares.rank's.
+  Arenas(const std::vector<Parameter*>& params, int32_t level, fp8_dtype_t grad8, Shares shares) {
+    size_t e4m3 = 0;  // the E4M3 arena's bytes in use, which the shares divide
+    for (const Parameter* p : params)
+      if (p->linear_weight && level == 3) e4m3 += align_up(static_cast<size_t>(p->value->numel));
+    const size_t piece = share_bytes(e4m3, shares.nranks);
+    const size_t own_lo = piece * static_cast<size_t>(shares.rank), own_hi = own_lo + piece;
     for (const Parameter* p : params) {
       Placement pl{};
       const bool msamp = p->linear_weight && level > 0;
@@ -64,7 +73,14 @@ struct ParamStore::Arenas {
       pl.grad_at = grads[pl.grad_dtype];
       grads[pl.grad_dtype] += align_up(n * dtype_size(pl.grad_dtype));
       pl.master_at = masters;
-      if (pl.master) masters += align_up(n * 2);
+      pl.lo = 0;
+      pl.hi = static_cast<int64_t>(n);
+      if (pl.master && shares.nranks > 0) {
+        const size_t at = pl.value_at;
+        pl.lo = static_cast<int64_t>(std::min(n, std::max(own_lo, at) - at));
+        pl.hi = std::max(pl.lo, static_cast<int64_t>(std::min(n, std::max(own_hi, at) - at)));
+      }
+      if (pl.master) masters += align_up(static_cast<size_t>(pl.hi - pl.lo) * 2);
       places.push_back(pl);
     }
   }
@@ -74,6 +90,7 @@ namespace {
 
 // Carries one parameter's value (with O3's master and scale_inv) and gradient (with its scales)
 // from where they are now into the slices at value/grad/master/value_scale_inv/grad_scales.
+// `master` is indexed by element: it holds [pl.lo, pl.hi), and so does p.master where p is O3 now.
 void transfer(Backend& be, const std::shared_ptr<Backend>& owner, const Parameter& p, const Placement& pl, char* value,
               char* grad, uint16_t* master, float* value_scale_inv, GradScales* grad_scales) {
   const fp8_tensor& v = *p.value;
@@ -84,20 +101,22 @@ void transfer(Backend& be, const std::shared_ptr<Backend>& owner, const Paramete
   const fp8_dtype_t hp_dtype = v.dtype == FP8_DTYPE_E4M3 ? FP8_DTYPE_F16 : v.dtype;
   if (pl.value_dtype == v.dtype && v.dtype == FP8_DTYPE_E4M3) {
     be.copy(value, v.data, static_cast<size_t>(n));
-    be.copy(master, p.master, static_cast<size_t>(n) * 2);
+    be.copy(master + pl.lo, p.master + pl.lo, static_cast<size_t>(pl.hi - pl.lo) * 2);
     be.copy(value_scale_inv, v.scale_inv, sizeof(float));
   } else if (pl.value_dtype == FP8_DTYPE_E4M3) {
     // O3: the master rounds the value to F16; the E4M3 copy is scaled by the master's amax, as the
-    // optimizer's later steps scale it (promote_compact).
-    be.convert({hp, hp_dtype, master, FP8_DTYPE_F16, n});
+    // optimizer's later steps scale it (promote_compact). The whole master is made here; this rank
+    // keeps its share of it.
+    const Arena full(owner, static_cast<size_t>(n) * 2);
+    be.convert({hp, hp_dtype, full.data(), FP8_DTYPE_F16, n});
     const Arena amax(owner, sizeof(float));
-    be.amax({master, FP8_DTYPE_F16, n, reinterpret_cast<float*>(amax.data()), nullptr});
+    be.amax({full.data(), FP8_DTYPE_F16, n, reinterpret_cast<float*>(amax.data()), nullptr});
     float p_amax = 0.0f;
     be.copy_to_host(&p_amax, amax.data(), sizeof p_amax);
     Recipe plain;
     const auto state = make_scaling(owner, plain, FP8_ROLE_FORWARD, bound_scale(448.0, p_amax));
     QuantizeJob q{};
-    q.in = master;
+    q.in = full.data();
     q.in_dtype = FP8_DTYPE_F16;
     q.rows = 1;
     q.cols = n;
@@ -105,7 +124,8 @@ void transfer(Backend& be, const std::shared_ptr<Backend>& owner, const Paramete
     q.state = state->state;
     q.out_scale_inv = tensor_scale(value_scale_inv);
     be.quantize(q);
-    be.synchronize();  // before `state` goes
+    be.copy(master + pl.lo, full.data() + pl.lo * 2, static_cast<size_t>(pl.hi - pl.lo) * 2);
+    be.synchronize();  // before `state` and `full` go
   } else {
     be.convert({hp, hp_dtype, value, pl.value_dtype, n});
   }
@@ -146,22 +166,26 @@ const char* const kO3WeightRefusal =
 void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp8_dtype_t grad_dtype, bool slack) {
   Backend& be = *backend_;
   if (level == 0) grad_dtype = FP8_DTYPE_E5M2;  // (no FP8 gradients: one canonical value)
-  const Arenas want(params, level, grad_dtype);
+  const Arenas want(params, level, grad_dtype, shares_);
   const size_t scale_bytes = params.size() * kScaleSlot;
   // Appending to the layout in place: same level, every parameter already stored sits where the
   // new layout puts it, and the arenas have room.
   // Without `slack` the arenas must fit exactly (a converted model keeps no room it cannot use).
   auto fits = [&](const Arena& a, size_t need) { return slack ? a.bytes() >= need : a.bytes() == need; };
-  const auto padded = [&](size_t bytes) { return (bytes + grad_padding_ - 1) / grad_padding_ * grad_padding_; };
-  bool in_place = level == level_ && grad_dtype == grad_dtype_ && fits(grad_scales_, scale_bytes) &&
+  const auto padded = [&](size_t bytes) { return share_bytes(bytes, shares_.nranks) * std::max(shares_.nranks, 1); };
+  bool in_place = level == level_ && grad_dtype == grad_dtype_ && shares_ == applied_ && fits(grad_scales_, scale_bytes) &&
                   fits(value_scales_, scale_bytes) && fits(masters_, want.masters);
-  for (int d = 0; in_place && d < 5; ++d) in_place = fits(values_[d], want.values[d]) && fits(grads_[d], padded(want.grads[d]));
+  for (int d = 0; in_place && d < 5; ++d) in_place = fits(values_[d], padded(want.values[d])) && fits(grads_[d], padded(want.grads[d]));
   for (size_t i = 0; in_place && i < params.size(); ++i) {
     const Parameter& p = *params[i];
     const Placement& pl = want.places[i];
     in_place = p.value->owns_data || (p.value->data == values_[pl.value_dtype].data() + pl.value_at &&
                                       p.value->dtype == pl.value_dtype && p.grad->dtype == pl.grad_dtype);
   }
+  if (masters_sharded() && !in_place)
+    fail(FP8_ERR_INVALID_STATE, "the model's F16 master weights are sharded over its ", applied_.nranks,
+         " ranks (O3, data-parallel), so this rank holds only its share of them; changing the layers, the level or "
+         "the communicator would need the other shares. Save a checkpoint and load it into a model built anew");
   auto grow = [&](size_t bytes) { return slack ? 2 * bytes : bytes; };
   Arena values[5], grads[5], masters, grad_scales, value_scales;
   Arena* v = values_;
@@ -172,7 +196,7 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   if (!in_place) {  // a new set of arenas, filled below, committed at the end
     for (int d = 0; d < 5; ++d) {
       if (want.values[d]) {
-        values[d] = Arena(backend_, grow(want.values[d]));
+        values[d] = Arena(backend_, padded(grow(want.values[d])));
         be.zero(values[d].data(), values[d].bytes());  // the padding between slices stays zero
       }
       if (want.grads[d]) {
@@ -197,7 +221,7 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
     if (in_place && !p.value->owns_data) continue;
     const Placement& pl = want.places[i];
     transfer(be, backend_, p, pl, v[pl.value_dtype].data() + pl.value_at, g[pl.grad_dtype].data() + pl.grad_at,
-             pl.master ? reinterpret_cast<uint16_t*>(mas->data() + pl.master_at) : nullptr,
+             pl.master ? reinterpret_cast<uint16_t*>(mas->data() + pl.master_at) - pl.lo : nullptr,
              reinterpret_cast<float*>(vs->data() + i * kScaleSlot),
              reinterpret_cast<GradScales*>(gs->data() + i * kScaleSlot));
   }
@@ -224,7 +248,9 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
     grad.data = g[pl.grad_dtype].data() + pl.grad_at;
     grad.scale_inv = dtype_is_fp8(pl.grad_dtype) ? reinterpret_cast<float*>(gs->data() + i * kScaleSlot) : nullptr;
     grad.write_refusal = dtype_is_fp8(pl.grad_dtype) ? kFp8GradRefusal : nullptr;
-    p.master = pl.master ? reinterpret_cast<uint16_t*>(mas->data() + pl.master_at) : nullptr;
+    p.master = pl.master ? reinterpret_cast<uint16_t*>(mas->data() + pl.master_at) - pl.lo : nullptr;
+    p.owned_lo = pl.lo;
+    p.owned_hi = pl.hi;
   }
   if (!in_place) {
     for (int d = 0; d < 5; ++d) values_[d] = std::move(values[d]), grads_[d] = std::move(grads[d]);
@@ -237,6 +263,7 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   used_scales_ = scale_bytes;
   level_ = level;
   grad_dtype_ = grad_dtype;
+  applied_ = shares_;
   ++generation_;
 }
 
@@ -253,7 +280,7 @@ std::vector<std::pair<void*, size_t>> ParamStore::arenas() const {
   const auto add = [&](const Arena& a, size_t used) {
     if (used) out.emplace_back(a.data(), used);
   };
-  add(masters_, used_masters_);
+  if (!masters_sharded()) add(masters_, used_masters_);  // (sharded: each rank's share is its own)
   add(grad_scales_, used_scales_);
   add(value_scales_, used_scales_);
   for (int d = 0; d < 5; ++d) add(values_[d], used_values_[d]), add(grads_[d], used_grads_[d]);

@@ -22,6 +22,20 @@ struct Parameter;
 
 constexpr size_t kSliceAlign = 256;
 
+// Data parallelism: the ranks of the model's group and this one's rank (nranks 0: not data-parallel).
+struct Shares {
+  int32_t nranks = 0, rank = 0;
+  bool operator==(const Shares& o) const { return nranks == o.nranks && rank == o.rank; }
+  bool operator!=(const Shares& o) const { return !(*this == o); }
+};
+// One rank's share of an arena of `bytes` in use: the arena padded to nranks equal 256-byte-aligned
+// shares (rank k's is [k * share, (k + 1) * share)); `bytes` itself without ranks.
+inline size_t share_bytes(size_t bytes, int32_t nranks) {
+  if (nranks <= 0) return bytes;
+  const size_t unit = static_cast<size_t>(nranks) * kSliceAlign;
+  return (bytes + unit - 1) / unit * kSliceAlign;
+}
+
 // One allocation of device memory, released with it.
 class Arena {
  public:
@@ -64,16 +78,21 @@ class ParamStore {
   // Every gradient to zero (FP8 ones with their scales: "nothing accumulated yet"). Asynchronous.
   void zero_grads();
 
-  // Data parallelism. Every gradient arena is allocated (and zeroed) to a multiple of `multiple`
-  // bytes from the next layout on, so that equal shares of it can be exchanged in place; the
-  // padding stays zero. 1 (the default): no padding.
-  void set_grad_padding(size_t multiple) { grad_padding_ = multiple; }
+  // Data parallelism, from the next layout on: every value and gradient arena is allocated (and
+  // zeroed) to a multiple of nranks shares, so that shares can be exchanged in place (the padding
+  // stays zero); at O3 this rank keeps the F16 masters of its share of the E4M3 weights alone
+  // (ZeRO: a parameter's master holds elements [owned_lo, owned_hi)). Once masters are sharded, a
+  // layout that would move anything (another level, communicator or parameter set) is refused.
+  void set_shares(Shares shares) { shares_ = shares; }
+  Shares shares() const { return applied_; }
+  bool masters_sharded() const { return level_ == 3 && applied_.nranks > 0; }
   size_t grad_capacity(fp8_dtype_t dtype) const { return grads_[dtype].bytes(); }
   // Every parameter's GradScales, in parameter order (meaningful for FP8 gradients only).
   GradScales* grad_scales() const { return reinterpret_cast<GradScales*>(grad_scales_.data()); }
   // Grows at every layout(): what was derived from an earlier layout must be derived again.
   uint64_t generation() const { return generation_; }
-  // Every arena in use, for copying a whole model state between ranks: data and bytes in use.
+  // Every arena in use, for copying a whole model state between ranks: data and bytes in use
+  // (sharded masters left out).
   std::vector<std::pair<void*, size_t>> arenas() const;
 
  private:
@@ -84,7 +103,7 @@ class ParamStore {
   // The value and gradient arenas by dtype (index = fp8_dtype_t), the masters, the per-tensor scales.
   Arena values_[5], grads_[5], masters_, grad_scales_, value_scales_;
   size_t used_values_[5] = {}, used_grads_[5] = {}, used_masters_ = 0, used_scales_ = 0;
-  size_t grad_padding_ = 1;
+  Shares shares_, applied_;  // wanted by set_shares; in effect since the last layout
   uint64_t generation_ = 0;
 };
 

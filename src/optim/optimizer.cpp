@@ -70,9 +70,10 @@ void allocate_states(fp8_optimizer& o) {
   Backend& be = *o.backend;
   const int per = o.kind == FP8_OPTIMIZER_SGD ? 1 : 2;
   int64_t floats = 0, m8 = 0, v16 = 0;
-  for (const OptimTensor& t : o.tensors) {
+  for (size_t i = 0; i < o.tensors.size(); ++i) {
+    const OptimTensor& t = o.tensors[i];
     if (t.layout <= kLayoutO1) floats += per * aligned(t.n);
-    else m8 += aligned(t.n), v16 += aligned(t.n);
+    else m8 += aligned(o.owned[i].second - o.owned[i].first), v16 += aligned(o.owned[i].second - o.owned[i].first);
   }
   const size_t sizes[3] = {static_cast<size_t>(floats) * sizeof(float), static_cast<size_t>(m8),
                            static_cast<size_t>(v16) * sizeof(uint16_t)};
@@ -94,23 +95,55 @@ void allocate_states(fp8_optimizer& o) {
   uint8_t* b = o.states_m8;
   uint16_t* h = o.states_v16;
   o.state_bytes = 0;
-  for (OptimTensor& t : o.tensors) {
+  for (size_t i = 0; i < o.tensors.size(); ++i) {
+    OptimTensor& t = o.tensors[i];
     if (t.layout <= kLayoutO1) {
       t.m = f;
       f += aligned(t.n);
       if (per == 2) t.v = f, f += aligned(t.n);
       o.state_bytes += static_cast<size_t>(per * t.n) * sizeof(float);
     } else {
-      t.m = b;
-      t.v = h;
-      b += aligned(t.n);
-      h += aligned(t.n);
-      o.state_bytes += static_cast<size_t>(t.n) * 3;
+      // Indexed by element, holding this rank's [lo, hi) (the whole tensor unless sharded).
+      const auto [lo, hi] = o.owned[i];
+      t.m = b - lo;
+      t.v = h - lo;
+      b += aligned(hi - lo);
+      h += aligned(hi - lo);
+      o.state_bytes += static_cast<size_t>(hi - lo) * 3;
     }
   }
 }
 
 bool has_states(const fp8_optimizer& o) { return o.states || o.states_m8 || o.states_v16; }
+
+// The chunks of tensor `index` (parameter p). Every rank lists the same chunks in the same order, so
+// the norm's partials line up across ranks; where the masters are sharded, a tensor's chunks also
+// break at the ranks' share boundaries, and the chunks of other ranks' shares have len 0 here (this
+// rank neither sums nor updates them; its partial for them stays 0).
+void add_chunks(fp8_optimizer& o, const fp8_model& model, const nn::Parameter& p, int32_t index) {
+  const int64_t n = p.value->numel;
+  const nn::Shares shares = model.store->shares();
+  const bool sharded = model.store->masters_sharded() && p.master;
+  int64_t piece = 0, at = 0;
+  if (sharded) {
+    void* base = nullptr;
+    size_t used = 0;
+    model.store->flat(nn::kValues, FP8_DTYPE_E4M3, &base, &used);
+    piece = static_cast<int64_t>(nn::share_bytes(used, shares.nranks));
+    at = static_cast<char*>(p.value->data) - static_cast<char*>(base);
+  }
+  for (int64_t off = 0; off < n;) {
+    int64_t end = std::min(n, off + kOptimChunk);
+    bool mine = true;
+    if (sharded) {
+      const int64_t owner = (at + off) / piece;
+      end = std::min(end, (owner + 1) * piece - at);
+      mine = owner == shares.rank;
+    }
+    o.chunks.push_back({index, mine ? static_cast<int32_t>(end - off) : 0, off});
+    off = end;
+  }
+}
 
 // (Re)writes the device tables from the host copies.
 void upload_tables(fp8_optimizer& o) {
@@ -132,7 +165,7 @@ size_t training_bytes(const fp8_optimizer& o, const fp8_model& m) {
   size_t total = o.state_bytes;
   for (const nn::Parameter* p : nn::all_parameters(m)) {
     total += p->value->nbytes() + p->grad->nbytes();
-    if (p->master) total += p->value->nbytes() * sizeof(uint16_t);
+    if (p->master) total += static_cast<size_t>(p->owned_hi - p->owned_lo) * sizeof(uint16_t);
   }
   return total;
 }
@@ -207,10 +240,11 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
     if (stored != kLayoutF32) {
       t.scales = next_scales++;
       be.zero(t.scales, sizeof(CompactScales));
-      // The moments' bounds start from the weights' amax.
+      // The moments' bounds start from the weights' amax (of this rank's share of a sharded master:
+      // the ranks agree on the largest, dist::agree_compact_scales).
       const bool o3 = stored == kLayoutO3;
-      be.amax(
-          {o3 ? static_cast<const void*>(p->master) : p->value->data, FP8_DTYPE_F16, t.n, &t.scales->p_amax, nullptr});
+      be.amax({o3 ? static_cast<const void*>(p->master + p->owned_lo) : p->value->data, FP8_DTYPE_F16,
+               o3 ? p->owned_hi - p->owned_lo : t.n, &t.scales->p_amax, nullptr});
       t.master = p->master;
       t.grad_scales = p->grad_scales();
       t.grad_e5m2 = p->grad->dtype == FP8_DTYPE_E5M2;
@@ -220,11 +254,12 @@ std::unique_ptr<fp8_optimizer> make_optimizer(fp8_model& model, fp8_optimizer_ki
     t.grad = p->grad->data;
     const int32_t index = static_cast<int32_t>(o->tensors.size());
     o->tensors.push_back(t);
-    for (int64_t off = 0; off < t.n; off += kOptimChunk)
-      o->chunks.push_back({index, static_cast<int32_t>(std::min(kOptimChunk, t.n - off)), off});
+    o->owned.emplace_back(p->owned_lo, p->owned_hi);
+    add_chunks(*o, model, *p, index);
     o->numel += t.n;
   }
   o->parameter_count = static_cast<int32_t>(o->tensors.size());
+  o->sharded = model.store->masters_sharded();
   if (needs_states(*o)) allocate_states(*o);
   upload_tables(*o);
   o->partials = static_cast<double*>(be.allocate(o->chunks.size() * sizeof(double)));
@@ -291,6 +326,8 @@ fp8_model& model_of(const fp8_optimizer& o) {
 
 void step(fp8_optimizer& o) {
   fp8_model& m = model_of(o);
+  // (Under data parallelism these refusals are the same on every rank when the ranks make the same
+  // calls; a step is not worth a host round trip to agree on them.)
   if (m.autocast) fail(FP8_ERR_INVALID_STATE, "an optimizer step inside fp8_autocast_begin/end; end the region first");
   size_t count = 0;
   for (auto& layer : m.layers) count += layer->parameters().size();
@@ -316,10 +353,18 @@ void step(fp8_optimizer& o) {
                              o.hyper,          o.element_args};
   if (o.backend->capture_id()) m.step_captured = true;
   // Data parallel: every rank steps from the same averaged gradients, so the norm, the skip and the
-  // update agree without further communication (the optimizer state is replicated).
-  dist::sync_grads(m);
+  // update agree without further communication where the optimizer state is replicated.
+  // Sharded (O3 data-parallel): each rank steps its share of the Linear weights from its share of
+  // the averaged gradients, the ranks agree on the norm's partials and on the compact scales, and
+  // the E4M3 weights are all-gathered.
+  if (m.comm && !m.comm->explicit_sync) dist::sync_grads(m, !o.sharded);
   o.backend->optimizer_norm(job);
+  if (o.sharded) dist::agree_partials(o);
   o.backend->optimizer_update(job);
+  if (o.sharded) dist::agree_compact_scales(o);
+  o.backend->optimizer_promote(job);
+  if (o.sharded) dist::gather_weights(m);
+  if (m.comm) m.comm->explicit_sync = false;
   ++m.weights_version;  // the layers remake their FP8 and bf16 weight copies at the next forward
 }
 

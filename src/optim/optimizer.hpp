@@ -26,6 +26,10 @@ struct fp8_optimizer {
   int64_t numel = 0;
   std::vector<fp8::OptimTensor> tensors;  // host copies of the device tables
   std::vector<fp8::OptimChunk> chunks;
+  // Per tensor, the elements whose m and v (and O3 master) this rank keeps: the whole tensor, or its
+  // share when the model's masters are sharded over ranks (len-0 chunks elsewhere).
+  std::vector<std::pair<int64_t, int64_t>> owned;
+  bool sharded = false;
   void* tables = nullptr;  // device: tensors, then chunks
   const fp8::OptimTensor* device_tensors = nullptr;  // into tables
   const fp8::OptimChunk* device_chunks = nullptr;

@@ -254,33 +254,48 @@ std::string temp_path(const char* name) {
 }
 
 // Saved by 4 ranks (rank 0 writes), loaded by 4, 2 and 1: the weights are those saved, and a group
-// of 4 that loads trains on bit-identically with the group that saved.
-TEST(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIdentically) {
-  const char* recipe = "backend=msamp, opt_level=O2, small_layer_fallback=0";
+// of 4 that loads trains on bit-identically with the group that saved. At O3 the masters, m and v
+// are sharded: the file holds them whole, and each loading rank takes its share.
+class DataParallelCheckpoint : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIdentically) {
+  const char* recipe = GetParam();
   const std::string path = temp_path("four.ckpt");
   std::remove(path.c_str());
   Group four(4, recipe);
   on_ranks(4, [&](int k) { train_step(four.ranks[k], 0, k); });
-  on_ranks(4, [&](int k) { EXPECT_OK(fp8_checkpoint_save(four.ranks[k].model.get(), four.ranks[k].opt.get(), path.c_str(), 0)); });
+  on_ranks(4, [&](int k) {
+    EXPECT_OK(fp8_checkpoint_save(four.ranks[k].model.get(), four.ranks[k].opt.get(), path.c_str(), 0));
+  });
   const std::vector<unsigned char> saved = state_bytes(four.ranks[0], false);
   for (int step = 1; step < 3; ++step) on_ranks(4, [&](int k) { train_step(four.ranks[k], step, k); });
   const std::vector<unsigned char> trained = state_bytes(four.ranks[0], false);
 
   for (int n : {4, 2, 1}) {
     Group g(n, recipe);
-    on_ranks(n, [&](int k) { EXPECT_OK(fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str())); });
+    on_ranks(n, [&](int k) {
+      EXPECT_OK(fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str()));
+    });
     for (int k = 0; k < n; ++k) EXPECT_EQ(state_bytes(g.ranks[k], false), saved) << n << " ranks, rank " << k;
-    if (n == 4) {
-      for (int step = 1; step < 3; ++step) on_ranks(4, [&](int k) { train_step(g.ranks[k], step, k); });
-      EXPECT_EQ(state_bytes(g.ranks[0], false), trained);
-    }
+    // The group trains on from the file as the group that saved did (at 4 ranks: the same data).
+    for (int step = 1; step < 3 && n == 4; ++step) on_ranks(4, [&](int k) { train_step(g.ranks[k], step, k); });
+    if (n == 4) EXPECT_EQ(state_bytes(g.ranks[0], false), trained);
   }
-  // A model without a communicator loads the same file.
+  // A model without a communicator loads the same file, and trains on as one rank does.
   Rank single;
   single.model = build_model(single.ctx.get(), recipe, 9);
   single.opt = make_optimizer(single.model.get(), FP8_OPTIMIZER_ADAM);
   EXPECT_OK(fp8_checkpoint_load(single.model.get(), single.opt.get(), path.c_str()));
   EXPECT_EQ(state_bytes(single, false), saved);
+  // Saved again by the single model, loaded by 4 ranks: the same state, sharded or not.
+  const std::string again = temp_path("one.ckpt");
+  EXPECT_OK(fp8_checkpoint_save(single.model.get(), single.opt.get(), again.c_str(), 0));
+  Group back(4, recipe);
+  on_ranks(4, [&](int k) {
+    EXPECT_OK(fp8_checkpoint_load(back.ranks[k].model.get(), back.ranks[k].opt.get(), again.c_str()));
+  });
+  for (int step = 1; step < 3; ++step) on_ranks(4, [&](int k) { train_step(back.ranks[k], step, k); });
+  EXPECT_EQ(state_bytes(back.ranks[0], false), trained) << "4 -> 1 -> 4 ranks trains on like the 4 that saved";
   // Gradients mid-accumulation are each rank's own: refused on every rank, nothing written.
   const std::string other = temp_path("grads.ckpt");
   std::remove(other.c_str());
@@ -288,7 +303,7 @@ TEST(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIde
     EXPECT_REFUSED(fp8_checkpoint_save(four.ranks[k].model.get(), nullptr, other.c_str(), FP8_CHECKPOINT_GRADIENTS),
                    FP8_ERR_INVALID_STATE, "fp8_checkpoint_save", "fp8_optimizer_step");
   EXPECT_FALSE(std::filesystem::exists(other));
-  // A file one rank cannot read fails the load on every rank, and every rank keeps rank 0's state.
+  // A file one rank cannot read fails the load on every rank, and no rank changes.
   Group two(2, recipe);
   const std::vector<unsigned char> before = state_bytes(two.ranks[0], false);
   std::vector<fp8_status_t> got(2);
@@ -298,10 +313,54 @@ TEST(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitIde
   });
   EXPECT_EQ(got[0], FP8_ERR_INVALID_STATE);
   EXPECT_EQ(got[1], FP8_ERR_IO);
-  EXPECT_EQ(state_bytes(two.ranks[1], false), state_bytes(two.ranks[0], false));
-  EXPECT_EQ(state_bytes(two.ranks[0], false), saved) << "rank 0 loaded, so every rank holds the file's state";
-  (void)before;
+  for (int k = 0; k < 2; ++k) EXPECT_EQ(state_bytes(two.ranks[k], false), before) << "rank " << k;
   std::remove(path.c_str());
+  std::remove(again.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, DataParallelCheckpoint,
+                         ::testing::Values("backend=msamp, opt_level=O2, small_layer_fallback=0",
+                                           "backend=msamp, opt_level=O3, small_layer_fallback=0"));
+
+// ZeRO at O3: each rank keeps the F16 masters and Adam's m and v of its share of the Linear weights,
+// so the training state is 2 + 5/N bytes per weight (E4M3 weight and FP8 gradient whole).
+TEST(DataParallelZero, O3KeepsTwoPlusFiveOverNBytesPerWeight) {
+  for (int n : {1, 2, 4}) {
+    std::vector<Rank> ranks;
+    for (int k = 0; k < n; ++k) ranks.emplace_back(FP8_DEVICE_CPU);
+    std::vector<fp8_context_t*> ctxs;
+    for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
+    std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
+    FP8_ASSERT_OK(fp8_comm_create_local(comms.data(), ctxs.data(), n));
+    for (int k = 0; k < n; ++k) {
+      Rank& r = ranks[k];
+      r.comm.reset(comms[k]);
+      r.model = make_model(r.ctx.get());
+      EXPECT_OK(fp8_model_add_linear(r.model.get(), "big", 1024, 1024, 0, nullptr));
+      fp8_tensor_t* w = nullptr;
+      EXPECT_OK(fp8_model_parameter_at(r.model.get(), 0, nullptr, &w, nullptr));
+      upload(w, randn(1024 * 1024, 5, 0.03f));
+      Recipe rec = make_recipe("backend=msamp, opt_level=O3");
+      EXPECT_OK(fp8_convert_model(r.model.get(), rec.get(), nullptr));
+    }
+    on_ranks(n, [&](int k) {
+      EXPECT_OK(fp8_model_set_comm(ranks[k].model.get(), ranks[k].comm.get()));
+      ranks[k].opt = make_optimizer(ranks[k].model.get(), FP8_OPTIMIZER_ADAM);
+    });
+    size_t masters_total = 0;
+    for (int k = 0; k < n; ++k) {
+      const fp8_optimizer_stats_t s = stats_of(ranks[k].opt.get());
+      const double per = static_cast<double>(s.training_bytes) / static_cast<double>(s.parameters);
+      EXPECT_LE(per, 2.0 + 5.0 / n + 0.01) << n << " ranks, rank " << k;
+      EXPECT_GE(per, 2.0 + 5.0 / n - 0.01) << n << " ranks, rank " << k;
+      void* data = nullptr;
+      size_t bytes = 0;
+      EXPECT_OK(fp8_model_flat_storage(ranks[k].model.get(), FP8_STORAGE_MASTERS, FP8_DTYPE_F16, &data, &bytes));
+      masters_total += bytes;
+      std::printf("[ ZeRO O3  ] %d rank(s), rank %d: %.3f bytes of training state per weight\n", n, k, per);
+    }
+    EXPECT_EQ(masters_total, size_t{1024 * 1024 * 2}) << "the ranks' master shares add up to the whole";
+  }
 }
 
 // ---- misuse --------------------------------------------------------------------------------------------
