@@ -722,9 +722,10 @@ FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t *model, int32_t index, c
  * optimizer adopts it as it is, moving nothing. The handles fp8_model_parameter returns live as
  * long as the model. Their data pointers move only when a layer is added (before conversion; the
  * storage keeps room to append), at the first fp8_convert_model (which lays the storage out
- * exactly), and at a conversion that changes the level or the FP8 gradient format; such a
- * conversion is refused (FP8_ERR_INVALID_STATE) while an optimizer of the model exists. From the
- * optimizer's creation on they never move.
+ * exactly), at a conversion that changes the level or the FP8 gradient format (refused,
+ * FP8_ERR_INVALID_STATE, while an optimizer of the model exists), and at fp8_model_set_comm (see
+ * "Data parallelism": the arenas are padded to equal shares, and at O3 the masters arena holds this
+ * rank's share). From the optimizer's creation on they never move.
  */
 typedef int32_t fp8_storage_role_t;
 #define FP8_STORAGE_VALUES 0
@@ -1049,20 +1050,24 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    destroys it); it must be on the context's device.
  *
  * Collective calls: on a model with a communicator, fp8_model_set_comm, fp8_optimizer_create,
- * fp8_optimizer_step, fp8_model_sync_grads, fp8_checkpoint_save and fp8_checkpoint_load, every
- * scaling update (the end of each training forward and backward, or of an autocast region) and
- * whatever calls them, must be called by every rank, in the same order. Under NCCL they are queued
- * on the context's stream like any other work and do not wait for the GPU.
+ * fp8_optimizer_step, fp8_model_sync_grads, fp8_checkpoint_save, fp8_checkpoint_load,
+ * fp8_model_export_safetensors, every scaling update (the end of each training forward and backward,
+ * or of an autocast region) and whatever calls them, must be called by every rank, in the same
+ * order. Under NCCL the step and the scaling updates are queued on the context's stream like any
+ * other work and do not wait for the GPU; set_comm, optimizer_create, checkpoints and exports are
+ * synchronous, and so is the first exchange after a change of the storage layout.
  *
  * What a data-parallel model does:
  *  - Scaling: each update max-reduces every delayed-scaling state's amax of the step across the ranks
  *    in one collective on the device, so every rank computes the same scales (TransformerEngine's
  *    reduce_amax); no host synchronisation.
- *  - Gradients are averaged once per optimizer step: by fp8_optimizer_step before it updates, or
- *    earlier by fp8_model_sync_grads (for an optimizer of the application's own). Micro-batches of
- *    an accumulation do not communicate, so there is nothing to mark: accumulate as on one rank,
- *    then step. A gradient written after the exchange (a backward, fp8_model_accumulate_grad,
- *    zero_grad) is exchanged again at the next step.
+ *  - Gradients are averaged once per optimizer step: by fp8_optimizer_step before it updates, unless
+ *    fp8_model_sync_grads (for an optimizer of the application's own, or to read the averages)
+ *    did it since the last step or zero_grad. Micro-batches of an accumulation do not communicate,
+ *    so there is nothing to mark: accumulate as on one rank, then step. Whether a step exchanges
+ *    is decided by these calls, never by one rank's data: between fp8_model_sync_grads and the next
+ *    step or zero_grad, libfp8 refuses gradient writes (FP8_ERR_INVALID_STATE), and writes it cannot
+ *    see (fp8_tensor_copy_from_host into a gradient, kernels on the flat storage) belong before it.
  *  - FP32 gradients (every gradient at te; biases and norms at O1..O3) are summed by an FP32
  *    all-reduce and divided by the number of ranks.
  *  - FP8 gradients (the Linear weights' at O1..O3) travel as their own FP8 codes, 1 byte per
@@ -1073,20 +1078,34 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    scale = fp8_max / amax and the shares are all-gathered. So the result has one FP8 rounding, at
  *    the end: never a sum of FP8 partial sums (MS-AMP's and NCCL's own FP8 reductions round every
  *    partial sum to FP8). Every rank ends with the same codes and scales.
- *  - fp8_model_set_comm starts every rank from rank 0's model: its parameters (values, O3's
- *    masters and scales), gradients and scaling states are broadcast.
- * Optimizer state is replicated: every rank steps every parameter from the same averaged gradient,
- * as MS-AMP's O1/O2 data-parallel path does.
+ *  - fp8_model_set_comm and fp8_optimizer_create start every rank from rank 0's model: its
+ *    parameters (values, O3's masters and scales), gradients and scaling states are broadcast.
+ *    fp8_model_set_comm lays the storage out again (every arena padded to N equal shares), so data
+ *    pointers from fp8_model_flat_storage or fp8_tensor_data taken before it must be taken again.
+ *  - Optimizer state at te, O1 and O2 is replicated: every rank steps every parameter from the same
+ *    averaged gradient, as MS-AMP's O1/O2 data-parallel path does.
+ *  - O3 is sharded (ZeRO): each rank keeps the F16 masters and Adam's m and v of its share of the
+ *    Linear weights only, receives only its share of the averaged FP8 gradients, steps that share,
+ *    and the E4M3 weights are all-gathered after the step (1 byte per weight). The ranks agree on
+ *    the gradient norm (clipping, the non-finite skip) and on the per-tensor scales with two small
+ *    all-reduces. Training state: 2 + 5/N bytes per Linear weight at N ranks (fp8_optimizer_get_stats'
+ *    training_bytes counts this rank's). A sharded model keeps its group: fp8_model_set_comm,
+ *    a conversion to another level and adding layers are refused on it (save a checkpoint and load
+ *    it into a model built anew); checkpoints and safetensors exports gather the shares.
  *
- * Misuse never hangs and never trains on: fp8_model_set_comm and fp8_optimizer_create compare the
- * models (layers, names, shapes, conversion, recipe, storage level) and the optimizer kind across
- * the ranks and refuse on every rank with FP8_ERR_INVALID_STATE, naming the first difference. A
- * rank that leaves the group (its communicator destroyed, or fp8_comm_abort) makes the others'
- * collectives fail with FP8_ERR_NCCL under the in-process transport; under NCCL a rank that is gone
- * cannot be noticed by the others, so a watchdog of the application calls fp8_comm_abort, which
- * makes every pending and later collective of that rank fail with FP8_ERR_NCCL. Errors NCCL
- * reports asynchronously (ncclCommGetAsyncError) come back as FP8_ERR_NCCL with NCCL's message at
- * the next collective call or at fp8_context_synchronize.
+ * Misuse: fp8_model_set_comm and fp8_optimizer_create first agree on each rank's own checks (a rank
+ * that refuses makes every rank refuse), then compare the models (layers, names, shapes,
+ * conversion, recipe, storage level, training and autowrap modes) and the optimizer kind across the
+ * ranks and refuse on every rank with FP8_ERR_INVALID_STATE, naming the first difference. Calls on
+ * the training path (a step, a forward) are not worth a round trip to agree on: one refused on one
+ * rank alone (inside autocast on that rank only) leaves the others waiting in their next
+ * collective, which the in-process transport reports as a mismatch and NCCL does not. A rank that
+ * leaves the group (its communicator and every model using it destroyed, or fp8_comm_abort) makes
+ * the others' collectives fail with FP8_ERR_NCCL under the in-process transport; under NCCL a rank
+ * that is gone cannot be noticed by the others, so a watchdog of the application calls
+ * fp8_comm_abort, which makes every pending and later collective of that rank fail with
+ * FP8_ERR_NCCL. Errors NCCL reports asynchronously (ncclCommGetAsyncError) come back as
+ * FP8_ERR_NCCL with NCCL's message at the next collective call or at fp8_context_synchronize.
  * --------------------------------------------------------------------------------------------- */
 
 typedef struct fp8_comm fp8_comm_t;
@@ -1119,7 +1138,9 @@ FP8_API fp8_status_t fp8_comm_size(const fp8_comm_t *comm, int32_t *size);
 FP8_API void fp8_comm_destroy(fp8_comm_t *comm);
 /** Thread safe, from any thread: every collective of this rank in flight or called later fails with
  *  FP8_ERR_NCCL instead of waiting (ncclCommAbort; under the in-process transport, every rank's). The
- *  communicator stays failed: destroy it. */
+ *  communicator stays failed: destroy it. A borrowed NCCL communicator is aborted too, which frees
+ *  it: the application must not destroy it afterwards. Under NCCL, call it while no other thread
+ *  is inside a libfp8 call on this rank's models (NCCL's blocking communicators allow no more). */
 FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t *comm);
 
 /** Makes `model` data-parallel over `comm` (collective; see above), or single-rank again with NULL
@@ -1157,12 +1178,14 @@ FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t *model);
  * gradients zeroed. All four calls are synchronous.
  *
  * On a data-parallel model (fp8_model_set_comm) save and load are collective. Every rank holds the
- * same state, so rank 0 writes the file and the ranks agree on the outcome (a failure on rank 0
- * fails the call on every rank); FP8_CHECKPOINT_GRADIENTS is refused (FP8_ERR_INVALID_STATE), since
- * each rank's gradients are its own until the step averages them. Every rank loads the file (its
- * path must be readable on every host); if any rank fails, every rank fails and takes rank 0's model
- * and optimizer state again, so the ranks never differ. A file saved by any number of ranks (or by a
- * model without a communicator) loads into any number.
+ * same state (at O3 its share of it, gathered first: the file holds the whole state), so rank 0
+ * writes the file and the ranks agree on the outcome (a failure on rank 0 fails the call on every
+ * rank); FP8_CHECKPOINT_GRADIENTS is refused (FP8_ERR_INVALID_STATE), since each rank's gradients are
+ * its own until the step averages them. Every rank reads and checks the file (its path must be
+ * readable on every host) and the ranks agree before any of them changes anything: if one fails,
+ * every rank fails and none changes. Each rank takes its share of sharded state. A file saved by any
+ * number of ranks (or by a model without a communicator) loads into any number, and trains on
+ * bit-identically with the same data.
  * --------------------------------------------------------------------------------------------- */
 
 /** Flags of fp8_checkpoint_save. */

@@ -113,11 +113,6 @@ void broadcast_model(Transport& t, fp8_model& m) {
   for (nn::Parameter* p : nn::all_parameters(m)) ++p->value->version;
 }
 
-void broadcast_optimizer(Transport& t, fp8_optimizer& o) {
-  for (const auto& [data, bytes] : optim::state_blocks(o)) t.broadcast(data, bytes, 0);
-  t.broadcast(o.scalars, sizeof(OptimScalars), 0);
-}
-
 // ---- the amax agreement ---------------------------------------------------------------------------
 
 struct ModelComm::Plan {

@@ -33,8 +33,6 @@ void require_same_model(Transport& t, const fp8_model& m, const char* optimizer_
 
 // Collective: every rank's parameters, gradients and scaling states become rank 0's.
 void broadcast_model(Transport& t, fp8_model& m);
-// Collective: every rank's optimizer state (moments, per-tensor scales, step counters) becomes rank 0's.
-void broadcast_optimizer(Transport& t, fp8_optimizer& o);
 
 // Collective: each state's history slot 0 (the amax recorded since its last update) becomes the
 // maximum over the ranks, before the update reads it. `states` are the model's, all of them, so that

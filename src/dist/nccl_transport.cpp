@@ -14,9 +14,9 @@ static_assert(sizeof(ncclUniqueId) == kNcclIdBytes, "fp8_comm_id_t holds an nccl
 
 namespace {
 
-void nccl_check(ncclResult_t r, const char* what) {
+void nccl_check(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
   if (r == ncclSuccess) return;
-  const char* last = ncclGetLastError(nullptr);
+  const char* last = ncclGetLastError(comm);
   fail(FP8_ERR_NCCL, what, ": ", ncclGetErrorString(r), last && *last ? " (" : "", last ? last : "",
        last && *last ? ")" : "");
 }
@@ -61,7 +61,12 @@ class NcclTransport final : public Transport {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(backend_->device());
-    ncclCommDestroy(comm_);
+    // A communicator with an error pending may never finish its work: destroying it would wait.
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && (async == ncclSuccess || async == ncclInProgress))
+      ncclCommDestroy(comm_);
+    else
+      ncclCommAbort(comm_);
     cudaSetDevice(previous);
   }
   int32_t rank() const override { return rank_; }
@@ -84,11 +89,15 @@ class NcclTransport final : public Transport {
     check();
     OnDevice on(backend_->device());
     nccl_check(ncclGroupStart(), "ncclGroupStart");
-    for (int32_t p = 0; p < size_; ++p) {
-      ncclSend(static_cast<const char*>(send) + p * bytes, bytes, ncclUint8, p, comm_, stream());
-      ncclRecv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm_, stream());
+    // The group is always ended; the first failure of its calls is reported after that.
+    ncclResult_t first = ncclSuccess;
+    for (int32_t p = 0; p < size_ && first == ncclSuccess; ++p) {
+      first = ncclSend(static_cast<const char*>(send) + p * bytes, bytes, ncclUint8, p, comm_, stream());
+      if (first == ncclSuccess) first = ncclRecv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm_, stream());
     }
-    nccl_check(ncclGroupEnd(), "all_to_all (ncclSend/ncclRecv group)");
+    const ncclResult_t end = ncclGroupEnd();
+    nccl_check(first, "all_to_all (ncclSend/ncclRecv)");
+    nccl_check(end, "all_to_all (ncclGroupEnd)");
   }
   void broadcast(void* buf, size_t bytes, int32_t root) override {
     check();

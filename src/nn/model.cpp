@@ -142,6 +142,10 @@ void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
   const Recipe* target = c.to_fp8 ? recipe : nullptr;
   const int32_t level = storage_level(target);
   const int32_t old_level = m.store ? m.store->level() : 0;
+  if (level == 3 && old_level != 3 && m.comm)
+    fail(FP8_ERR_INVALID_STATE, "the conversion would store the Linear weights at O3, whose F16 masters the ranks "
+         "shard, but the model is data-parallel already; convert before fp8_model_set_comm, which gives each rank "
+         "its share of rank 0's masters");
   if (level != old_level && !m.optimizer_links.empty())
     fail(FP8_ERR_INVALID_STATE, "the conversion stores the Linear weights at ", layout_name(level), " instead of ",
          layout_name(old_level), ", but ", m.optimizer_links.size(),

@@ -87,7 +87,6 @@ void allocate_states(fp8_optimizer& o) {
     for (void* b : blocks) be.release(b);
     throw;
   }
-  for (int k = 0; k < 3; ++k) o.block_bytes[k] = sizes[k];
   o.states = static_cast<float*>(blocks[0]);
   o.states_m8 = static_cast<uint8_t*>(blocks[1]);
   o.states_v16 = static_cast<uint16_t*>(blocks[2]);
@@ -381,17 +380,6 @@ fp8_optimizer_stats_t stats(const fp8_optimizer& o) {
   r.opt_level = o.level;
   r.training_bytes = static_cast<int64_t>(o.training_bytes);
   return r;
-}
-
-std::vector<std::pair<void*, size_t>> state_blocks(const fp8_optimizer& o) {
-  std::vector<std::pair<void*, size_t>> out;
-  const std::pair<void*, size_t> all[4] = {{o.states, o.block_bytes[0]},
-                                           {o.states_m8, o.block_bytes[1]},
-                                           {o.states_v16, o.block_bytes[2]},
-                                           {o.scales, static_cast<size_t>(o.compact_count) * sizeof(CompactScales)}};
-  for (const auto& b : all)
-    if (b.first && b.second) out.push_back(b);
-  return out;
 }
 
 }  // namespace fp8::optim

@@ -39,7 +39,6 @@ struct fp8_optimizer {
   uint16_t* states_v16 = nullptr;
   fp8::CompactScales* scales = nullptr;
   size_t state_bytes = 0;     // m and v, as stored
-  size_t block_bytes[3] = {};  // allocated bytes of states, states_m8, states_v16
   int64_t compact_count = 0;   // CompactScales at `scales`
   size_t training_bytes = 0;  // values + masters + gradients + m + v, as stored
   std::vector<uint64_t> value_versions;  // each parameter value's version at the last step
@@ -82,8 +81,5 @@ fp8_model& model_of(const fp8_optimizer& o);
 // that needs one); a checkpoint load that brings states calls it.
 void ensure_states(fp8_optimizer& o);
 fp8_optimizer_stats_t stats(const fp8_optimizer& o);
-// The device memory of the optimizer's state (m, v, the per-tensor scales), with sizes: what ranks
-// copy from each other.
-std::vector<std::pair<void*, size_t>> state_blocks(const fp8_optimizer& o);
 
 }  // namespace fp8::optim

@@ -405,6 +405,92 @@ TEST(DataParallelMisuse, DifferentModelsAreRefusedOnEveryRankNamingTheDifference
                  "fp8_optimizer_create");
 }
 
+TEST(DataParallelMisuse, ARankRefusingSetCommMakesEveryRankRefuseInsteadOfWaiting) {
+  Rank a, b;
+  std::vector<fp8_context_t*> ctxs = {a.ctx.get(), b.ctx.get()};
+  fp8_comm_t* comms[2] = {};
+  FP8_ASSERT_OK(fp8_comm_create_local(comms, ctxs.data(), 2));
+  a.comm.reset(comms[0]);
+  b.comm.reset(comms[1]);
+  const char* recipe = "backend=msamp, opt_level=O2, small_layer_fallback=0";
+  a.model = build_model(a.ctx.get(), recipe, 1);
+  b.model = build_model(b.ctx.get(), recipe, 1);
+  EXPECT_OK(fp8_autocast_begin(b.model.get()));  // rank 1 alone is inside a region
+  Rank* rs[2] = {&a, &b};
+  std::vector<fp8_status_t> st(2);
+  std::vector<std::string> msg(2);
+  on_ranks(2, [&](int k) {
+    st[k] = fp8_model_set_comm(rs[k]->model.get(), rs[k]->comm.get());
+    msg[k] = fp8_last_error_message();
+  });
+  EXPECT_EQ(st[1], FP8_ERR_INVALID_STATE) << msg[1];
+  EXPECT_NE(msg[1].find("autocast"), std::string::npos) << msg[1];
+  EXPECT_EQ(st[0], FP8_ERR_INVALID_STATE) << msg[0];
+  EXPECT_NE(msg[0].find("failed on rank 1"), std::string::npos) << msg[0];
+  EXPECT_OK(fp8_autocast_end(b.model.get()));
+  on_ranks(2, [&](int k) { EXPECT_OK(fp8_model_set_comm(rs[k]->model.get(), rs[k]->comm.get())); });
+}
+
+// Whether a step exchanges is decided by the calls: after fp8_model_sync_grads, gradient writes are
+// refused until the step (or zero_grad), and the step does not average twice.
+TEST(DataParallelMisuse, GradientWritesAfterAnExplicitSyncAreRefused) {
+  Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+  on_ranks(2, [&](int k) {
+    Rank& r = g.ranks[k];
+    forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+    EXPECT_OK(fp8_model_sync_grads(r.model.get()));
+    EXPECT_OK(fp8_model_sync_grads(r.model.get()));  // a second call does not average again
+  });
+  const std::vector<unsigned char> averaged = state_bytes(g.ranks[0], true);
+  EXPECT_EQ(state_bytes(g.ranks[1], true), averaged);
+  Rank& r = g.ranks[1];
+  Tensor add = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {kHidden, kIn});
+  upload(add.get(), randn(static_cast<size_t>(kHidden * kIn), 3, 0.1f));
+  EXPECT_REFUSED(fp8_model_accumulate_grad(r.model.get(), 0, add.get()), FP8_ERR_INVALID_STATE,
+                 "fp8_model_accumulate_grad", "fp8_model_sync_grads");
+  EXPECT_EQ(state_bytes(g.ranks[1], true), averaged) << "the refused write changed nothing";
+  // The steps use the averaged gradients as they are, and afterwards writes are allowed again.
+  on_ranks(2, [&](int k) { EXPECT_OK(fp8_optimizer_step(g.ranks[k].opt.get())); });
+  EXPECT_EQ(state_bytes(g.ranks[0], false), state_bytes(g.ranks[1], false));
+  EXPECT_OK(fp8_model_accumulate_grad(r.model.get(), 0, add.get()));
+}
+
+// Layers added and converted after fp8_model_set_comm, each rank with its own initial values: the
+// optimizer's creation starts every rank from rank 0's, and the ranks stay identical. (O3, whose
+// masters the ranks shard, is refused: convert before fp8_model_set_comm.)
+TEST(DataParallelMisuse, LayersAddedAfterSetCommStartFromRankZerosValues) {
+  std::vector<Rank> ranks(2);
+  std::vector<fp8_context_t*> ctxs = {ranks[0].ctx.get(), ranks[1].ctx.get()};
+  fp8_comm_t* comms[2] = {};
+  FP8_ASSERT_OK(fp8_comm_create_local(comms, ctxs.data(), 2));
+  on_ranks(2, [&](int k) {
+    Rank& r = ranks[k];
+    r.comm.reset(comms[k]);
+    r.model = make_model(r.ctx.get());
+    EXPECT_OK(fp8_model_set_comm(r.model.get(), r.comm.get()));
+    EXPECT_OK(fp8_model_add_linear(r.model.get(), "fc1", kIn, kHidden, 1, nullptr));
+    EXPECT_OK(fp8_model_add_activation(r.model.get(), "act", FP8_ACTIVATION_GELU, nullptr));
+    EXPECT_OK(fp8_model_add_linear(r.model.get(), "fc2", kHidden, kOut, 1, nullptr));
+    for (int32_t i = 0; i < 4; ++i) {
+      fp8_tensor_t* v = nullptr;
+      EXPECT_OK(fp8_model_parameter_at(r.model.get(), i, nullptr, &v, nullptr));
+      int64_t n = 0;
+      fp8_tensor_numel(v, &n);
+      upload(v, randn(static_cast<size_t>(n), 40u + 7u * k + i, 0.2f));  // each rank its own
+    }
+    Recipe o3 = make_recipe("backend=msamp, opt_level=O3");
+    EXPECT_REFUSED(fp8_convert_model(r.model.get(), o3.get(), nullptr), FP8_ERR_INVALID_STATE, "fp8_convert_model",
+                   "fp8_model_set_comm");
+    Recipe o2 = make_recipe("backend=msamp, opt_level=O2, small_layer_fallback=0");
+    EXPECT_OK(fp8_convert_model(r.model.get(), o2.get(), nullptr));
+    EXPECT_OK(fp8_model_set_autowrap(r.model.get(), 1));
+    r.opt = make_optimizer(r.model.get(), FP8_OPTIMIZER_ADAM);
+  });
+  EXPECT_EQ(state_bytes(ranks[0], false), state_bytes(ranks[1], false));
+  on_ranks(2, [&](int k) { train_step(ranks[k], 0, k); });
+  EXPECT_EQ(state_bytes(ranks[0], false), state_bytes(ranks[1], false));
+}
+
 TEST(DataParallelMisuse, AbortUnblocksARankWaitingForAnother) {
   Group g(2, nullptr, FP8_OPTIMIZER_SGD);
   Rank& r0 = g.ranks[0];
