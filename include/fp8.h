@@ -1069,7 +1069,8 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    step or zero_grad, libfp8 refuses gradient writes (FP8_ERR_INVALID_STATE), and writes it cannot
  *    see (fp8_tensor_copy_from_host into a gradient, kernels on the flat storage) belong before it.
  *  - FP32 gradients (every gradient at te; biases and norms at O1..O3) are summed by an FP32
- *    all-reduce and divided by the number of ranks.
+ *    all-reduce and divided by the number of ranks. (A group of one rank leaves every gradient as
+ *    it is: it is its own mean.)
  *  - FP8 gradients (the Linear weights' at O1..O3) travel as their own FP8 codes, 1 byte per
  *    element each way: each rank owns an equal share of the FP8 gradient storage, receives every
  *    rank's codes of its share with each sender's per-tensor scale, decodes them and sums them in

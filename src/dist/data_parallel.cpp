@@ -234,6 +234,10 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
 void sync_grads(fp8_model& m, bool whole) {
   if (!m.comm || !m.store) return;
   Transport& t = *m.comm->transport;
+  t.check();
+  // One rank averages nothing: its gradients are the mean as they are (requantising would only
+  // round them again).
+  if (t.size() == 1) return;
   Backend& be = *m.backend;
   t.check();
   ModelComm::Plan& plan = plan_of(m);
