@@ -1,6 +1,6 @@
 // The cost of data parallelism on one GPU (NCCL with one rank): a Linear training step at MS-AMP O2
-// (forward, backward, AdamW step, zero_grad) with and without a communicator. (With one rank the
-// gradients are their own mean; what remains is the amax agreement at every scaling update.)
+// (forward, backward, AdamW step, zero_grad) with and without a communicator. (A group of one rank
+// has nothing to average or agree on: what remains is the checks for NCCL's asynchronous errors.)
 //
 // Usage: bench_dist [out.json]
 #include <algorithm>
