@@ -43,9 +43,9 @@ fi
 [ "${RUN_BENCH:-1}" = 1 ] || exit 0
 # A captured training step replayed as a CUDA graph against the same step queued call by call.
 [ "${RUN_GRAPH:-1}" = 1 ] && build/device/bench/bench_graph "$OUT/bench_graph.json" 2>&1 | tee "$OUT/graph.md"
-# BENCHES picks among quantize, gemm, linear and optimizer (default: all); each has bench_<name>,
+# BENCHES picks among quantize, gemm, linear, optimizer and dist (default: all); each has bench_<name>,
 # peer_<name>.py and report_<name>.py.
-BENCHES=${BENCHES:-quantize gemm linear optimizer}
+BENCHES=${BENCHES:-quantize gemm linear optimizer dist}
 for b in $BENCHES; do build/device/bench/bench_$b "$OUT/bench_$b.json" 2>&1 | tee -a "$OUT/run.log"; done
 [ "${RUN_PEER:-1}" = 1 ] || exit 0
 for b in $BENCHES; do
