@@ -8,6 +8,7 @@
 
 #include "backend/backend.hpp"
 #include "backend/cublaslt_gemm.hpp"
+#include "backend/device_scope.hpp"
 #include "core/error.hpp"
 #include "kernels/launch.hpp"
 
@@ -16,31 +17,6 @@ namespace fp8 {
 namespace {
 
 using kernels::cuda_check;
-
-// Makes `device` current for the scope and restores the caller's device afterwards. The
-// std::nothrow form ignores failures, for destructors and release().
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    // A non-sticky error left by earlier, unrelated calls on this thread would otherwise be
-    // reported by our launch checks; sticky faults (a crashed kernel) still surface.
-    (void)cudaGetLastError();
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  DeviceScope(int device, std::nothrow_t) noexcept {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) cudaSetDevice(device);
-  }
-  ~DeviceScope() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 class CudaBackend final : public Backend {
  public:

@@ -307,10 +307,17 @@ class LocalTransport final : public Transport {
     if (!device_) return run_host(call);
     // Device buffers: the rank's queued work first, then the collective over host copies.
     Call host = call;
-    const size_t in_bytes = send_bytes(call, group_->size);
-    std::vector<unsigned char> send(in_bytes), recv(result_bytes(call, group_->size));
-    device_->synchronize();
-    if (in_bytes) device_->copy_to_host(send.data(), call.send, in_bytes);
+    std::vector<unsigned char> send, recv;
+    try {  // (a failure here, before posting, must release the others as run_host's own does)
+      const size_t in_bytes = send_bytes(call, group_->size);
+      send.resize(in_bytes);
+      recv.resize(result_bytes(call, group_->size));
+      device_->synchronize();
+      if (in_bytes) device_->copy_to_host(send.data(), call.send, in_bytes);
+    } catch (const std::exception& e) {
+      fail_before_posting(call, e.what());
+      throw;
+    }
     host.send = send.data();
     host.recv = recv.data();
     run_host(host);

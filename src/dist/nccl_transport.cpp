@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstring>
 
+#include "backend/device_scope.hpp"
 #include "core/error.hpp"
 
 namespace fp8::dist {
@@ -20,25 +21,6 @@ void nccl_check(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
   fail(FP8_ERR_NCCL, what, ": ", ncclGetErrorString(r), last && *last ? " (" : "", last ? last : "",
        last && *last ? ")" : "");
 }
-
-// Makes the backend's device current for a call and restores the caller's.
-class OnDevice {
- public:
-  explicit OnDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) fail(FP8_ERR_CUDA, "cudaGetDevice failed");
-    if (previous_ != device && cudaSetDevice(device) != cudaSuccess)
-      fail(FP8_ERR_CUDA, "cudaSetDevice(", device, ") failed");
-  }
-  ~OnDevice() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-  OnDevice(const OnDevice&) = delete;
-  OnDevice& operator=(const OnDevice&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 ncclDataType_t nccl_type(ElemType t) {
   switch (t) {
@@ -58,16 +40,13 @@ class NcclTransport final : public Transport {
   ~NcclTransport() override {
     backend_->release(token_);
     if (!owned_ || aborted_) return;
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(backend_->device());
+    DeviceScope on(backend_->device(), std::nothrow);
     // A communicator with an error pending may never finish its work: destroying it would wait.
     ncclResult_t async = ncclSuccess;
     if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && (async == ncclSuccess || async == ncclInProgress))
       ncclCommDestroy(comm_);
     else
       ncclCommAbort(comm_);
-    cudaSetDevice(previous);
   }
   int32_t rank() const override { return rank_; }
   int32_t size() const override { return size_; }
@@ -75,19 +54,19 @@ class NcclTransport final : public Transport {
 
   void all_reduce(void* buf, size_t count, ElemType type, ReduceOp op) override {
     check();
-    OnDevice on(backend_->device());
+    DeviceScope on(backend_->device());
     nccl_check(ncclAllReduce(buf, buf, count, nccl_type(type), op == ReduceOp::kSum ? ncclSum : ncclMax, comm_,
                              stream()),
                "ncclAllReduce");
   }
   void all_gather(const void* send, void* recv, size_t bytes) override {
     check();
-    OnDevice on(backend_->device());
+    DeviceScope on(backend_->device());
     nccl_check(ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream()), "ncclAllGather");
   }
   void all_to_all(const void* send, void* recv, size_t bytes) override {
     check();
-    OnDevice on(backend_->device());
+    DeviceScope on(backend_->device());
     nccl_check(ncclGroupStart(), "ncclGroupStart");
     // The group is always ended; the first failure of its calls is reported after that.
     ncclResult_t first = ncclSuccess;
@@ -101,14 +80,14 @@ class NcclTransport final : public Transport {
   }
   void broadcast(void* buf, size_t bytes, int32_t root) override {
     check();
-    OnDevice on(backend_->device());
+    DeviceScope on(backend_->device());
     nccl_check(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream()), "ncclBroadcast");
   }
   void barrier() override {
     backend_->synchronize();
     // A one-element all-reduce that every rank waits for.
     check();
-    OnDevice on(backend_->device());
+    DeviceScope on(backend_->device());
     if (!token_) token_ = static_cast<uint32_t*>(backend_->allocate(sizeof(uint32_t)));
     nccl_check(ncclAllReduce(token_, token_, 1, ncclUint32, ncclMax, comm_, stream()), "ncclAllReduce (barrier)");
     backend_->synchronize();
@@ -148,7 +127,7 @@ std::unique_ptr<Transport> nccl_join(std::shared_ptr<Backend> backend, int32_t n
                                      const unsigned char* id) {
   ncclUniqueId u;
   std::memcpy(&u, id, sizeof u);
-  OnDevice on(backend->device());
+  DeviceScope on(backend->device());
   ncclComm_t comm = nullptr;
   nccl_check(ncclCommInitRank(&comm, nranks, u, rank), "ncclCommInitRank");
   try {
