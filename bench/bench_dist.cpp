@@ -5,8 +5,6 @@
 // Usage: bench_dist [out.json]
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -26,37 +24,6 @@ void row(const std::string& name, double ms) {
   first_row = false;
 }
 
-fp8_tensor_t* tensor(fp8_dtype_t dt, int64_t rows, int64_t cols) {
-  fp8_tensor_t* t = nullptr;
-  const int64_t shape[2] = {rows, cols};
-  CHECK_FP8(fp8_tensor_create(&t, ctx, dt, 2, shape));
-  return t;
-}
-
-// Uniform values in [-scale, scale) (never zeros), written as F32 or BF16.
-void fill(fp8_tensor_t* t, float scale, uint32_t seed) {
-  int64_t n = 0;
-  fp8_dtype_t dt = 0;
-  CHECK_FP8(fp8_tensor_numel(t, &n));
-  CHECK_FP8(fp8_tensor_dtype(t, &dt));
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  if (dt == FP8_DTYPE_F32) {
-    std::vector<float> v(static_cast<size_t>(n));
-    for (float& f : v) f = u(rng);
-    CHECK_FP8(fp8_tensor_copy_from_host(t, v.data(), v.size() * sizeof(float)));
-    return;
-  }
-  std::vector<uint16_t> v(static_cast<size_t>(n));
-  for (uint16_t& h : v) {
-    const float f = u(rng);
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    h = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  }
-  CHECK_FP8(fp8_tensor_copy_from_host(t, v.data(), v.size() * sizeof(uint16_t)));
-}
-
 struct Step {
   fp8_model_t* model = nullptr;
   fp8_optimizer_t* opt = nullptr;
@@ -71,8 +38,8 @@ Step make_step(int64_t k, int64_t n, bool dp) {
   fp8_tensor_t *w = nullptr, *b = nullptr;
   CHECK_FP8(fp8_model_parameter(s.model, "fc.weight", &w, nullptr));
   CHECK_FP8(fp8_model_parameter(s.model, "fc.bias", &b, nullptr));
-  fill(w, 1.0f / std::sqrt(static_cast<float>(k)), 1);
-  fill(b, 0.1f, 2);
+  fp8bench::fill_normal(w, 1.0f / std::sqrt(static_cast<float>(k)), 1);
+  fp8bench::fill_normal(b, 0.1f, 2);
   fp8_recipe_t* r = nullptr;
   CHECK_FP8(fp8_recipe_create(&r));
   CHECK_FP8(fp8_recipe_parse(r, "backend=msamp, opt_level=O2, small_layer_fallback=0"));
@@ -105,10 +72,10 @@ int main(int argc, char** argv) {
 
   // A Linear training step, 16384 tokens, 8192 -> 8192, bf16 activations.
   const int64_t m = 16384, k = 8192, n = 8192;
-  fp8_tensor_t *x = tensor(FP8_DTYPE_BF16, m, k), *y = tensor(FP8_DTYPE_BF16, m, n);
-  fp8_tensor_t *dy = tensor(FP8_DTYPE_BF16, m, n), *dx = tensor(FP8_DTYPE_BF16, m, k);
-  fill(x, 1.0f, 3);
-  fill(dy, 1e-3f, 4);
+  fp8_tensor_t *x = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, k), *y = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, n);
+  fp8_tensor_t *dy = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, n), *dx = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, k);
+  fp8bench::fill_normal(x, 1.0f, 3);
+  fp8bench::fill_normal(dy, 1e-3f, 4);
   // The two steps alternate, each timed by itself, so that clocks drifting over the run weigh on
   // both alike; the medians of 30 each after 3 warm-ups.
   Step steps[2] = {make_step(k, n, false), make_step(k, n, true)};

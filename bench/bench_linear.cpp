@@ -25,31 +25,6 @@ namespace {
 fp8_context_t* ctx = nullptr;
 cudaStream_t stream = nullptr;
 
-fp8_tensor_t* tensor(fp8_dtype_t dt, int64_t rows, int64_t cols) {
-  fp8_tensor_t* t = nullptr;
-  const int64_t shape[2] = {rows, cols};
-  CHECK_FP8(fp8_tensor_create(&t, ctx, dt, 2, shape));
-  return t;
-}
-
-void fill(fp8_tensor_t* t, float sd, uint32_t seed) {
-  int64_t n = 0;
-  fp8_dtype_t dt = 0;
-  fp8_tensor_numel(t, &n);
-  fp8_tensor_dtype(t, &dt);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, sd);
-  if (dt == FP8_DTYPE_F32) {
-    std::vector<float> v(static_cast<size_t>(n));
-    for (auto& x : v) x = normal(rng);
-    CHECK_FP8(fp8_tensor_copy_from_host(t, v.data(), v.size() * 4));
-  } else {
-    std::vector<uint16_t> v(static_cast<size_t>(n));
-    for (auto& x : v) x = fp8::float_to_bf16(normal(rng));
-    CHECK_FP8(fp8_tensor_copy_from_host(t, v.data(), v.size() * 2));
-  }
-}
-
 std::vector<float> read_bf16(const fp8_tensor_t* t) {
   int64_t n = 0;
   fp8_tensor_numel(t, &n);
@@ -70,7 +45,9 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& w
 }
 
 enum class Variant { Fp8, Bf16, Auto };
-const char* variant_name(Variant v) { return v == Variant::Fp8 ? "fp8" : v == Variant::Bf16 ? "bf16" : "auto"; }
+const char* variant_name(Variant v) {
+  return v == Variant::Fp8 ? "fp8" : v == Variant::Bf16 ? "bf16" : "auto";
+}
 
 fp8_model_t* convert(fp8_model_t* m, Variant v) {
   if (v == Variant::Bf16) return m;
@@ -94,7 +71,8 @@ struct Chain {
   void step() const {
     CHECK_FP8(fp8_model_weights_changed(model));
     if (fp8) CHECK_FP8(fp8_autocast_begin(model));
-    for (size_t i = 0; i + 1 < acts.size(); ++i) CHECK_FP8(fp8_layer_forward(model, static_cast<int32_t>(i), acts[i], acts[i + 1]));
+    for (size_t i = 0; i + 1 < acts.size(); ++i)
+      CHECK_FP8(fp8_layer_forward(model, static_cast<int32_t>(i), acts[i], acts[i + 1]));
     if (fp8) CHECK_FP8(fp8_autocast_end(model));
     for (size_t i = acts.size() - 1; i-- > 0;)
       CHECK_FP8(fp8_layer_backward(model, static_cast<int32_t>(i), grads[i + 1], grads[i]));
@@ -121,13 +99,13 @@ std::vector<float> bench_linear(int64_t m, int64_t k, int64_t n, Variant v, bool
   fp8_tensor_t *w = nullptr, *b = nullptr;
   CHECK_FP8(fp8_model_parameter(model, "fc.weight", &w, nullptr));
   CHECK_FP8(fp8_model_parameter(model, "fc.bias", &b, nullptr));
-  fill(w, 1.0f / std::sqrt(static_cast<float>(k)), 1);
-  fill(b, 0.1f, 2);
+  fp8bench::fill_normal(w, 1.0f / std::sqrt(static_cast<float>(k)), 1);
+  fp8bench::fill_normal(b, 0.1f, 2);
   convert(model, v);
-  fp8_tensor_t *x = tensor(FP8_DTYPE_BF16, m, k), *y = tensor(FP8_DTYPE_BF16, m, n);
-  fp8_tensor_t *dy = tensor(FP8_DTYPE_BF16, m, n), *dx = tensor(FP8_DTYPE_BF16, m, k);
-  fill(x, 1.0f, 3);
-  fill(dy, 1e-3f, 4);
+  fp8_tensor_t *x = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, k), *y = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, n);
+  fp8_tensor_t *dy = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, n), *dx = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, k);
+  fp8bench::fill_normal(x, 1.0f, 3);
+  fp8bench::fill_normal(dy, 1e-3f, 4);
   const Chain chain{model, {x, y}, {dx, dy}, v != Variant::Bf16};
   std::vector<float> out;
   if (check_only) {  // the second step runs with scales from the first one's amaxes
@@ -140,7 +118,8 @@ std::vector<float> bench_linear(int64_t m, int64_t k, int64_t n, Variant v, bool
                   static_cast<long long>(k), static_cast<long long>(n));
     fp8_layer_report_t rep;
     fp8_layer_report_init(&rep);
-    const double ms = fp8bench::median_ms(stream, [&](int) { chain.step(); }, 1, 3, 20);
+    const double ms = fp8bench::median_ms(
+        stream, [&](int) { chain.step(); }, 1, 3, 20);
     CHECK_FP8(fp8_layer_get_report(model, 0, &rep));
     row(name, ms, v == Variant::Auto ? (rep.fprop == 1 ? "fp8" : "bf16") : nullptr);
   }
@@ -157,25 +136,25 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
   CHECK_FP8(fp8_model_add_linear(model, "fc1", d, f, 1, nullptr));
   CHECK_FP8(fp8_model_add_activation(model, "gelu", FP8_ACTIVATION_GELU, nullptr));
   CHECK_FP8(fp8_model_add_linear(model, "fc2", f, d, 1, nullptr));
-  for (auto [name, sd, seed] : {std::tuple{"fc1.weight", 1.0f / std::sqrt(static_cast<float>(d)), 1u},
-                                std::tuple{"fc1.bias", 0.1f, 2u},
-                                std::tuple{"fc2.weight", 1.0f / std::sqrt(static_cast<float>(f)), 3u},
-                                std::tuple{"fc2.bias", 0.1f, 4u}}) {
+  for (auto [name, sd, seed] :
+       {std::tuple{"fc1.weight", 1.0f / std::sqrt(static_cast<float>(d)), 1u}, std::tuple{"fc1.bias", 0.1f, 2u},
+        std::tuple{"fc2.weight", 1.0f / std::sqrt(static_cast<float>(f)), 3u}, std::tuple{"fc2.bias", 0.1f, 4u}}) {
     fp8_tensor_t* p = nullptr;
     CHECK_FP8(fp8_model_parameter(model, name, &p, nullptr));
-    fill(p, sd, seed);
+    fp8bench::fill_normal(p, sd, seed);
   }
   convert(model, v);
   const bool fp8 = v != Variant::Bf16;
   const fp8_dtype_t hand_off = fp8 ? FP8_DTYPE_E4M3 : FP8_DTYPE_BF16;
-  fp8_tensor_t* x = tensor(FP8_DTYPE_BF16, t, d);
-  std::vector<fp8_tensor_t*> acts = {x, tensor(hand_off, t, d), tensor(FP8_DTYPE_BF16, t, f), tensor(hand_off, t, f),
-                                     tensor(FP8_DTYPE_BF16, t, d)};
-  std::vector<fp8_tensor_t*> grads = {tensor(FP8_DTYPE_BF16, t, d), tensor(FP8_DTYPE_BF16, t, d),
-                                      tensor(FP8_DTYPE_BF16, t, f), tensor(FP8_DTYPE_BF16, t, f),
-                                      tensor(FP8_DTYPE_BF16, t, d)};
-  fill(x, 1.0f, 5);
-  fill(grads[4], 1e-3f, 6);
+  fp8_tensor_t* x = fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d);
+  std::vector<fp8_tensor_t*> acts = {x, fp8bench::matrix(ctx, hand_off, t, d), fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, f),
+                                     fp8bench::matrix(ctx, hand_off, t, f), fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d)};
+  std::vector<fp8_tensor_t*> grads = {
+      fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d), fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d),
+      fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, f), fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, f),
+      fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d)};
+  fp8bench::fill_normal(x, 1.0f, 5);
+  fp8bench::fill_normal(grads[4], 1e-3f, 6);
   const Chain chain{model, acts, grads, fp8};
   std::vector<float> out;
   if (check_only) {
@@ -186,7 +165,8 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
     char name[96];
     std::snprintf(name, sizeof name, "libfp8 %s mlp %lldx%lldx%lld", variant_name(v), static_cast<long long>(t),
                   static_cast<long long>(d), static_cast<long long>(f));
-    row(name, fp8bench::median_ms(stream, [&](int) { chain.step(); }, 1, 3, 20));
+    row(name, fp8bench::median_ms(
+                  stream, [&](int) { chain.step(); }, 1, 3, 20));
   }
   for (fp8_tensor_t* p : acts) fp8_tensor_destroy(p);
   for (size_t i = 0; i < grads.size(); ++i) fp8_tensor_destroy(grads[i]);

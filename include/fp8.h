@@ -1149,7 +1149,7 @@ FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t *comm);
  *  optimizer of the model exists or inside an autocast region: set the communicator first. */
 FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t *model, fp8_comm_t *comm);
 /** Averages the model's gradients across its communicator now (collective; see above); does nothing
- *  without one, or when they were averaged since the last gradient write. Asynchronous. */
+ *  without one, or when it already did since the last step or zero_grad. Asynchronous. */
 FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t *model);
 
 /* ---------------------------------------------------------------------------------------------

@@ -21,8 +21,7 @@ fp8_comm_t* make_comm(std::shared_ptr<fp8::Backend> backend, std::unique_ptr<fp8
 }
 
 void require_cuda_context(const fp8_context_t* ctx, const char* name, const char* advice) {
-  if (ctx->backend->device() == FP8_DEVICE_CPU)
-    fp8::fail(FP8_ERR_UNSUPPORTED, name, " is a CPU context; ", advice);
+  if (ctx->backend->device() == FP8_DEVICE_CPU) fp8::fail(FP8_ERR_UNSUPPORTED, name, " is a CPU context; ", advice);
 }
 
 }  // namespace
@@ -67,8 +66,8 @@ FP8_API fp8_status_t fp8_comm_create_local(fp8_comm_t** comms, fp8_context_t* co
       const int32_t device = ctxs[k]->backend->device();
       const bool cpu = device == FP8_DEVICE_CPU;
       if (cpu != (backends.front()->device() == FP8_DEVICE_CPU))
-        fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is a ", cpu ? "CPU" : "CUDA", " context but ctxs[0] is not; ",
-                  "expected all CUDA contexts or all CPU contexts");
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, "ctxs[", k, "] is a ", cpu ? "CPU" : "CUDA",
+                  " context but ctxs[0] is not; ", "expected all CUDA contexts or all CPU contexts");
       if (!cpu) devices.insert(device);
       for (int32_t j = 0; j < k; ++j)
         if (ctxs[j] == ctxs[k])
@@ -112,7 +111,9 @@ FP8_API fp8_status_t fp8_comm_size(const fp8_comm_t* comm, int32_t* size) {
   });
 }
 
-FP8_API void fp8_comm_destroy(fp8_comm_t* comm) { delete comm; }
+FP8_API void fp8_comm_destroy(fp8_comm_t* comm) {
+  delete comm;
+}
 
 FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t* comm) {
   return guard("fp8_comm_abort", [&] {
@@ -175,9 +176,9 @@ FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t* model) {
   return guard("fp8_model_sync_grads", [&] {
     require_arg(model, "model");
     if (!model->comm) return;
-    fp8::dist::all_or_none(*model->comm->transport, model->backend, "fp8_model_sync_grads", [&] {
-      if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
-    }, [] {});
+    // (As the step's, this check is not worth a host round trip to agree on: see fp8.h, "Misuse".)
+    if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
+    if (model->comm->explicit_sync) return;  // averaged since the last step or zero_grad
     fp8::dist::sync_grads(*model);
     model->comm->explicit_sync = true;
   });

@@ -15,7 +15,21 @@ void require_flags(uint32_t flags) {
     fp8::fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags, "; expected 0 or FP8_CHECKPOINT_GRADIENTS (1)");
 }
 
-bool sharded(const fp8_model* model) { return model->store && model->store->masters_sharded(); }
+// A file of a data-parallel model (collective): every rank holds the same state, or its share of
+// it, gathered whole first; rank 0 writes it, and the ranks agree on the outcome.
+template <class Write>
+void rank0_writes(const fp8_model* model, const fp8_optimizer* optimizer, const char* what, Write&& write) {
+  fp8::dist::Transport& t = *model->comm->transport;
+  std::vector<fp8::nn::Arena> keep;
+  const bool sharded = model->store && model->store->masters_sharded();
+  const fp8::io::WholeState whole = sharded ? fp8::dist::gather_whole(*model, optimizer, keep) : fp8::io::WholeState{};
+  fp8::dist::all_or_none(
+      t, model->backend, what,
+      [&] {
+        if (t.rank() == 0) write(whole);
+      },
+      [] {}, "and the previous file under that name (if any) is kept");
+}
 
 void require_model_optimizer(const fp8_model* model, const fp8_optimizer* optimizer) {
   if (optimizer) fp8::optim::model_of(*optimizer);  // refuses an optimizer whose model is gone
@@ -41,21 +55,12 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_opt
       fp8::io::save_checkpoint(*model, optimizer, path, grads);
       return;
     }
-    // Collective: every rank holds the same state (or its share of it, gathered first), so rank 0
-    // writes it and the ranks agree.
     if (grads)
       fp8::fail(FP8_ERR_INVALID_STATE, "FP8_CHECKPOINT_GRADIENTS on a data-parallel model: each rank's gradients ",
                 "are its own until the step averages them; save after fp8_optimizer_step (without the flag)");
-    fp8::dist::Transport& t = *model->comm->transport;
-    std::vector<fp8::nn::Arena> keep;
-    const fp8::io::WholeState whole = sharded(model) ? fp8::dist::gather_whole(*model, optimizer, keep)
-                                                     : fp8::io::WholeState{};
-    fp8::dist::all_or_none(
-        t, model->backend, "fp8_checkpoint_save",
-        [&] {
-          if (t.rank() == 0) fp8::io::save_checkpoint(*model, optimizer, path, false, &whole);
-        },
-        [] {}, "and the previous file under that name (if any) is kept");
+    rank0_writes(model, optimizer, "fp8_checkpoint_save", [&](const fp8::io::WholeState& whole) {
+      fp8::io::save_checkpoint(*model, optimizer, path, false, &whole);
+    });
   });
 }
 
@@ -108,17 +113,8 @@ FP8_API fp8_status_t fp8_model_export_safetensors(const fp8_model_t* model, cons
       fp8::io::export_safetensors(*model, path);
       return;
     }
-    // Collective, as a checkpoint: the sharded masters are gathered, rank 0 writes.
-    fp8::dist::Transport& t = *model->comm->transport;
-    std::vector<fp8::nn::Arena> keep;
-    const fp8::io::WholeState whole =
-        sharded(model) ? fp8::dist::gather_whole(*model, nullptr, keep) : fp8::io::WholeState{};
-    fp8::dist::all_or_none(
-        t, model->backend, "fp8_model_export_safetensors",
-        [&] {
-          if (t.rank() == 0) fp8::io::export_safetensors(*model, path, &whole);
-        },
-        [] {}, "and the previous file under that name (if any) is kept");
+    rank0_writes(model, nullptr, "fp8_model_export_safetensors",
+                 [&](const fp8::io::WholeState& whole) { fp8::io::export_safetensors(*model, path, &whole); });
   });
 }
 

@@ -35,14 +35,6 @@ uint64_t fnv1a(const std::string& s) {
   return h | 1;  // 0 is kept for "no such item"
 }
 
-std::string shape_text(const fp8_tensor& t) {
-  std::ostringstream os;
-  os << "[";
-  for (int32_t i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.shape[i];
-  os << "]";
-  return os.str();
-}
-
 // What must be the same on every rank, one line per item, in a fixed order.
 std::vector<std::string> describe(const fp8_model& m, const char* optimizer_kind) {
   std::vector<std::string> items;
@@ -52,10 +44,10 @@ std::vector<std::string> describe(const fp8_model& m, const char* optimizer_kind
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const nn::Layer& l = *m.layers[i];
     std::ostringstream os;
-    os << "layer " << i << " '" << l.name() << "' (" << nn::kind_name(l.kind())
-       << (l.converted() ? ", converted" : "") << ")";
+    os << "layer " << i << " '" << l.name() << "' (" << nn::kind_name(l.kind()) << (l.converted() ? ", converted" : "")
+       << ")";
     for (const nn::Parameter& p : l.parameters())
-      os << " " << p.name << " " << shape_text(*p.value) << " " << dtype_name(p.value->dtype);
+      os << " " << p.name << " " << shape_string(p.value->ndim, p.value->shape) << " " << dtype_name(p.value->dtype);
     items.push_back(os.str());
   }
   if (optimizer_kind) items.push_back(std::string("optimizer ") + optimizer_kind);
@@ -150,10 +142,13 @@ void reduce_amax(Transport& t, fp8_model& m, const std::vector<fp8_scaling*>& st
   Backend& be = *m.backend;
   ModelComm::Plan& plan = plan_of(m);
   if (plan.amax_count < states.size())  // (the same on every rank: agreed before the reduce)
-    all_or_none(t, m.backend, "the amax agreement's buffer", [&] {
-      plan.amaxes = nn::Arena(m.backend, states.size() * sizeof(uint32_t));
-      plan.amax_count = states.size();
-    }, [] {});
+    all_or_none(
+        t, m.backend, "the amax agreement's buffer",
+        [&] {
+          plan.amaxes = nn::Arena(m.backend, states.size() * sizeof(uint32_t));
+          plan.amax_count = states.size();
+        },
+        [] {});
   // Slot 0 of each state, in the model's order (the same on every rank); a model's states sit in one
   // arena at one stride, so each run of equal strides is one strided copy.
   std::vector<char*> slots;
@@ -198,7 +193,7 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
   store.flat(nn::kGrads, d8, &data, &bytes);
   const std::vector<nn::Parameter*> params = nn::all_parameters(m);
   if (bytes) {
-    fresh.piece = nn::share_bytes(bytes, t.size());
+    fresh.piece = store.share_of(nn::kGrads, d8);
     if (fresh.piece * n > store.grad_capacity(d8))
       fail(FP8_ERR_INTERNAL, "the FP8 gradient arena (", store.grad_capacity(d8), " bytes) is not padded for ", n,
            " shares of ", fresh.piece, " bytes");
@@ -223,7 +218,8 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
     fresh.sender_scales = nn::Arena(m.backend, n * params.size() * sizeof(GradScales));
     fresh.amax = nn::Arena(m.backend, params.size() * sizeof(uint32_t));
     fresh.chunks = nn::Arena(m.backend, chunks.size() * sizeof(OptimChunk));
-    if (!chunks.empty()) m.backend->copy_from_host(fresh.chunks.data(), chunks.data(), chunks.size() * sizeof(OptimChunk));
+    if (!chunks.empty())
+      m.backend->copy_from_host(fresh.chunks.data(), chunks.data(), chunks.size() * sizeof(OptimChunk));
   }
   fresh.amaxes = std::move(plan.amaxes);
   fresh.amax_count = plan.amax_count;
@@ -240,10 +236,10 @@ void sync_grads(fp8_model& m, bool whole) {
   // round them again).
   if (t.size() == 1) return;
   Backend& be = *m.backend;
-  t.check();
   ModelComm::Plan& plan = plan_of(m);
   if (plan.generation != m.store->generation())  // (the same on every rank: agreed before any exchange)
-    all_or_none(t, m.backend, "the gradient exchange's buffers", [&] { build_plan(m, t, plan); }, [] {});
+    all_or_none(
+        t, m.backend, "the gradient exchange's buffers", [&] { build_plan(m, t, plan); }, [] {});
   const auto n = static_cast<float>(t.size());
   if (plan.f32_count) {
     t.all_reduce(plan.f32, plan.f32_count, ElemType::kF32, ReduceOp::kSum);
@@ -282,25 +278,25 @@ void agree_compact_scales(fp8_optimizer& o) {
 namespace {
 
 // The E4M3 weight arena (O3) and the bytes of one rank's share of it.
-std::pair<char*, size_t> weight_shares(const fp8_model& m, int32_t nranks) {
+std::pair<char*, size_t> weight_shares(const fp8_model& m) {
   void* base = nullptr;
   size_t used = 0;
   m.store->flat(nn::kValues, FP8_DTYPE_E4M3, &base, &used);
-  return {static_cast<char*>(base), nn::share_bytes(used, nranks)};
+  return {static_cast<char*>(base), m.store->share_of(nn::kValues, FP8_DTYPE_E4M3)};
 }
 
 }  // namespace
 
 void gather_weights(fp8_model& m) {
   Transport& t = *m.comm->transport;
-  const auto [base, piece] = weight_shares(m, t.size());
+  const auto [base, piece] = weight_shares(m);
   if (piece) t.all_gather(base + static_cast<size_t>(t.rank()) * piece, base, piece);
 }
 
 io::WholeState gather_whole(const fp8_model& m, const fp8_optimizer* o, std::vector<nn::Arena>& keep) {
   Transport& t = *m.comm->transport;
   Backend& be = *m.backend;
-  const auto [base, piece] = weight_shares(m, t.size());
+  const auto [base, piece] = weight_shares(m);
   const size_t n = static_cast<size_t>(t.size()), r = static_cast<size_t>(t.rank());
   const std::vector<const nn::Parameter*> params = nn::all_parameters(m);
   io::WholeState whole;

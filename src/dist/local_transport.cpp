@@ -327,11 +327,15 @@ class LocalTransport final : public Transport {
   // The bytes `call` reads from this rank's send buffer.
   static size_t send_bytes(const Call& call, int32_t nranks) {
     switch (call.what) {
-      case Collective::kAllReduce: return call.size * elem_size(call.type);
-      case Collective::kAllToAll: return call.size * static_cast<size_t>(nranks);
+      case Collective::kAllReduce:
+        return call.size * elem_size(call.type);
+      case Collective::kAllToAll:
+        return call.size * static_cast<size_t>(nranks);
       case Collective::kAllGather:
-      case Collective::kBroadcast: return call.size;
-      case Collective::kBarrier: return 0;
+      case Collective::kBroadcast:
+        return call.size;
+      case Collective::kBarrier:
+        return 0;
     }
     return 0;
   }

@@ -24,9 +24,12 @@ void nccl_check(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
 
 ncclDataType_t nccl_type(ElemType t) {
   switch (t) {
-    case ElemType::kF32: return ncclFloat32;
-    case ElemType::kF64: return ncclFloat64;
-    default: return ncclUint32;
+    case ElemType::kF32:
+      return ncclFloat32;
+    case ElemType::kF64:
+      return ncclFloat64;
+    default:
+      return ncclUint32;
   }
 }
 
@@ -55,9 +58,9 @@ class NcclTransport final : public Transport {
   void all_reduce(void* buf, size_t count, ElemType type, ReduceOp op) override {
     check();
     DeviceScope on(backend_->device());
-    nccl_check(ncclAllReduce(buf, buf, count, nccl_type(type), op == ReduceOp::kSum ? ncclSum : ncclMax, comm_,
-                             stream()),
-               "ncclAllReduce");
+    nccl_check(
+        ncclAllReduce(buf, buf, count, nccl_type(type), op == ReduceOp::kSum ? ncclSum : ncclMax, comm_, stream()),
+        "ncclAllReduce");
   }
   void all_gather(const void* send, void* recv, size_t bytes) override {
     check();
@@ -72,7 +75,8 @@ class NcclTransport final : public Transport {
     ncclResult_t first = ncclSuccess;
     for (int32_t p = 0; p < size_ && first == ncclSuccess; ++p) {
       first = ncclSend(static_cast<const char*>(send) + p * bytes, bytes, ncclUint8, p, comm_, stream());
-      if (first == ncclSuccess) first = ncclRecv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm_, stream());
+      if (first == ncclSuccess)
+        first = ncclRecv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm_, stream());
     }
     const ncclResult_t end = ncclGroupEnd();
     nccl_check(first, "all_to_all (ncclSend/ncclRecv)");

@@ -57,10 +57,9 @@ void upload_range(Backend& be, void* indexed, const std::vector<uint8_t>& whole,
   be.copy_from_host(static_cast<char*>(indexed) + lo * size, whole.data() + lo * size, (hi - lo) * size);
 }
 
-// A whole tensor's state: from `whole` where the rank holds a share of it, else its own array.
-const void* whole_or(const WholeState* whole, const std::vector<const void*> WholeState::*which, size_t i,
-                     const void* own) {
-  return whole && i < (whole->*which).size() && (whole->*which)[i] ? (whole->*which)[i] : own;
+// A whole tensor's state: from the gathered copies where the rank holds a share of it, else its own.
+const void* whole_or(const std::vector<const void*>* gathered, size_t i, const void* own) {
+  return gathered && i < gathered->size() && (*gathered)[i] ? (*gathered)[i] : own;
 }
 
 std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer* o, bool gradients,
@@ -86,10 +85,12 @@ std::vector<ParamState> read_params(const fp8_model& model, const fp8_optimizer*
       s.grad = download(be, p.grad->data, p.grad->nbytes());
       if (dtype_is_fp8(p.grad->dtype)) be.copy_to_host(&s.grad_scales, p.grad_scales(), sizeof(GradScales));
     }
-    if (p.master) s.master = download(be, whole_or(whole, &WholeState::master, i, p.master), bytes_of(s.n, 2));
+    if (p.master) s.master = download(be, whole_or(whole ? &whole->master : nullptr, i, p.master), bytes_of(s.n, 2));
     if (const OptimTensor* t = ot) {
-      if (o && t->m) s.m = download(be, whole_or(whole, &WholeState::m, i, t->m), bytes_of(s.n, m_size(t->layout)));
-      if (o && t->v) s.v = download(be, whole_or(whole, &WholeState::v, i, t->v), bytes_of(s.n, v_size(t->layout)));
+      if (o && t->m)
+        s.m = download(be, whole_or(whole ? &whole->m : nullptr, i, t->m), bytes_of(s.n, m_size(t->layout)));
+      if (o && t->v)
+        s.v = download(be, whole_or(whole ? &whole->v : nullptr, i, t->v), bytes_of(s.n, v_size(t->layout)));
       if (t->scales) {
         s.has_scales = true;
         be.copy_to_host(&s.scales, t->scales, sizeof(CompactScales));
@@ -152,9 +153,8 @@ void check_scaling(const std::vector<ScalingRecord>& records, const fp8_model& m
 // between levels): another margin, interval, format or override would not resume the same run.
 void check_recipe(const Section* section, const fp8_model& model) {
   if (!section != !model.recipe)
-    fail(FP8_ERR_INVALID_STATE, "the checkpoint's model was ", section ? "" : "not ",
-         "converted to FP8, this one is", model.recipe ? "" : " not",
-         "; convert it as the saved one was (fp8_checkpoint_read_recipe gives the recipe)");
+    fail(FP8_ERR_INVALID_STATE, "the checkpoint's model was ", section ? "" : "not ", "converted to FP8, this one is",
+         model.recipe ? "" : " not", "; convert it as the saved one was (fp8_checkpoint_read_recipe gives the recipe)");
   if (!section) return;
   Recipe saved;
   try {
@@ -228,7 +228,8 @@ void save_checkpoint(const fp8_model& model, const fp8_optimizer* o, const std::
   WeightCopies copies;
   for (size_t i = 0; i < model.layers.size(); ++i) {
     float scale = 0.0f;
-    if (model.layers[i]->weight_copy_scale(model.weights_version, &scale)) copies.emplace_back(static_cast<uint32_t>(i), scale);
+    if (model.layers[i]->weight_copy_scale(model.weights_version, &scale))
+      copies.emplace_back(static_cast<uint32_t>(i), scale);
   }
   if (!copies.empty()) sections.push_back({"weight_copies", encode_weight_copies(copies)});
   if (o) sections.push_back({"optimizer", encode_optimizer(read_optimizer(*o), params)});
@@ -256,7 +257,8 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   WeightCopies copies;
   if (const Section* s = find_section(sections, "weight_copies")) copies = decode_weight_copies(s->data);
   for (const auto& [layer, scale] : copies)
-    if (layer >= model.layers.size() || model.layers[layer]->kind() != FP8_LAYER_LINEAR || !model.layers[layer]->converted())
+    if (layer >= model.layers.size() || model.layers[layer]->kind() != FP8_LAYER_LINEAR ||
+        !model.layers[layer]->converted())
       fail(FP8_ERR_INVALID_STATE, "the checkpoint holds an FP8 weight copy of layer ", layer,
            ", which is no converted Linear of this model");
   const Section* optim_section = find_section(sections, "optimizer");
@@ -317,8 +319,10 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
     // m and v: this rank's share [owned_lo, owned_hi) (the whole tensor unless sharded).
     const auto write_state = [&](void* state, const std::vector<uint8_t>& bytes, size_t size) {
       if (!o || !state) return;
-      if (bytes.empty()) be.zero(static_cast<char*>(state) + t.owned_lo * size, bytes_of(t.owned_hi - t.owned_lo, size));
-      else upload_range(be, state, bytes, t.owned_lo, t.owned_hi, size);
+      if (bytes.empty())
+        be.zero(static_cast<char*>(state) + t.owned_lo * size, bytes_of(t.owned_hi - t.owned_lo, size));
+      else
+        upload_range(be, state, bytes, t.owned_lo, t.owned_hi, size);
     };
     if (ot) write_state(ot->m, p.m, m_size(ot->layout)), write_state(ot->v, p.v, v_size(ot->layout));
   }
@@ -392,8 +396,10 @@ void import_safetensors(fp8_model& model, const std::string& path) {
     p.name = t.name;
     p.n = t.value->numel;
     fp8_dtype_t dtype = FP8_DTYPE_F32;
-    if (it->dtype == "F16") dtype = FP8_DTYPE_F16;
-    else if (it->dtype == "BF16") dtype = FP8_DTYPE_BF16;
+    if (it->dtype == "F16")
+      dtype = FP8_DTYPE_F16;
+    else if (it->dtype == "BF16")
+      dtype = FP8_DTYPE_BF16;
     else if (it->dtype != "F32")
       fail(FP8_ERR_UNSUPPORTED, "tensor '", t.name, "' is ", it->dtype, "; libfp8 imports F32, F16 and BF16");
     p.value = floats_bytes(widen_host(dtype, it->data.data(), p.n));
@@ -401,7 +407,8 @@ void import_safetensors(fp8_model& model, const std::string& path) {
     params.push_back(std::move(p));
   }
   Backend& be = *model.backend;
-  for (size_t i = 0; i < params.size(); ++i) write_weight(be, *targets[i], params[i], optim_tensor(model.weight_owner, i));
+  for (size_t i = 0; i < params.size(); ++i)
+    write_weight(be, *targets[i], params[i], optim_tensor(model.weight_owner, i));
   ++model.weights_version;
   be.synchronize();
 }

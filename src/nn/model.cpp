@@ -328,6 +328,7 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
 
   const Step step = make_step(m);
   for (size_t i = 0; i < m.layers.size(); ++i) m.layers[i]->check_saved(step, *m.run_saved[i]);
+  grads_written(m);
   const size_t n = m.layers.size();
   for (auto& g : m.grads)
     if (!g) g = std::make_unique<ScratchTensor>(m.backend);
@@ -341,7 +342,6 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
     } else if (!dx && m.layers[0]->kind() != FP8_LAYER_LINEAR) {
       g_in = m.first_dx->bind(act, ndim, m.run_x_shape);  // norms and activations always make dx
     }
-    grads_written(m);
     m.layers[i]->backward(step, *m.run_saved[i], g_out, g_in, false);
     g_out = g_in;
   }

@@ -85,6 +85,13 @@ class ParamStore {
   // layout that would move anything (another level, communicator or parameter set) is refused.
   void set_shares(Shares shares) { shares_ = shares; }
   Shares shares() const { return applied_; }
+  // The bytes of one rank's share of the arena of (role, dtype) under the shares in effect.
+  size_t share_of(int32_t role, fp8_dtype_t dtype) const {
+    void* data = nullptr;
+    size_t used = 0;
+    flat(role, dtype, &data, &used);
+    return share_bytes(used, applied_.nranks);
+  }
   bool masters_sharded() const { return level_ == 3 && applied_.nranks > 0; }
   size_t grad_capacity(fp8_dtype_t dtype) const { return grads_[dtype].bytes(); }
   // Every parameter's GradScales, in parameter order (meaningful for FP8 gradients only).

@@ -128,7 +128,7 @@ void add_chunks(fp8_optimizer& o, const fp8_model& model, const nn::Parameter& p
     void* base = nullptr;
     size_t used = 0;
     model.store->flat(nn::kValues, FP8_DTYPE_E4M3, &base, &used);
-    piece = static_cast<int64_t>(nn::share_bytes(used, shares.nranks));
+    piece = static_cast<int64_t>(model.store->share_of(nn::kValues, FP8_DTYPE_E4M3));
     at = static_cast<char*>(p.value->data) - static_cast<char*>(base);
   }
   for (int64_t off = 0; off < n;) {
