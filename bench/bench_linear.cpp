@@ -147,8 +147,9 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
   const bool fp8 = v != Variant::Bf16;
   const fp8_dtype_t hand_off = fp8 ? FP8_DTYPE_E4M3 : FP8_DTYPE_BF16;
   fp8_tensor_t* x = fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d);
-  std::vector<fp8_tensor_t*> acts = {x, fp8bench::matrix(ctx, hand_off, t, d), fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, f),
-                                     fp8bench::matrix(ctx, hand_off, t, f), fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d)};
+  std::vector<fp8_tensor_t*> acts = {x, fp8bench::matrix(ctx, hand_off, t, d),
+                                     fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, f), fp8bench::matrix(ctx, hand_off, t, f),
+                                     fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d)};
   std::vector<fp8_tensor_t*> grads = {
       fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d), fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d),
       fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, f), fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, f),
