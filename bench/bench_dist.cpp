@@ -1,6 +1,8 @@
 // The cost of data parallelism on one GPU (NCCL with one rank): a Linear training step at MS-AMP O2
-// (forward, backward, AdamW step, zero_grad) with and without a communicator. (A group of one rank
-// has nothing to average or agree on: what remains is the checks for NCCL's asynchronous errors.)
+// (forward, backward, AdamW step, zero_grad) without a communicator, with one, and with one and
+// backward sync (each bucket's exchange started from inside the backward). (A group of one rank has
+// nothing to average or agree on: what remains is the checks for NCCL's asynchronous errors and the
+// bookkeeping of the buckets.)
 //
 // Usage: bench_dist [out.json]
 #include <algorithm>
@@ -30,8 +32,9 @@ struct Step {
   fp8_comm_t* comm = nullptr;
 };
 
-// Linear k -> n with bias at O2, data-parallel over a one-rank NCCL communicator when `dp`.
-Step make_step(int64_t k, int64_t n, bool dp) {
+// Linear k -> n with bias at O2, data-parallel over a one-rank NCCL communicator when `dp`, with
+// backward sync when `backward_sync`.
+Step make_step(int64_t k, int64_t n, bool dp, bool backward_sync) {
   Step s;
   CHECK_FP8(fp8_model_create(&s.model, ctx));
   CHECK_FP8(fp8_model_add_linear(s.model, "fc", k, n, 1, nullptr));
@@ -49,6 +52,7 @@ Step make_step(int64_t k, int64_t n, bool dp) {
   if (dp) {
     CHECK_FP8(fp8_comm_create_local(&s.comm, &ctx, 1));
     CHECK_FP8(fp8_model_set_comm(s.model, s.comm));
+    if (backward_sync) CHECK_FP8(fp8_model_set_backward_sync(s.model, 1));
   }
   CHECK_FP8(fp8_optimizer_create(&s.opt, s.model, FP8_OPTIMIZER_ADAMW));
   return s;
@@ -76,22 +80,27 @@ int main(int argc, char** argv) {
   fp8_tensor_t *dy = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, n), *dx = fp8bench::matrix(ctx, FP8_DTYPE_BF16, m, k);
   fp8bench::fill_normal(x, 1.0f, 3);
   fp8bench::fill_normal(dy, 1e-3f, 4);
-  // The two steps alternate, each timed by itself, so that clocks drifting over the run weigh on
-  // both alike; the medians of 30 each after 3 warm-ups.
-  Step steps[2] = {make_step(k, n, false), make_step(k, n, true)};
+  // The steps alternate, each timed by itself, so that clocks drifting over the run weigh on all
+  // alike; the medians of 30 each after 3 warm-ups.
+  constexpr int kSteps = 3;
+  const char* const names[kSteps] = {"O2 linear step 16384x8192->8192, no communicator",
+                                     "O2 linear step 16384x8192->8192, NCCL 1 rank",
+                                     "O2 linear step 16384x8192->8192, NCCL 1 rank, backward sync"};
+  Step steps[kSteps] = {make_step(k, n, false, false), make_step(k, n, true, false), make_step(k, n, true, true)};
   const auto run = [&](Step& s) {
     CHECK_FP8(fp8_model_forward(s.model, x, y));
     CHECK_FP8(fp8_model_backward(s.model, dy, dx));
     CHECK_FP8(fp8_optimizer_step(s.opt));
     CHECK_FP8(fp8_optimizer_zero_grad(s.opt));
   };
-  for (int w = 0; w < 3; ++w) run(steps[0]), run(steps[1]);
-  std::vector<double> ms[2];
+  for (int w = 0; w < 3; ++w)
+    for (Step& s : steps) run(s);
+  std::vector<double> ms[kSteps];
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
   for (int rep = 0; rep < 30; ++rep)
-    for (int dp = 0; dp < 2; ++dp) {
+    for (int dp = 0; dp < kSteps; ++dp) {
       CHECK_CUDA(cudaEventRecord(a, stream));
       run(steps[dp]);
       CHECK_CUDA(cudaEventRecord(b, stream));
@@ -100,15 +109,15 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
       ms[dp].push_back(t);
     }
-  double step_ms[2];
-  for (int dp = 0; dp < 2; ++dp) {
+  double step_ms[kSteps];
+  for (int dp = 0; dp < kSteps; ++dp) {
     std::sort(ms[dp].begin(), ms[dp].end());
     step_ms[dp] = ms[dp][ms[dp].size() / 2];
-    row(dp ? "O2 linear step 16384x8192->8192, NCCL 1 rank" : "O2 linear step 16384x8192->8192, no communicator",
-        step_ms[dp]);
+    row(names[dp], step_ms[dp]);
     destroy(steps[dp]);
   }
-  std::printf("data-parallel overhead at 1 rank: %+.2f%%\n", 100.0 * (step_ms[1] / step_ms[0] - 1.0));
+  std::printf("data-parallel overhead at 1 rank: %+.2f%% (backward sync: %+.2f%%)\n",
+              100.0 * (step_ms[1] / step_ms[0] - 1.0), 100.0 * (step_ms[2] / step_ms[0] - 1.0));
   for (fp8_tensor_t* t : {x, y, dy, dx}) fp8_tensor_destroy(t);
   std::fprintf(json, "\n]\n");
   std::fclose(json);

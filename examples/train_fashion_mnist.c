@@ -402,7 +402,11 @@ static result_t train(const rank_t *me, const settings_t *s, const dataset_t *tr
     fp8_recipe_destroy(recipe);
   }
   /* Data-parallel from here (collective: every rank, converted the same way, before its optimizer). */
-  if (me->comm) CHECK(fp8_model_set_comm(m, me->comm));
+  if (me->comm) {
+    CHECK(fp8_model_set_comm(m, me->comm));
+    /* One backward per step: each gradient bucket is exchanged as soon as the backward has written it. */
+    CHECK(fp8_model_set_backward_sync(m, 1));
+  }
   CHECK(fp8_optimizer_create(&opt, m, FP8_OPTIMIZER_ADAMW));
   CHECK(fp8_optimizer_set_float(opt, FP8_OPTIM_LR, s->lr));
   CHECK(fp8_optimizer_set_float(opt, FP8_OPTIM_MAX_GRAD_NORM, 1.0));

@@ -724,8 +724,9 @@ FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t *model, int32_t index, c
  * storage keeps room to append), at the first fp8_convert_model (which lays the storage out
  * exactly), at a conversion that changes the level or the FP8 gradient format (refused,
  * FP8_ERR_INVALID_STATE, while an optimizer of the model exists), and at fp8_model_set_comm (see
- * "Data parallelism": the arenas are padded to equal shares, and at O3 the masters arena holds this
- * rank's share). From the optimizer's creation on they never move.
+ * "Data parallelism": the parameters are grouped into buckets whose FP8 ranges are padded to equal
+ * pieces, and at O3 the masters arena holds this rank's pieces). From the optimizer's creation on
+ * they never move.
  */
 typedef int32_t fp8_storage_role_t;
 #define FP8_STORAGE_VALUES 0
@@ -734,7 +735,8 @@ typedef int32_t fp8_storage_role_t;
 /** [out] level: 0 (FP32 Linear weights) or FP8_OPT_O1..O3, the level the model's storage is at. */
 FP8_API fp8_status_t fp8_model_storage_level(const fp8_model_t *model, int32_t *level);
 /** [out] data, bytes: the flat allocation of `role` holding `dtype` (device memory, borrowed) and the
- *  bytes its slices span, each slice rounded up to 256 bytes; NULL and 0 when the model stores nothing
+ *  bytes its slices span, each slice rounded up to 256 bytes (and, data-parallel, each bucket's FP8
+ *  range padded to N equal pieces); NULL and 0 when the model stores nothing
  *  of that kind. A parameter's slice starts at (char *)fp8_tensor_data(parameter) - data. The FP32
  *  gradient buffer is what a framework's own collective would all-reduce. */
 FP8_API fp8_status_t fp8_model_flat_storage(fp8_model_t *model, fp8_storage_role_t role, fp8_dtype_t dtype, void **data,
@@ -1061,33 +1063,45 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *  - Scaling: each update max-reduces every delayed-scaling state's amax of the step across the ranks
  *    in one collective on the device, so every rank computes the same scales (TransformerEngine's
  *    reduce_amax); no host synchronisation.
- *  - Gradients are averaged once per optimizer step: by fp8_optimizer_step before it updates, unless
- *    fp8_model_sync_grads (for an optimizer of the application's own, or to read the averages)
- *    did it since the last step or zero_grad. Micro-batches of an accumulation do not communicate,
- *    so there is nothing to mark: accumulate as on one rank, then step. Whether a step exchanges
- *    is decided by these calls, never by one rank's data: between fp8_model_sync_grads and the next
- *    step or zero_grad, libfp8 refuses gradient writes (FP8_ERR_INVALID_STATE), and writes it cannot
- *    see (fp8_tensor_copy_from_host into a gradient, kernels on the flat storage) belong before it.
+ *  - Gradients are averaged once per optimizer step, bucket by bucket. A bucket is a run of
+ *    consecutive parameters (in the model's order) whose gradients reach fp8_model_set_bucket_bytes
+ *    (FP8_DEFAULT_BUCKET_BYTES: 32 MiB of gradients as stored; a larger parameter is a bucket of its
+ *    own). By default the step averages every bucket before it updates, so the micro-batches of an
+ *    accumulation do not communicate and there is nothing to mark. With
+ *    fp8_model_set_backward_sync(model, 1), each backward is taken as the step's last (DDP's default):
+ *    a bucket's exchange starts as soon as the backward has written every parameter of it (in
+ *    fp8_model_backward, fp8_layer_backward(_saved) or fp8_model_accumulate_grad), on a communication
+ *    stream of the context, while the backward goes on; the step starts the buckets no backward
+ *    finished (parameters it never wrote) and makes the context's stream wait for them all. For an
+ *    accumulation, turn it off for all micro-batches but the last (DDP's no_sync). The backward's
+ *    own scaling update (at its end, or at autocast_end) waits for the exchanges already started,
+ *    so per-layer calls overlap best inside one region (not one autowrap region per call).
+ *    fp8_model_sync_grads averages whatever is left now (for an optimizer of the application's own,
+ *    or to read the averages). Whether a bucket is exchanged is decided by these calls, never by
+ *    one rank's data: once it is, until the next step or zero_grad, libfp8 refuses to write its
+ *    gradients again (FP8_ERR_INVALID_STATE, naming the parameter), and writes libfp8 cannot see
+ *    (fp8_tensor_copy_from_host into a gradient, kernels on the flat storage) belong before it.
  *  - FP32 gradients (every gradient at te; biases and norms at O1..O3) are summed by an FP32
  *    all-reduce and divided by the number of ranks. (A group of one rank leaves every gradient as
  *    it is: it is its own mean.)
  *  - FP8 gradients (the Linear weights' at O1..O3) travel as their own FP8 codes, 1 byte per
- *    element each way: each rank owns an equal share of the FP8 gradient storage, receives every
- *    rank's codes of its share with each sender's per-tensor scale, decodes them and sums them in
- *    FP32 in rank order (rank 0 first), divides by the number of ranks, and the ranks agree on each
- *    tensor's amax of that mean (one small max all-reduce); each rank requantises its share with
- *    scale = fp8_max / amax and the shares are all-gathered. So the result has one FP8 rounding, at
+ *    element each way: each bucket's FP8 gradient storage is padded to N equal pieces and rank k
+ *    owns piece k; it receives every rank's codes of its piece with each sender's per-tensor scale,
+ *    decodes them and sums them in FP32 in rank order (rank 0 first), divides by the number of
+ *    ranks, and the ranks agree on each tensor's amax of that mean (one small max all-reduce); each
+ *    rank requantises its piece with scale = fp8_max / amax and the pieces are all-gathered. So the result has one FP8 rounding, at
  *    the end: never a sum of FP8 partial sums (MS-AMP's and NCCL's own FP8 reductions round every
  *    partial sum to FP8). Every rank ends with the same codes and scales.
  *  - fp8_model_set_comm and fp8_optimizer_create start every rank from rank 0's model: its
  *    parameters (values, O3's masters and scales), gradients and scaling states are broadcast.
- *    fp8_model_set_comm lays the storage out again (every arena padded to N equal shares), so data
+ *    fp8_model_set_comm lays the storage out again (in buckets, padded as above), so data
  *    pointers from fp8_model_flat_storage or fp8_tensor_data taken before it must be taken again.
  *  - Optimizer state at te, O1 and O2 is replicated: every rank steps every parameter from the same
  *    averaged gradient, as MS-AMP's O1/O2 data-parallel path does.
- *  - O3 is sharded (ZeRO): each rank keeps the F16 masters and Adam's m and v of its share of the
- *    Linear weights only, receives only its share of the averaged FP8 gradients, steps that share,
- *    and the E4M3 weights are all-gathered after the step (1 byte per weight). The ranks agree on
+ *  - O3 is sharded (ZeRO): the E4M3 weights are laid out like their FP8 gradients, and each rank
+ *    keeps the F16 masters and Adam's m and v of its pieces of the Linear weights only, receives only
+ *    its pieces of the averaged FP8 gradients, steps them, and the E4M3 weights are all-gathered
+ *    after the step (1 byte per weight). The ranks agree on
  *    the gradient norm (clipping, the non-finite skip) and on the per-tensor scales with two small
  *    all-reduces. Training state: 2 + 5/N bytes per Linear weight at N ranks (fp8_optimizer_get_stats'
  *    training_bytes counts this rank's). A sharded model keeps its group: fp8_model_set_comm,
@@ -1096,7 +1110,7 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *
  * Misuse: fp8_model_set_comm and fp8_optimizer_create first agree on each rank's own checks (a rank
  * that refuses makes every rank refuse), then compare the models (layers, names, shapes,
- * conversion, recipe, storage level, training and autowrap modes) and the optimizer kind across the
+ * conversion, recipe, storage level, training and autowrap modes, bucket bytes) and the optimizer kind across the
  * ranks and refuse on every rank with FP8_ERR_INVALID_STATE, naming the first difference. Calls on
  * the training path (a step, a forward) are not worth a round trip to agree on: one refused on one
  * rank alone (inside autocast on that rank only) leaves the others waiting in their next
@@ -1148,9 +1162,21 @@ FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t *comm);
  *  (local). comm must be made from the model's context. Refused (FP8_ERR_INVALID_STATE) while an
  *  optimizer of the model exists or inside an autocast region: set the communicator first. */
 FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t *model, fp8_comm_t *comm);
-/** Averages the model's gradients across its communicator now (collective; see above); does nothing
- *  without one, or when it already did since the last step or zero_grad. Asynchronous. */
+/** Averages the model's gradients across its communicator now (collective; see above): the buckets
+ *  not averaged since the last step or zero_grad; does nothing without a communicator.
+ *  Asynchronous. */
 FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t *model);
+/** on = 1: each backward is the last before the step, and each bucket's exchange starts as soon as
+ *  the backward has written it, beside the backward (see above); 0 (the default): the step
+ *  exchanges. Local, but every rank must make the same calls. FP8_ERR_INVALID_STATE without a
+ *  communicator. */
+FP8_API fp8_status_t fp8_model_set_backward_sync(fp8_model_t *model, int32_t on);
+#define FP8_DEFAULT_BUCKET_BYTES 33554432
+#define FP8_MIN_BUCKET_BYTES 256
+/** The gradient bytes (as stored: 4 per FP32 element, 1 per FP8 one) at which a bucket closes,
+ *  >= FP8_MIN_BUCKET_BYTES; default FP8_DEFAULT_BUCKET_BYTES. Before fp8_model_set_comm
+ *  (FP8_ERR_INVALID_STATE after it); the ranks must agree (fp8_model_set_comm compares it). */
+FP8_API fp8_status_t fp8_model_set_bucket_bytes(fp8_model_t *model, size_t bytes);
 
 /* ---------------------------------------------------------------------------------------------
  * Checkpoints and safetensors

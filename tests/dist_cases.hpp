@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <future>
 
@@ -74,9 +75,9 @@ inline Model build_model(fp8_context_t* ctx, const char* recipe, uint32_t seed, 
 struct Group {
   std::vector<Rank> ranks;
   // Every rank on `device` (FP8_DEVICE_CPU, or one GPU: NCCL for one rank, else the in-process
-  // transport through the host).
+  // transport through the host); `bucket_bytes` 0: the default buckets.
   Group(int n, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM, float max_grad_norm = 0.0f,
-        int32_t device = FP8_DEVICE_CPU) {
+        int32_t device = FP8_DEVICE_CPU, size_t bucket_bytes = 0, bool backward_sync = false) {
     for (int k = 0; k < n; ++k) ranks.emplace_back(device);
     std::vector<fp8_context_t*> ctxs;
     for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
@@ -88,7 +89,9 @@ struct Group {
     }
     on_ranks(n, [&](int k) {
       Rank& r = ranks[k];
+      if (bucket_bytes) EXPECT_OK(fp8_model_set_bucket_bytes(r.model.get(), bucket_bytes));
       EXPECT_OK(fp8_model_set_comm(r.model.get(), r.comm.get()));
+      if (backward_sync) EXPECT_OK(fp8_model_set_backward_sync(r.model.get(), 1));
       fp8_optimizer_t* o = nullptr;
       EXPECT_OK(fp8_optimizer_create(&o, r.model.get(), kind));
       r.opt.reset(o);
@@ -99,13 +102,16 @@ struct Group {
   int size() const { return static_cast<int>(ranks.size()); }
 };
 
-inline std::vector<float> batch_x(int step, int rank) { return randn(kRows * kIn, 7000u + 97u * step + rank, 1.0f); }
+inline std::vector<float> batch_x(int step, int rank) {
+  return randn(kRows * kIn, 7000u + 97u * step + rank, 1.0f);
+}
 inline std::vector<float> batch_dy(int step, int rank) {
   return randn(kRows * kOut, 9000u + 97u * step + rank, 0.05f + 0.05f * rank);
 }
 
 // One forward and backward of `rows` rows of x and dy (accumulating into the gradients).
-inline void forward_backward(fp8_context_t* ctx, fp8_model_t* m, const std::vector<float>& x, const std::vector<float>& dy) {
+inline void forward_backward(fp8_context_t* ctx, fp8_model_t* m, const std::vector<float>& x,
+                             const std::vector<float>& dy) {
   const int64_t rows = static_cast<int64_t>(x.size()) / kIn;
   Tensor tx = make_tensor(ctx, FP8_DTYPE_F32, {rows, kIn});
   Tensor ty = make_tensor(ctx, FP8_DTYPE_F32, {rows, kOut});
@@ -158,6 +164,11 @@ inline std::vector<unsigned char> state_bytes(const Rank& r, bool grads, bool sc
       out.insert(out.end(), h, h + history.size() * sizeof(float));
     }
   return out;
+}
+
+// A file of this test in the system's temporary directory.
+inline std::string temp_path(const char* name) {
+  return (std::filesystem::temp_directory_path() / (std::string("fp8_dist_") + name)).string();
 }
 
 inline float decode_e5m2(uint8_t c) {  // E5M2 is the top byte of an IEEE half

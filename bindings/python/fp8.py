@@ -50,6 +50,7 @@ OPT_O1, OPT_O2, OPT_O3 = 1, 2, 3
 STORAGE_VALUES, STORAGE_GRADS, STORAGE_MASTERS = 0, 1, 2
 BACKWARD_ACCUMULATE_DX = 1
 CHECKPOINT_GRADIENTS = 1
+DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES = 33554432, 256
 (OPTIM_LR, OPTIM_BETA1, OPTIM_BETA2, OPTIM_EPS, OPTIM_WEIGHT_DECAY, OPTIM_MOMENTUM, OPTIM_MAX_GRAD_NORM,
  OPTIM_ATTR_COUNT) = range(8)
 
@@ -138,6 +139,8 @@ for _name, _args in {
     "fp8_comm_abort": (_p,),
     "fp8_model_set_comm": (_p, _p),
     "fp8_model_sync_grads": (_p,),
+    "fp8_model_set_backward_sync": (_p, _i32),
+    "fp8_model_set_bucket_bytes": (_p, _size),
 }.items():
     _declare(_name, _i32, *_args)
 for _name in ["fp8_context_destroy", "fp8_recipe_destroy", "fp8_tensor_destroy", "fp8_scaling_destroy",
@@ -534,6 +537,15 @@ class Model(_Handle):
 
     def sync_grads(self):
         _check(_lib.fp8_model_sync_grads(self.handle))
+
+    def set_backward_sync(self, on):
+        """on: each backward is the step's last, and its buckets are exchanged during it (DDP's default);
+        off for all micro-batches of an accumulation but the last (DDP's no_sync)."""
+        _check(_lib.fp8_model_set_backward_sync(self.handle, 1 if on else 0))
+
+    def set_bucket_bytes(self, nbytes):
+        """Gradient bytes per communication bucket; before set_comm."""
+        _check(_lib.fp8_model_set_bucket_bytes(self.handle, nbytes))
 
 
 class Comm(_Handle):

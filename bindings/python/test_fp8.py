@@ -187,6 +187,12 @@ class BindingTest(unittest.TestCase):
         self.assertIsNotNone(x_ref())
 
     def test_two_ranks_on_threads_average_their_gradients_and_stay_identical(self):
+        self._two_ranks(backward_sync=False)
+
+    def test_backward_sync_averages_inside_the_backward(self):
+        self._two_ranks(backward_sync=True)
+
+    def _two_ranks(self, backward_sync):
         ctxs = [fp8.Context(), fp8.Context()]
         comms = fp8.Comm.local(ctxs)
         self.assertEqual([(c.rank, c.size) for c in comms], [(0, 2), (1, 2)])
@@ -196,6 +202,7 @@ class BindingTest(unittest.TestCase):
             m.add_linear("fc", 4, 2, bias=False)
             w, g = m.parameter("fc.weight")
             w.write_floats([0.1 * (i + k) for i in range(8)])  # rank 1's differ: set_comm gives rank 0's
+            m.set_bucket_bytes(fp8.MIN_BUCKET_BYTES)
             models.append(m)
             grads.append(g)
         errors = []
@@ -215,6 +222,9 @@ class BindingTest(unittest.TestCase):
             self.assertFalse(errors, errors)
 
         run(lambda k: models[k].set_comm(comms[k]))
+        if backward_sync:
+            for m in models:
+                m.set_backward_sync(True)
         self.assertEqual(models[0].parameter("fc.weight")[0].read_floats(), models[1].parameter("fc.weight")[0].read_floats())
         xs = []
 
@@ -225,7 +235,8 @@ class BindingTest(unittest.TestCase):
             dy = fp8.Tensor(ctxs[k], fp8.DTYPE_F32, (1, 2))
             dy.write_floats([1.0, 2.0])
             models[k].run_backward(dy)
-            models[k].sync_grads()
+            if not backward_sync:
+                models[k].sync_grads()
             xs.append(x)
 
         run(step)

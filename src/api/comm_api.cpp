@@ -157,7 +157,7 @@ FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t* model, fp8_comm_t* comm) {
         [&] {
           if (!store) return;
           const fp8::nn::Shares before = store->shares();
-          store->set_shares({t.size(), t.rank()});
+          store->set_shares({t.size(), t.rank(), model->bucket_bytes});
           try {
             store->layout(fp8::nn::all_parameters(*model), store->level(), store->grad_dtype(), false);
           } catch (...) {
@@ -178,9 +178,33 @@ FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t* model) {
     if (!model->comm) return;
     // (As the step's, this check is not worth a host round trip to agree on: see fp8.h, "Misuse".)
     if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside an autocast region; end it first");
-    if (model->comm->explicit_sync) return;  // averaged since the last step or zero_grad
-    fp8::dist::sync_grads(*model);
-    model->comm->explicit_sync = true;
+    fp8::dist::sync_grads(*model);  // (buckets averaged since the last step or zero_grad are left alone)
+    model->comm->synced_explicitly = true;
+  });
+}
+
+FP8_API fp8_status_t fp8_model_set_backward_sync(fp8_model_t* model, int32_t on) {
+  return guard("fp8_model_set_backward_sync", [&] {
+    require_arg(model, "model");
+    if (on != 0 && on != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "on = ", on, "; expected 0 or 1");
+    if (!model->comm) fp8::fail(FP8_ERR_INVALID_STATE, "the model is not data-parallel; fp8_model_set_comm first");
+    fp8::dist::ModelComm& c = *model->comm;
+    if (on && !c.backward_sync)  // only what the backward writes from now on counts
+      std::fill(c.written.begin(), c.written.end(), uint8_t{0});
+    c.backward_sync = on != 0;
+  });
+}
+
+FP8_API fp8_status_t fp8_model_set_bucket_bytes(fp8_model_t* model, size_t bytes) {
+  return guard("fp8_model_set_bucket_bytes", [&] {
+    require_arg(model, "model");
+    if (bytes < FP8_MIN_BUCKET_BYTES)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "bytes = ", bytes, "; expected at least FP8_MIN_BUCKET_BYTES (",
+                FP8_MIN_BUCKET_BYTES, ")");
+    if (model->comm)
+      fp8::fail(FP8_ERR_INVALID_STATE, "the model is already data-parallel and its buckets are laid out; set the ",
+                "bucket size before fp8_model_set_comm");
+    model->bucket_bytes = bytes;
   });
 }
 

@@ -91,7 +91,7 @@ FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t* model, fp8_optimizer_t* op
       if (!checked) fp8::dist::agree(t, model->backend, FP8_ERR_INTERNAL);
       throw;
     }
-    model->comm->explicit_sync = false;  // (the file's gradients, or zeros)
+    fp8::dist::grads_consumed(*model);  // (the file's gradients, or zeros)
   });
 }
 

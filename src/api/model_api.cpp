@@ -4,6 +4,7 @@
 
 #include "api/guard.hpp"
 #include "core/error.hpp"
+#include "dist/data_parallel.hpp"
 #include "nn/model.hpp"
 
 using fp8::guard;
@@ -16,8 +17,7 @@ template <typename Make>
 void add_layer(fp8_model* m, const char* name, int32_t* layer_id, Make&& make) {
   require_arg(m, "model");
   fp8::nn::require_new_layer_name(*m, name);
-  if (m->recipe)
-    fp8::fail(FP8_ERR_INVALID_STATE, "the model is converted to FP8; add layers before fp8_convert_model");
+  if (m->recipe) fp8::fail(FP8_ERR_INVALID_STATE, "the model is converted to FP8; add layers before fp8_convert_model");
   if (!m->optimizer_links.empty())
     fp8::fail(FP8_ERR_INVALID_STATE, "an optimizer of this model holds its parameters' storage; add layers before ",
               "fp8_optimizer_create (or destroy the optimizer first)");
@@ -37,7 +37,8 @@ void require_norm_dim(int64_t dim) {
 }
 
 void require_eps(float eps) {
-  if (!(std::isfinite(eps) && eps > 0.0f)) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "eps = ", eps, "; expected a finite value > 0");
+  if (!(std::isfinite(eps) && eps > 0.0f))
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "eps = ", eps, "; expected a finite value > 0");
 }
 
 void require_tensor(const fp8_model* m, const fp8_tensor* t, const char* name) {
@@ -48,7 +49,8 @@ void require_tensor(const fp8_model* m, const fp8_tensor* t, const char* name) {
 }
 
 void require_no_autocast(const fp8_model* m, const char* what) {
-  if (m->autocast) fp8::fail(FP8_ERR_INVALID_STATE, what, " inside fp8_autocast_begin/end; call fp8_autocast_end first");
+  if (m->autocast)
+    fp8::fail(FP8_ERR_INVALID_STATE, what, " inside fp8_autocast_begin/end; call fp8_autocast_end first");
 }
 
 }  // namespace
@@ -65,14 +67,17 @@ FP8_API fp8_status_t fp8_model_create(fp8_model_t** out, fp8_context_t* ctx) {
   });
 }
 
-FP8_API void fp8_model_destroy(fp8_model_t* model) { delete model; }
+FP8_API void fp8_model_destroy(fp8_model_t* model) {
+  delete model;
+}
 
 FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t* model, const char* name, int64_t in_features,
                                           int64_t out_features, int32_t with_bias, int32_t* layer_id) {
   return guard("fp8_model_add_linear", [&] {
     require_dim(in_features, "in_features");
     require_dim(out_features, "out_features");
-    if (with_bias != 0 && with_bias != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "with_bias = ", with_bias, "; expected 0 or 1");
+    if (with_bias != 0 && with_bias != 1)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "with_bias = ", with_bias, "; expected 0 or 1");
     add_layer(model, name, layer_id,
               [&] { return fp8::nn::make_linear(model->backend, name, in_features, out_features, with_bias != 0); });
   });
@@ -160,8 +165,8 @@ FP8_API fp8_status_t fp8_model_parameter_count(const fp8_model_t* model, int32_t
   });
 }
 
-FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t* model, int32_t index, const char** name,
-                                            fp8_tensor_t** value, fp8_tensor_t** grad) {
+FP8_API fp8_status_t fp8_model_parameter_at(fp8_model_t* model, int32_t index, const char** name, fp8_tensor_t** value,
+                                            fp8_tensor_t** grad) {
   return guard("fp8_model_parameter_at", [&] {
     require_arg(model, "model");
     fp8::nn::Parameter& p = fp8::nn::parameter_at(*model, index);
@@ -184,10 +189,12 @@ FP8_API fp8_status_t fp8_model_accumulate_grad(fp8_model_t* model, int32_t index
     if (g->numel != p.grad->numel)
       fp8::fail(FP8_ERR_SHAPE, "g has ", g->numel, " elements; parameter '", p.name, "' has ", p.grad->numel);
     const bool fp8 = fp8::dtype_is_fp8(p.grad->dtype);
-    fp8::nn::grads_written(*model);
+    fp8::dist::before_grad_write(*model, index, 1);
     model->backend->grad_accumulate({fp8 ? static_cast<uint8_t*>(p.grad->data) : nullptr,
                                      p.grad->dtype == FP8_DTYPE_E5M2, static_cast<const float*>(g->data), g->numel,
-                                     fp8 ? p.grad_scales() : nullptr, fp8 ? nullptr : static_cast<float*>(p.grad->data)});
+                                     fp8 ? p.grad_scales() : nullptr,
+                                     fp8 ? nullptr : static_cast<float*>(p.grad->data)});
+    fp8::dist::after_grad_write(*model, index, 1);
   });
 }
 
@@ -235,7 +242,8 @@ FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t* model) {
 FP8_API fp8_status_t fp8_model_set_training(fp8_model_t* model, int32_t training) {
   return guard("fp8_model_set_training", [&] {
     require_arg(model, "model");
-    if (training != 0 && training != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "training = ", training, "; expected 0 or 1");
+    if (training != 0 && training != 1)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "training = ", training, "; expected 0 or 1");
     if (model->training != (training != 0)) fp8::nn::drop_kept_states(*model);  // a real mode change
     model->training = training != 0;
   });
@@ -253,16 +261,20 @@ FP8_API fp8_status_t fp8_convert_model(fp8_model_t* model, const fp8_recipe_t* r
     fp8_convert_options_t opts;
     fp8_convert_options_init(&opts);
     if (options) fp8::read_versioned(opts, options, fp8::kConvertOptionsV1Size, "options", "fp8_convert_options_init");
-    for (auto [v, name] : {std::pair<int32_t, const char*>{opts.to_fp8, "to_fp8"}, {opts.linear, "linear"},
-                           {opts.norm, "norm"}, {opts.activation, "activation"}})
+    for (auto [v, name] : {std::pair<int32_t, const char*>{opts.to_fp8, "to_fp8"},
+                           {opts.linear, "linear"},
+                           {opts.norm, "norm"},
+                           {opts.activation, "activation"}})
       if (v != 0 && v != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->", name, " = ", v, "; expected 0 or 1");
     if (opts.to_fp8) require_arg(recipe, "recipe");
     require_no_autocast(model, "converting the model");
     fp8::nn::convert_model(*model, opts.to_fp8 ? &recipe->recipe : nullptr,
                            {opts.to_fp8 != 0, opts.linear != 0, opts.norm != 0, opts.activation != 0});
     fp8::nn::drop_kept_states(*model);
-    if (opts.to_fp8) model->recipe = recipe->recipe;
-    else model->recipe.reset();
+    if (opts.to_fp8)
+      model->recipe = recipe->recipe;
+    else
+      model->recipe.reset();
   });
 }
 
@@ -395,13 +407,15 @@ FP8_API void fp8_saved_destroy(fp8_saved_t* saved) {
   delete saved;
 }
 
-FP8_API fp8_status_t fp8_layer_get_scaling(fp8_model_t* model, int32_t layer_id, int32_t slot, fp8_scaling_t** scaling) {
+FP8_API fp8_status_t fp8_layer_get_scaling(fp8_model_t* model, int32_t layer_id, int32_t slot,
+                                           fp8_scaling_t** scaling) {
   return guard("fp8_layer_get_scaling", [&] {
     require_arg(model, "model");
     require_arg(scaling, "scaling");
     fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     if (slot < FP8_SCALING_INPUT || slot > FP8_SCALING_OUTPUT)
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "slot = ", slot, "; expected FP8_SCALING_INPUT (0) .. FP8_SCALING_OUTPUT (3)");
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "slot = ", slot,
+                "; expected FP8_SCALING_INPUT (0) .. FP8_SCALING_OUTPUT (3)");
     *scaling = layer.scaling(slot);
   });
 }

@@ -39,6 +39,15 @@ class Backend {
   // The id of the CUDA graph capture under way on the stream, 0 when none (always 0 on the CPU).
   virtual uint64_t capture_id() const { return 0; }
   virtual void synchronize() = 0;
+  // The communication stream (fp8.h, "Data parallelism"): between begin_side() and end_side() the
+  // backend's work goes to a stream of its own (stream() returns it), ordered after everything
+  // queued on the stream before begin_side() and running beside what the stream gets after
+  // end_side(), until join_side() makes the stream wait for all of it. Every collective issued
+  // outside a begin/end pair joins first, so a communicator's collectives run in the order they were
+  // issued. set_stream() and synchronize() join too. The CPU runs everything in order: nothing to do.
+  virtual void begin_side() {}
+  virtual void end_side() {}
+  virtual void join_side() {}
 
   virtual void quantize(const QuantizeJob& job) = 0;
   virtual void dequantize(const DequantizeJob& job) = 0;

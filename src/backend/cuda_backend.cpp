@@ -42,6 +42,12 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     DeviceScope scope(limits_.device, std::nothrow);
+    if (side_) {
+      cudaStreamSynchronize(side_);
+      cudaStreamDestroy(side_);
+      cudaEventDestroy(forked_);
+      cudaEventDestroy(side_done_);
+    }
     gemm_.reset();
     cudaFree(scratch_);
   }
@@ -97,7 +103,9 @@ class CudaBackend final : public Backend {
   // Work already queued on the old stream comes before anything queued on the new one.
   void set_stream(CUstream_st* stream) override {
     if (stream == stream_) return;
+    if (in_side_) fail(FP8_ERR_INTERNAL, "set_stream inside the communication stream's scope");
     DeviceScope scope(limits_.device);
+    join_side();
     cudaEvent_t done = nullptr;
     cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     const cudaError_t recorded = cudaEventRecord(done, stream_);
@@ -107,8 +115,51 @@ class CudaBackend final : public Backend {
     stream_ = stream;
   }
   CUstream_st* stream() const override { return stream_; }
+
+  void begin_side() override {
+    if (in_side_) fail(FP8_ERR_INTERNAL, "the communication stream's scope does not nest");
+    DeviceScope scope(limits_.device);
+    if (!side_) {
+      // Non-blocking, so that it never waits for the legacy default stream; the highest priority,
+      // so that its kernels get SMs while the backward's GEMMs run.
+      int least = 0, greatest = 0;
+      cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+      cudaStream_t side = nullptr;
+      cuda_check(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, greatest),
+                 "creating the communication stream");
+      cudaEvent_t a = nullptr, b = nullptr;
+      cudaError_t err = cudaEventCreateWithFlags(&a, cudaEventDisableTiming);
+      if (err == cudaSuccess) err = cudaEventCreateWithFlags(&b, cudaEventDisableTiming);
+      if (err != cudaSuccess) {
+        if (a) cudaEventDestroy(a);
+        cudaStreamDestroy(side);
+        cuda_check(err, "creating the communication stream's events");
+      }
+      side_ = side, forked_ = a, side_done_ = b;
+    }
+    cuda_check(cudaEventRecord(forked_, stream_), "cudaEventRecord (fork to the communication stream)");
+    cuda_check(cudaStreamWaitEvent(side_, forked_, 0), "cudaStreamWaitEvent (fork to the communication stream)");
+    main_ = stream_;
+    stream_ = side_;
+    in_side_ = true;
+  }
+  void end_side() override {
+    if (!in_side_) return;
+    stream_ = main_;
+    in_side_ = false;
+    side_queued_ = true;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaEventRecord(side_done_, side_), "cudaEventRecord (the communication stream's work)");
+  }
+  void join_side() override {
+    if (in_side_ || !side_queued_) return;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaStreamWaitEvent(stream_, side_done_, 0), "cudaStreamWaitEvent (join the communication stream)");
+    side_queued_ = false;
+  }
   void synchronize() override {
     DeviceScope scope(limits_.device);
+    join_side();
     cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
     cuda_check(cudaGetLastError(), "an earlier asynchronous operation");
   }
@@ -218,6 +269,10 @@ class CudaBackend final : public Backend {
  private:
   kernels::LaunchLimits limits_{};
   cudaStream_t stream_ = nullptr;
+  // The communication stream (begin_side), made at first use; main_ is the stream while it is in use.
+  cudaStream_t side_ = nullptr, main_ = nullptr;
+  cudaEvent_t forked_ = nullptr, side_done_ = nullptr;
+  bool in_side_ = false, side_queued_ = false;
   std::unique_ptr<CublasLtGemm> gemm_;
   // Scratch for reductions in several passes (the norm backward's partial column sums, which set its
   // size: see kMaxNormBackwardDim): 16 MiB, allocated once so that no call allocates.

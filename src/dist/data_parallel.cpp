@@ -41,6 +41,7 @@ std::vector<std::string> describe(const fp8_model& m, const char* optimizer_kind
   items.push_back("recipe " + (m.recipe ? m.recipe->to_string() : std::string("none (not converted)")));
   items.push_back("storage level " + std::to_string(m.store ? m.store->level() : 0));
   items.push_back(std::string("training ") + (m.training ? "on" : "off") + ", autowrap " + (m.autowrap ? "on" : "off"));
+  items.push_back("bucket bytes " + std::to_string(m.bucket_bytes));
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const nn::Layer& l = *m.layers[i];
     std::ostringstream os;
@@ -109,16 +110,15 @@ void broadcast_model(Transport& t, fp8_model& m) {
 
 struct ModelComm::Plan {
   uint64_t generation = ~uint64_t{0};
-  // FP8 gradients: the arena and this rank's share of it.
+  // The gradient arenas (FP8, FP32) and, per bucket, its chunks of this rank's FP8 piece: entries
+  // [chunk_begin[b], chunk_begin[b + 1]) of `chunks`, each naming its tensor from the bucket's first.
   uint8_t* codes = nullptr;
-  size_t piece = 0;
   bool e5m2 = false;
-  int32_t tensor_count = 0;
-  nn::Arena recv, mean, sender_scales, amax, chunks;
-  int64_t chunk_count = 0;
-  // FP32 gradients.
   float* f32 = nullptr;
-  size_t f32_count = 0;
+  std::vector<int64_t> chunk_begin;
+  // Shared by the buckets, which run one after another on the communication stream: sized by the
+  // largest piece. sender_scales holds bucket b's senders at [nranks * first, nranks * last).
+  nn::Arena recv, mean, sender_scales, amax, chunks;
   // The scaling states' amaxes, gathered.
   nn::Arena amaxes;
   size_t amax_count = 0;
@@ -188,33 +188,33 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
   size_t bytes = 0;
   store.flat(nn::kGrads, FP8_DTYPE_F32, &data, &bytes);
   fresh.f32 = static_cast<float*>(data);
-  fresh.f32_count = bytes / sizeof(float);
   const fp8_dtype_t d8 = store.grad_dtype();
   store.flat(nn::kGrads, d8, &data, &bytes);
+  fresh.codes = static_cast<uint8_t*>(data);
+  fresh.e5m2 = d8 == FP8_DTYPE_E5M2;
   const std::vector<nn::Parameter*> params = nn::all_parameters(m);
-  if (bytes) {
-    fresh.piece = store.share_of(nn::kGrads, d8);
-    if (fresh.piece * n > store.grad_capacity(d8))
-      fail(FP8_ERR_INTERNAL, "the FP8 gradient arena (", store.grad_capacity(d8), " bytes) is not padded for ", n,
-           " shares of ", fresh.piece, " bytes");
-    fresh.codes = static_cast<uint8_t*>(data);
-    fresh.e5m2 = d8 == FP8_DTYPE_E5M2;
-    fresh.tensor_count = static_cast<int32_t>(params.size());
-    // This rank's share [lo, hi) of the arena, in chunks of one tensor each.
-    const size_t lo = r * fresh.piece, hi = lo + fresh.piece;
-    std::vector<OptimChunk> chunks;
-    for (size_t i = 0; i < params.size(); ++i) {
-      const fp8_tensor& g = *params[i]->grad;
-      if (g.dtype != d8) continue;
+  std::vector<OptimChunk> chunks;
+  size_t largest = 0;
+  for (const nn::Bucket& b : store.buckets()) {
+    fresh.chunk_begin.push_back(static_cast<int64_t>(chunks.size()));
+    const size_t piece = b.piece(t.size());
+    largest = std::max(largest, piece);
+    // This rank's piece [lo, hi) of the bucket, in chunks of one tensor each.
+    const size_t lo = b.fp8_at + r * piece, hi = lo + piece;
+    for (int32_t i = b.first; i < b.last; ++i) {
+      const fp8_tensor& g = *params[static_cast<size_t>(i)]->grad;
+      if (g.dtype != d8 || !fresh.codes) continue;
       const size_t begin = static_cast<size_t>(static_cast<char*>(g.data) - static_cast<char*>(data));
       const size_t from = std::max(begin, lo), to = std::min(begin + static_cast<size_t>(g.numel), hi);
       for (size_t at = from; at < to; at += static_cast<size_t>(kOptimChunk))
-        chunks.push_back({static_cast<int32_t>(i), static_cast<int32_t>(std::min<size_t>(kOptimChunk, to - at)),
-                          static_cast<int64_t>(at - lo)});
+        chunks.push_back(
+            {i - b.first, static_cast<int32_t>(std::min<size_t>(kOptimChunk, to - at)), static_cast<int64_t>(at - lo)});
     }
-    fresh.chunk_count = static_cast<int64_t>(chunks.size());
-    fresh.recv = nn::Arena(m.backend, n * fresh.piece);
-    fresh.mean = nn::Arena(m.backend, fresh.piece * sizeof(float));
+  }
+  fresh.chunk_begin.push_back(static_cast<int64_t>(chunks.size()));
+  if (fresh.codes) {
+    fresh.recv = nn::Arena(m.backend, n * largest);
+    fresh.mean = nn::Arena(m.backend, largest * sizeof(float));
     fresh.sender_scales = nn::Arena(m.backend, n * params.size() * sizeof(GradScales));
     fresh.amax = nn::Arena(m.backend, params.size() * sizeof(uint32_t));
     fresh.chunks = nn::Arena(m.backend, chunks.size() * sizeof(OptimChunk));
@@ -226,41 +226,136 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
   plan = std::move(fresh);
 }
 
-}  // namespace
+// The exchange's progress, (re)sized for the layout in effect.
+ModelComm& progress(fp8_model& m) {
+  ModelComm& c = *m.comm;
+  if (c.progress_generation != m.store->generation()) {
+    const size_t params = nn::all_parameters(m).size();
+    c.written.assign(params, 0);
+    c.exchanged.assign(m.store->buckets().size(), ModelComm::kNotStarted);
+    c.pending.clear();
+    for (const nn::Bucket& b : m.store->buckets()) c.pending.push_back(b.last - b.first);
+    c.progress_generation = m.store->generation();
+  }
+  return c;
+}
 
-void sync_grads(fp8_model& m, bool whole) {
-  if (!m.comm || !m.store) return;
-  Transport& t = *m.comm->transport;
-  t.check();
+// Collective: bucket k's exchange, up to `goal` (kOwnPieces or kWhole), on the communication stream.
+void exchange_bucket(fp8_model& m, size_t k, uint8_t goal) {
+  ModelComm& c = *m.comm;
+  Transport& t = *c.transport;
+  if (c.exchanged[k] >= goal) return;
   // One rank averages nothing: its gradients are the mean as they are (requantising would only
   // round them again).
-  if (t.size() == 1) return;
+  if (t.size() == 1) {
+    c.exchanged[k] = goal;
+    return;
+  }
+  t.check();
   Backend& be = *m.backend;
   ModelComm::Plan& plan = plan_of(m);
   if (plan.generation != m.store->generation())  // (the same on every rank: agreed before any exchange)
     all_or_none(
         t, m.backend, "the gradient exchange's buffers", [&] { build_plan(m, t, plan); }, [] {});
-  const auto n = static_cast<float>(t.size());
-  if (plan.f32_count) {
-    t.all_reduce(plan.f32, plan.f32_count, ElemType::kF32, ReduceOp::kSum);
-    be.divide({plan.f32, static_cast<int64_t>(plan.f32_count), n});
+  const nn::Bucket& b = m.store->buckets()[k];
+  const size_t piece = b.piece(t.size());
+  uint8_t* share = plan.codes + b.fp8_at + static_cast<size_t>(t.rank()) * piece;
+  be.begin_side();
+  try {
+    if (c.exchanged[k] == ModelComm::kNotStarted) {
+      if (b.f32_bytes) {
+        float* f32 = plan.f32 + b.f32_at / sizeof(float);
+        const size_t count = b.f32_bytes / sizeof(float);
+        t.all_reduce(f32, count, ElemType::kF32, ReduceOp::kSum);
+        be.divide({f32, static_cast<int64_t>(count), static_cast<float>(t.size())});
+      }
+      if (b.fp8_bytes) {
+        const int32_t tensors = b.last - b.first;
+        const size_t scale_bytes = static_cast<size_t>(tensors) * sizeof(GradScales);
+        GradScales* mine = m.store->grad_scales() + b.first;
+        auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data()) +
+                        static_cast<size_t>(t.size()) * static_cast<size_t>(b.first);
+        t.all_gather(mine, senders, scale_bytes);
+        t.all_to_all(plan.codes + b.fp8_at, plan.recv.data(), piece);
+        auto* amax = reinterpret_cast<uint32_t*>(plan.amax.data()) + b.first;
+        be.zero(amax, static_cast<size_t>(tensors) * sizeof(uint32_t));
+        const auto* chunks = reinterpret_cast<const OptimChunk*>(plan.chunks.data()) + plan.chunk_begin[k];
+        const int64_t chunk_count = plan.chunk_begin[k + 1] - plan.chunk_begin[k];
+        auto* mean = reinterpret_cast<float*>(plan.mean.data());
+        be.grad_reduce({reinterpret_cast<const uint8_t*>(plan.recv.data()), t.size(), static_cast<int64_t>(piece),
+                        senders, tensors, chunks, chunk_count, plan.e5m2, mean, amax});
+        t.all_reduce(amax, static_cast<size_t>(tensors), ElemType::kU32, ReduceOp::kMax);
+        be.grad_requantize({mean, chunks, chunk_count, amax, tensors, plan.e5m2, share, mine});
+      }
+      c.exchanged[k] = ModelComm::kOwnPieces;
+    }
+    if (goal == ModelComm::kWhole) {
+      if (b.fp8_bytes) t.all_gather(share, plan.codes + b.fp8_at, piece);
+      c.exchanged[k] = ModelComm::kWhole;
+    }
+  } catch (...) {
+    be.end_side();
+    throw;
   }
-  if (!plan.codes) return;
-  const size_t scale_bytes = static_cast<size_t>(plan.tensor_count) * sizeof(GradScales);
-  GradScales* mine = m.store->grad_scales();
-  auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data());
-  t.all_gather(mine, senders, scale_bytes);
-  t.all_to_all(plan.codes, plan.recv.data(), plan.piece);
-  auto* amax = reinterpret_cast<uint32_t*>(plan.amax.data());
-  be.zero(amax, static_cast<size_t>(plan.tensor_count) * sizeof(uint32_t));
-  const auto* chunks = reinterpret_cast<const OptimChunk*>(plan.chunks.data());
-  auto* mean = reinterpret_cast<float*>(plan.mean.data());
-  be.grad_reduce({reinterpret_cast<const uint8_t*>(plan.recv.data()), t.size(), static_cast<int64_t>(plan.piece),
-                  senders, plan.tensor_count, chunks, plan.chunk_count, plan.e5m2, mean, amax});
-  t.all_reduce(amax, static_cast<size_t>(plan.tensor_count), ElemType::kU32, ReduceOp::kMax);
-  uint8_t* share = plan.codes + static_cast<size_t>(t.rank()) * plan.piece;
-  be.grad_requantize({mean, chunks, plan.chunk_count, amax, plan.tensor_count, plan.e5m2, share, mine});
-  if (whole) t.all_gather(share, plan.codes, plan.piece);
+  be.end_side();
+}
+
+// The goal of an exchange started by the backward: at O3 the step needs only this rank's pieces.
+uint8_t backward_goal(const fp8_model& m) {
+  return m.store->masters_sharded() ? ModelComm::kOwnPieces : ModelComm::kWhole;
+}
+
+}  // namespace
+
+void before_grad_write(fp8_model& m, int32_t first, int32_t count) {
+  if (!m.comm || !m.store || count <= 0) return;
+  ModelComm& c = progress(m);
+  const std::vector<nn::Bucket>& buckets = m.store->buckets();
+  for (int32_t i = first; i < first + count; ++i) {
+    const int32_t k = m.store->bucket_index(i);
+    if (c.exchanged[static_cast<size_t>(k)] == ModelComm::kNotStarted) continue;
+    const nn::Bucket& b = buckets[static_cast<size_t>(k)];
+    if (c.synced_explicitly)
+      fail(FP8_ERR_INVALID_STATE, "the gradients were averaged across the ranks by fp8_model_sync_grads; step the ",
+           "optimizer (or zero_grad) before writing them again");
+    fail(FP8_ERR_INVALID_STATE, "parameter ", i, "'s gradient was already averaged across the ranks (with parameters ",
+         b.first, "..", b.last - 1, ", its bucket, once the backward had written them all: backward sync is on, so ",
+         "each backward is the last before the step). To accumulate micro-batches, turn backward sync off ",
+         "(fp8_model_set_backward_sync(model, 0)) for all but the last; or step (or zero_grad) first");
+  }
+}
+
+void after_grad_write(fp8_model& m, int32_t first, int32_t count) {
+  if (!m.comm || !m.store || !m.comm->backward_sync) return;
+  ModelComm& c = progress(m);
+  for (int32_t i = first; i < first + count; ++i) {
+    if (c.written[static_cast<size_t>(i)]) continue;
+    c.written[static_cast<size_t>(i)] = 1;
+    const auto k = static_cast<size_t>(m.store->bucket_index(i));
+    if (--c.pending[k] == 0) exchange_bucket(m, k, backward_goal(m));
+  }
+}
+
+void sync_grads(fp8_model& m, bool whole) {
+  if (!m.comm || !m.store) return;
+  m.comm->transport->check();
+  ModelComm& c = progress(m);
+  const uint8_t goal = whole ? ModelComm::kWhole : ModelComm::kOwnPieces;
+  for (size_t k = 0; k < c.exchanged.size(); ++k) exchange_bucket(m, k, goal);
+  m.backend->join_side();
+}
+
+void grads_consumed(fp8_model& m) {
+  if (!m.comm) return;
+  m.backend->join_side();
+  ModelComm& c = *m.comm;
+  std::fill(c.written.begin(), c.written.end(), uint8_t{0});
+  std::fill(c.exchanged.begin(), c.exchanged.end(), uint8_t{ModelComm::kNotStarted});
+  if (m.store) {
+    c.pending.clear();
+    for (const nn::Bucket& b : m.store->buckets()) c.pending.push_back(b.last - b.first);
+  }
+  c.synced_explicitly = false;
 }
 
 void agree_partials(fp8_optimizer& o) {
@@ -277,36 +372,46 @@ void agree_compact_scales(fp8_optimizer& o) {
 
 namespace {
 
-// The E4M3 weight arena (O3) and the bytes of one rank's share of it.
-std::pair<char*, size_t> weight_shares(const fp8_model& m) {
+// The E4M3 weight arena (O3), and for each bucket the offset and bytes of rank 0's piece of it.
+char* weight_pieces(const fp8_model& m, std::vector<std::pair<size_t, size_t>>& pieces) {
   void* base = nullptr;
   size_t used = 0;
   m.store->flat(nn::kValues, FP8_DTYPE_E4M3, &base, &used);
-  return {static_cast<char*>(base), m.store->share_of(nn::kValues, FP8_DTYPE_E4M3)};
+  const int32_t n = m.comm->transport->size();
+  for (const nn::Bucket& b : m.store->buckets())
+    if (b.fp8_bytes) pieces.emplace_back(b.fp8_at, b.piece(n));
+  return static_cast<char*>(base);
 }
 
 }  // namespace
 
 void gather_weights(fp8_model& m) {
   Transport& t = *m.comm->transport;
-  const auto [base, piece] = weight_shares(m);
-  if (piece) t.all_gather(base + static_cast<size_t>(t.rank()) * piece, base, piece);
+  std::vector<std::pair<size_t, size_t>> pieces;
+  char* base = weight_pieces(m, pieces);
+  for (const auto& [at, piece] : pieces)
+    t.all_gather(base + at + static_cast<size_t>(t.rank()) * piece, base + at, piece);
 }
 
 io::WholeState gather_whole(const fp8_model& m, const fp8_optimizer* o, std::vector<nn::Arena>& keep) {
   Transport& t = *m.comm->transport;
   Backend& be = *m.backend;
-  const auto [base, piece] = weight_shares(m);
-  const size_t n = static_cast<size_t>(t.size()), r = static_cast<size_t>(t.rank());
+  std::vector<std::pair<size_t, size_t>> pieces;
+  char* base = weight_pieces(m, pieces);
+  void* unused = nullptr;
+  size_t e4m3_bytes = 0;
+  m.store->flat(nn::kValues, FP8_DTYPE_E4M3, &unused, &e4m3_bytes);
+  const size_t r = static_cast<size_t>(t.rank());
   const std::vector<const nn::Parameter*> params = nn::all_parameters(m);
   io::WholeState whole;
   whole.master.assign(params.size(), nullptr);
   whole.m.assign(params.size(), nullptr);
   whole.v.assign(params.size(), nullptr);
   // Each array (element size `size`) mirrors the E4M3 arena: element e of a tensor at byte `at`
-  // sits at (at + e) * size, so rank k's share is one contiguous range, all-gathered in place.
+  // sits at (at + e) * size, so rank k's piece of a bucket is one contiguous range, all-gathered in
+  // place.
   const auto gather = [&](std::vector<const void*>& out, size_t size, auto&& own) {
-    nn::Arena& a = keep.emplace_back(m.backend, n * piece * size);
+    nn::Arena& a = keep.emplace_back(m.backend, e4m3_bytes * size);
     be.zero(a.data(), a.bytes());
     for (size_t i = 0; i < params.size(); ++i) {
       const nn::Parameter& p = *params[i];
@@ -317,8 +422,8 @@ io::WholeState gather_whole(const fp8_model& m, const fp8_optimizer* o, std::vec
       if (hi > lo) be.copy(a.data() + (at + lo) * size, indexed + lo * size, (hi - lo) * size);
       out[i] = a.data() + at * size;
     }
-    char* mine = a.data() + r * piece * size;
-    t.all_gather(mine, a.data(), piece * size);
+    for (const auto& [at, piece] : pieces)
+      t.all_gather(a.data() + (at + r * piece) * size, a.data() + at * size, piece * size);
   };
   gather(whole.master, 2, [&](size_t i) { return reinterpret_cast<const char*>(params[i]->master); });
   const bool states = o && o->states_m8;

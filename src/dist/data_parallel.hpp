@@ -39,10 +39,23 @@ void broadcast_model(Transport& t, fp8_model& m);
 // every rank reduces the same amount whatever is due.
 void reduce_amax(Transport& t, fp8_model& m, const std::vector<fp8_scaling*>& states);
 
-// Collective: averages the model's gradients across the ranks. With `whole` false each rank needs
-// only its share of the FP8 gradients averaged (the sharded O3 step's case): the final all-gather
-// is left out.
+// The gradient exchange (fp8.h, "Data parallelism"), bucket by bucket (nn::Bucket), each on the
+// backend's communication stream. Every write of gradients through libfp8 calls
+// before_grad_write first (refused, FP8_ERR_INVALID_STATE, once the bucket of any of them was
+// exchanged since the last step or zero_grad) and after_grad_write when it is queued: under backward
+// sync, a bucket whose parameters have all been written since then starts its exchange there.
+// Parameters [first, first + count) in the model's order.
+void before_grad_write(fp8_model& m, int32_t first, int32_t count);
+void after_grad_write(fp8_model& m, int32_t first, int32_t count);
+
+// Collective: the rest of the exchange. Starts every bucket not started yet, in order, and makes the
+// context's stream wait for all of them. With `whole` false each rank needs only its pieces of the
+// FP8 gradients averaged (the sharded O3 step's case): their all-gather is left out.
 void sync_grads(fp8_model& m, bool whole = true);
+
+// The averaged gradients were used (a step) or dropped (zero_grad, a load): the stream waits for any
+// exchange still running, and the next exchange starts afresh.
+void grads_consumed(fp8_model& m);
 
 // The sharded O3 step's agreements (collective): the norm's per-chunk partials (each rank's chunks
 // hold values, the others zeros, replicated tensors' chunks the same values everywhere: a max of
@@ -95,14 +108,23 @@ void register_comm(const Backend* backend, const std::shared_ptr<Transport>& t);
 // Throws FP8_ERR_NCCL for the first communicator of `backend` that reports an error.
 void check_comms(const Backend* backend);
 
-// The data-parallel state a model keeps (buffers and tables of the exchange), remade when the
-// storage layout changes.
+// The data-parallel state a model keeps: the exchange's progress since the last step or zero_grad,
+// and its buffers and tables (the plan), remade when the storage layout changes.
 struct ModelComm {
   std::shared_ptr<Transport> transport;
-  // Set by fp8_model_sync_grads, cleared by the step and zero_grad: whether to exchange is decided by
-  // the calls, which are the same on every rank, never by what one rank wrote. While it is set,
-  // gradient writes are refused.
-  bool explicit_sync = false;
+  // fp8_model_set_backward_sync: each bucket is exchanged as soon as the backward has written it.
+  bool backward_sync = false;
+  // fp8_model_sync_grads was called since the last step or zero_grad (for the refusal's message).
+  bool synced_explicitly = false;
+  // Per parameter: written since backward sync was turned on or the last step or zero_grad. Per
+  // bucket: its parameters still to be written, and how far its exchange went (kNotStarted, kOwnPieces:
+  // FP32 gradients and this rank's pieces of the FP8 ones averaged, kWhole: every piece). Whether a
+  // bucket is exchanged is decided by the calls, which are the same on every rank, never by what one
+  // rank wrote.
+  enum : uint8_t { kNotStarted = 0, kOwnPieces = 1, kWhole = 2 };
+  std::vector<uint8_t> written, exchanged;
+  std::vector<int32_t> pending;
+  uint64_t progress_generation = ~uint64_t{0};  // the layout the vectors above are for
   struct Plan;
   std::unique_ptr<Plan> plan;
   ModelComm();

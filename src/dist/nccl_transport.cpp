@@ -110,7 +110,13 @@ class NcclTransport final : public Transport {
   }
 
  private:
-  cudaStream_t stream() const { return backend_->stream(); }
+  // The stream a collective goes on: the backend's, after it waited for the communication stream
+  // when the collective is issued outside it (Backend::begin_side), so that the communicator's
+  // operations run in the order they were issued.
+  cudaStream_t stream() const {
+    backend_->join_side();
+    return backend_->stream();
+  }
   std::shared_ptr<Backend> backend_;
   ncclComm_t comm_;
   bool owned_;

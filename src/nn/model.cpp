@@ -25,16 +25,22 @@ namespace fp8::nn {
 
 const char* kind_name(int32_t kind) {
   switch (kind) {
-    case FP8_LAYER_LINEAR: return "linear";
-    case FP8_LAYER_LAYERNORM: return "layernorm";
-    case FP8_LAYER_RMSNORM: return "rmsnorm";
-    default: return "activation";
+    case FP8_LAYER_LINEAR:
+      return "linear";
+    case FP8_LAYER_LAYERNORM:
+      return "layernorm";
+    case FP8_LAYER_RMSNORM:
+      return "rmsnorm";
+    default:
+      return "activation";
   }
 }
 
 namespace {
 
-const char* precision(int32_t p) { return p < 0 ? "-" : p ? "fp8" : "high"; }
+const char* precision(int32_t p) {
+  return p < 0 ? "-" : p ? "fp8" : "high";
+}
 
 }  // namespace
 
@@ -50,11 +56,14 @@ void require_new_layer_name(const fp8_model& m, const char* name) {
 
 Layer& layer_at(fp8_model& m, int32_t id) {
   if (id < 0 || static_cast<size_t>(id) >= m.layers.size())
-    fail(FP8_ERR_INVALID_ARGUMENT, "layer_id = ", id, "; the model has layers 0..", static_cast<int64_t>(m.layers.size()) - 1);
+    fail(FP8_ERR_INVALID_ARGUMENT, "layer_id = ", id, "; the model has layers 0..",
+         static_cast<int64_t>(m.layers.size()) - 1);
   return *m.layers[static_cast<size_t>(id)];
 }
 
-const Layer& layer_at(const fp8_model& m, int32_t id) { return layer_at(const_cast<fp8_model&>(m), id); }
+const Layer& layer_at(const fp8_model& m, int32_t id) {
+  return layer_at(const_cast<fp8_model&>(m), id);
+}
 
 Step make_step(fp8_model& m) {
   const Recipe* r = m.recipe ? &*m.recipe : nullptr;
@@ -62,7 +71,7 @@ Step make_step(fp8_model& m) {
   if (!m.wgrad_scratch) m.wgrad_scratch = std::make_unique<DeviceBuffer>(m.backend);
   if (!m.pool) m.pool = std::make_shared<BufferPool>(m.backend);
   return Step{
-      *m.backend, r, fp8, m.training, m.weights_version, m.wgrad_scratch.get(), m.pool, m.backend->capture_id(),
+      *m.backend,     r, fp8, m.training, m.weights_version, m.wgrad_scratch.get(), m.pool, m.backend->capture_id(),
       m.step_captured};
 }
 
@@ -105,11 +114,14 @@ void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor
                     bool accumulate_dx) {
   require_own_state(m, id, saved);
   const Step step = make_step(m);
-  layer_at(m, id).check_saved(step, saved);
-  grads_written(m);
-  layer_at(m, id).backward(step, saved, dy, dx, accumulate_dx);
+  Layer& layer = layer_at(m, id);
+  layer.check_saved(step, saved);
+  const int32_t first = first_parameter(m, id), count = static_cast<int32_t>(layer.parameters().size());
+  dist::before_grad_write(m, first, count);
+  layer.backward(step, saved, dy, dx, accumulate_dx);
   saved.consumed = true;
   saved.release();
+  dist::after_grad_write(m, first, count);
 }
 
 void drop_kept_states(fp8_model& m) {
@@ -120,7 +132,7 @@ void drop_kept_states(fp8_model& m) {
 void add_layer(fp8_model& m, std::unique_ptr<Layer> layer) {
   if (!m.store) {
     m.store = std::make_unique<ParamStore>(m.backend);
-    if (m.comm) m.store->set_shares({m.comm->transport->size(), m.comm->transport->rank()});
+    if (m.comm) m.store->set_shares({m.comm->transport->size(), m.comm->transport->rank(), m.bucket_bytes});
   }
   drop_kept_states(m);  // a run's states no longer match the layers
   m.layers.push_back(std::move(layer));
@@ -143,7 +155,8 @@ void convert_model(fp8_model& m, const Recipe* recipe, const ConvertChoice& c) {
   const int32_t level = storage_level(target);
   const int32_t old_level = m.store ? m.store->level() : 0;
   if (level == 3 && old_level != 3 && m.comm)
-    fail(FP8_ERR_INVALID_STATE, "the conversion would store the Linear weights at O3, whose F16 masters the ranks "
+    fail(FP8_ERR_INVALID_STATE,
+         "the conversion would store the Linear weights at O3, whose F16 masters the ranks "
          "shard, but the model is data-parallel already; convert before fp8_model_set_comm, which gives each rank "
          "its share of rank 0's masters");
   if (level != old_level && !m.optimizer_links.empty())
@@ -231,7 +244,9 @@ fp8_tensor* ScratchTensor::bind(fp8_dtype_t dtype, int32_t ndim, const int64_t* 
 
 namespace {
 
-const char* layer_label(const fp8_model& m, size_t i) { return m.layers[i]->name().c_str(); }
+const char* layer_label(const fp8_model& m, size_t i) {
+  return m.layers[i]->name().c_str();
+}
 
 // The output features of every layer for input features `cols`, checked against each layer's needs.
 std::vector<int64_t> chain_features(const fp8_model& m, int64_t cols) {
@@ -328,7 +343,9 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
 
   const Step step = make_step(m);
   for (size_t i = 0; i < m.layers.size(); ++i) m.layers[i]->check_saved(step, *m.run_saved[i]);
-  grads_written(m);
+  int32_t end = 0;  // the parameters of layers [0, i] are [0, end)
+  for (const auto& l : m.layers) end += static_cast<int32_t>(l->parameters().size());
+  dist::before_grad_write(m, 0, end);
   const size_t n = m.layers.size();
   for (auto& g : m.grads)
     if (!g) g = std::make_unique<ScratchTensor>(m.backend);
@@ -343,6 +360,9 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
       g_in = m.first_dx->bind(act, ndim, m.run_x_shape);  // norms and activations always make dx
     }
     m.layers[i]->backward(step, *m.run_saved[i], g_out, g_in, false);
+    const auto count = static_cast<int32_t>(m.layers[i]->parameters().size());
+    end -= count;
+    dist::after_grad_write(m, end, count);  // (under backward sync, a bucket may start now)
     g_out = g_in;
   }
   m.run_saved.clear();
@@ -350,14 +370,15 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
 }
 
 void zero_grad(fp8_model& m) {
+  dist::grads_consumed(m);  // (an exchange still running finishes before the zeros)
   if (m.store) m.store->zero_grads();
-  if (m.comm) m.comm->explicit_sync = false;
 }
 
-void grads_written(fp8_model& m) {
-  if (m.comm && m.comm->explicit_sync)
-    fail(FP8_ERR_INVALID_STATE, "the gradients were averaged across the ranks by fp8_model_sync_grads; step the ",
-         "optimizer (or zero_grad) before writing them again");
+int32_t first_parameter(const fp8_model& m, int32_t layer_id) {
+  int32_t first = 0;
+  for (int32_t i = 0; i < layer_id; ++i)
+    first += static_cast<int32_t>(m.layers[static_cast<size_t>(i)]->parameters().size());
+  return first;
 }
 
 Parameter& parameter_at(fp8_model& m, int32_t index) {
@@ -365,7 +386,8 @@ Parameter& parameter_at(fp8_model& m, int32_t index) {
   for (auto& l : m.layers)
     for (Parameter& p : l->parameters())
       if (seen++ == index) return p;
-  fail(FP8_ERR_INVALID_ARGUMENT, "index = ", index, "; expected 0..", seen - 1, " (the model has ", seen, " parameters)");
+  fail(FP8_ERR_INVALID_ARGUMENT, "index = ", index, "; expected 0..", seen - 1, " (the model has ", seen,
+       " parameters)");
 }
 
 std::vector<Parameter*> all_parameters(fp8_model& m) {

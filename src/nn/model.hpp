@@ -47,6 +47,8 @@ struct fp8_model {
   // and the optimizer that keeps MS-AMP state (compact scales) for the Linear weights while it lives.
   std::unique_ptr<fp8::nn::ParamStore> store;
   struct fp8_optimizer* weight_owner = nullptr;
+  // The gradient bytes per communication bucket once data-parallel (fp8_model_set_bucket_bytes).
+  size_t bucket_bytes = FP8_DEFAULT_BUCKET_BYTES;
   // Set by fp8_model_set_comm: the communicator and the data-parallel state (dist/data_parallel.hpp).
   std::unique_ptr<fp8::dist::ModelComm> comm;
   // The `model` field of every live optimizer made on this model: the destructor clears them, so
@@ -132,9 +134,8 @@ class AutowrapRegion {
 
 // Sets every gradient to zero.
 void zero_grad(fp8_model& m);
-// Every write of a gradient through libfp8 calls it first: refused (FP8_ERR_INVALID_STATE) between
-// fp8_model_sync_grads and the next step or zero_grad of a data-parallel model.
-void grads_written(fp8_model& m);
+// The index (in the model's order) of layer `layer_id`'s first parameter.
+int32_t first_parameter(const fp8_model& m, int32_t layer_id);
 
 // The parameter at `index` in the model's order; FP8_ERR_INVALID_ARGUMENT naming the range otherwise.
 Parameter& parameter_at(fp8_model& m, int32_t index);

@@ -42,7 +42,7 @@ static_assert(sizeof(GradScales) == kScaleSlot, "one GradScales per slot");
 struct Placement {
   fp8_dtype_t value_dtype, grad_dtype;
   size_t value_at, grad_at, master_at;  // byte offsets in their arenas
-  int64_t lo, hi;                        // the elements whose master this rank keeps (O3)
+  int64_t lo, hi;                       // the elements whose master this rank keeps (O3)
   bool master;
 };
 
@@ -52,22 +52,54 @@ struct Placement {
 struct ParamStore::Arenas {
   size_t values[5] = {}, grads[5] = {}, masters = 0;  // bytes in use
   std::vector<Placement> places;
+  std::vector<Bucket> buckets;
+  std::vector<int32_t> param_bucket;
 
-  // `shares`: at O3, the E4M3 weights (and so their masters) are split into shares.nranks equal
-  // ranges of the padded arena, of which this rank keeps the masters of shares.rank's.
+  // With `shares` (nranks > 0) the parameters are grouped into buckets, and at O3 this rank keeps
+  // the masters of its piece of each bucket of the E4M3 weights.
   Arenas(const std::vector<Parameter*>& params, int32_t level, fp8_dtype_t grad8, Shares shares) {
-    size_t e4m3 = 0;  // the E4M3 arena's bytes in use, which the shares divide
-    for (const Parameter* p : params)
-      if (p->linear_weight && level == 3) e4m3 += align_up(static_cast<size_t>(p->value->numel));
-    const size_t piece = share_bytes(e4m3, shares.nranks);
-    const size_t own_lo = piece * static_cast<size_t>(shares.rank), own_hi = own_lo + piece;
-    for (const Parameter* p : params) {
+    const auto is_msamp = [&](const Parameter* p) { return p->linear_weight && level > 0; };
+    const auto grad_dtype = [&](const Parameter* p) { return is_msamp(p) ? grad8 : FP8_DTYPE_F32; };
+    if (shares.nranks > 0) {
+      // The buckets: parameters in order, closed once their gradients reach bucket_bytes.
+      size_t filled = 0;
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (filled == 0) buckets.push_back({static_cast<int32_t>(i), static_cast<int32_t>(i)});
+        buckets.back().last = static_cast<int32_t>(i) + 1;
+        param_bucket.push_back(static_cast<int32_t>(buckets.size()) - 1);
+        filled += align_up(static_cast<size_t>(params[i]->value->numel) * dtype_size(grad_dtype(params[i])));
+        if (filled >= shares.bucket_bytes) filled = 0;
+      }
+    }
+    const size_t unit = static_cast<size_t>(std::max(shares.nranks, 1)) * kSliceAlign;
+    for (Bucket& b : buckets) {  // the FP8 ranges first: a master's share depends on its bucket's size
+      b.fp8_at = grads[grad8];
+      b.f32_at = grads[FP8_DTYPE_F32];
+      for (int32_t i = b.first; i < b.last; ++i) {
+        const size_t n = static_cast<size_t>(params[static_cast<size_t>(i)]->value->numel);
+        if (grad_dtype(params[static_cast<size_t>(i)]) == grad8)
+          grads[grad8] += align_up(n);
+        else
+          grads[FP8_DTYPE_F32] += align_up(n * sizeof(float));
+      }
+      grads[grad8] = (grads[grad8] + unit - 1) / unit * unit;
+      b.fp8_bytes = grads[grad8] - b.fp8_at;
+      b.f32_bytes = grads[FP8_DTYPE_F32] - b.f32_at;
+    }
+    std::fill(std::begin(grads), std::end(grads), size_t{0});
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Parameter* p = params[i];
       Placement pl{};
-      const bool msamp = p->linear_weight && level > 0;
+      const bool msamp = is_msamp(p);
       pl.value_dtype = !msamp ? FP8_DTYPE_F32 : level == 3 ? FP8_DTYPE_E4M3 : FP8_DTYPE_F16;
-      pl.grad_dtype = msamp ? grad8 : FP8_DTYPE_F32;
+      pl.grad_dtype = grad_dtype(p);
       pl.master = msamp && level == 3;
       const size_t n = static_cast<size_t>(p->value->numel);
+      if (!buckets.empty() && buckets[static_cast<size_t>(param_bucket[i])].first == static_cast<int32_t>(i)) {
+        const Bucket& b = buckets[static_cast<size_t>(param_bucket[i])];
+        grads[grad8] = b.fp8_at;  // (the E4M3 weights are laid out as their FP8 gradients)
+        if (level == 3) values[FP8_DTYPE_E4M3] = b.fp8_at;
+      }
       pl.value_at = values[pl.value_dtype];
       values[pl.value_dtype] += align_up(n * dtype_size(pl.value_dtype));
       pl.grad_at = grads[pl.grad_dtype];
@@ -75,13 +107,20 @@ struct ParamStore::Arenas {
       pl.master_at = masters;
       pl.lo = 0;
       pl.hi = static_cast<int64_t>(n);
-      if (pl.master && shares.nranks > 0) {
+      if (pl.master && !buckets.empty()) {
+        const Bucket& b = buckets[static_cast<size_t>(param_bucket[i])];
+        const size_t piece = b.piece(shares.nranks);
+        const size_t own_lo = b.fp8_at + piece * static_cast<size_t>(shares.rank), own_hi = own_lo + piece;
         const size_t at = pl.value_at;
         pl.lo = static_cast<int64_t>(std::min(n, std::max(own_lo, at) - at));
         pl.hi = std::max(pl.lo, static_cast<int64_t>(std::min(n, std::max(own_hi, at) - at)));
       }
       if (pl.master) masters += align_up(static_cast<size_t>(pl.hi - pl.lo) * 2);
       places.push_back(pl);
+    }
+    if (!buckets.empty()) {  // (the last bucket's padding belongs to the arenas)
+      grads[grad8] = buckets.back().fp8_at + buckets.back().fp8_bytes;
+      if (level == 3) values[FP8_DTYPE_E4M3] = grads[grad8];
     }
   }
 };
@@ -172,10 +211,9 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   // new layout puts it, and the arenas have room.
   // Without `slack` the arenas must fit exactly (a converted model keeps no room it cannot use).
   auto fits = [&](const Arena& a, size_t need) { return slack ? a.bytes() >= need : a.bytes() == need; };
-  const auto padded = [&](size_t bytes) { return share_bytes(bytes, shares_.nranks) * std::max(shares_.nranks, 1); };
-  bool in_place = level == level_ && grad_dtype == grad_dtype_ && shares_ == applied_ && fits(grad_scales_, scale_bytes) &&
-                  fits(value_scales_, scale_bytes) && fits(masters_, want.masters);
-  for (int d = 0; in_place && d < 5; ++d) in_place = fits(values_[d], padded(want.values[d])) && fits(grads_[d], padded(want.grads[d]));
+  bool in_place = level == level_ && grad_dtype == grad_dtype_ && shares_ == applied_ &&
+                  fits(grad_scales_, scale_bytes) && fits(value_scales_, scale_bytes) && fits(masters_, want.masters);
+  for (int d = 0; in_place && d < 5; ++d) in_place = fits(values_[d], want.values[d]) && fits(grads_[d], want.grads[d]);
   for (size_t i = 0; in_place && i < params.size(); ++i) {
     const Parameter& p = *params[i];
     const Placement& pl = want.places[i];
@@ -196,11 +234,11 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   if (!in_place) {  // a new set of arenas, filled below, committed at the end
     for (int d = 0; d < 5; ++d) {
       if (want.values[d]) {
-        values[d] = Arena(backend_, padded(grow(want.values[d])));
+        values[d] = Arena(backend_, grow(want.values[d]));
         be.zero(values[d].data(), values[d].bytes());  // the padding between slices stays zero
       }
       if (want.grads[d]) {
-        grads[d] = Arena(backend_, padded(grow(want.grads[d])));
+        grads[d] = Arena(backend_, grow(want.grads[d]));
         be.zero(grads[d].data(), grads[d].bytes());  // (the padding stays zero)
       }
     }
@@ -264,6 +302,8 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
   level_ = level;
   grad_dtype_ = grad_dtype;
   applied_ = shares_;
+  buckets_ = want.buckets;
+  param_bucket_ = want.param_bucket;
   ++generation_;
 }
 

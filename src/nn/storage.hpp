@@ -22,19 +22,28 @@ struct Parameter;
 
 constexpr size_t kSliceAlign = 256;
 
-// Data parallelism: the ranks of the model's group and this one's rank (nranks 0: not data-parallel).
+// Data parallelism: the ranks of the model's group, this one's rank (nranks 0: not data-parallel),
+// and the gradient bytes (as stored) at which a communication bucket closes.
 struct Shares {
   int32_t nranks = 0, rank = 0;
-  bool operator==(const Shares& o) const { return nranks == o.nranks && rank == o.rank; }
+  size_t bucket_bytes = 0;
+  bool operator==(const Shares& o) const {
+    return nranks == o.nranks && rank == o.rank && bucket_bytes == o.bucket_bytes;
+  }
   bool operator!=(const Shares& o) const { return !(*this == o); }
 };
-// One rank's share of an arena of `bytes` in use: the arena padded to nranks equal 256-byte-aligned
-// shares (rank k's is [k * share, (k + 1) * share)); `bytes` itself without ranks.
-inline size_t share_bytes(size_t bytes, int32_t nranks) {
-  if (nranks <= 0) return bytes;
-  const size_t unit = static_cast<size_t>(nranks) * kSliceAlign;
-  return (bytes + unit - 1) / unit * kSliceAlign;
-}
+
+// A communication bucket: consecutive parameters whose gradients are exchanged together, as soon as
+// the backward has written the last of them. Its range of the FP8 gradient arena (and at O3 the same
+// range of the E4M3 weight arena, laid out alike) is padded to nranks equal pieces, 256-byte
+// aligned: rank k owns piece k, averages those gradients, and at O3 keeps those weights' masters and
+// moments. Its FP32 gradients are one range of the FP32 arena.
+struct Bucket {
+  int32_t first = 0, last = 0;       // parameters [first, last), in the model's order
+  size_t fp8_at = 0, fp8_bytes = 0;  // bytes of the FP8 arenas
+  size_t f32_at = 0, f32_bytes = 0;  // bytes of the FP32 gradient arena
+  size_t piece(int32_t nranks) const { return fp8_bytes / static_cast<size_t>(nranks); }
+};
 
 // One allocation of device memory, released with it.
 class Arena {
@@ -78,22 +87,21 @@ class ParamStore {
   // Every gradient to zero (FP8 ones with their scales: "nothing accumulated yet"). Asynchronous.
   void zero_grads();
 
-  // Data parallelism, from the next layout on: every value and gradient arena is allocated (and
-  // zeroed) to a multiple of nranks shares, so that shares can be exchanged in place (the padding
-  // stays zero); at O3 this rank keeps the F16 masters of its share of the E4M3 weights alone
-  // (ZeRO: a parameter's master holds elements [owned_lo, owned_hi)). Once masters are sharded, a
-  // layout that would move anything (another level, communicator or parameter set) is refused.
+  // Data parallelism, from the next layout on: the parameters are grouped into buckets (at most one
+  // when a single parameter's gradient exceeds bucket_bytes), each padded as Bucket says, so that
+  // pieces can be exchanged in place (the padding stays zero); at O3 this rank keeps the F16 masters
+  // of its pieces of the E4M3 weights alone (ZeRO: a parameter's master holds elements [owned_lo,
+  // owned_hi)). Once masters are sharded, a layout that would move anything (another level,
+  // communicator or parameter set) is refused.
   void set_shares(Shares shares) { shares_ = shares; }
   Shares shares() const { return applied_; }
-  // The bytes of one rank's share of the arena of (role, dtype) under the shares in effect.
-  size_t share_of(int32_t role, fp8_dtype_t dtype) const {
-    void* data = nullptr;
-    size_t used = 0;
-    flat(role, dtype, &data, &used);
-    return share_bytes(used, applied_.nranks);
+  // The buckets of the layout in effect (none without data parallelism), and the bucket of a parameter.
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const Bucket& bucket_of(int32_t param) const {
+    return buckets_[static_cast<size_t>(param_bucket_[static_cast<size_t>(param)])];
   }
+  int32_t bucket_index(int32_t param) const { return param_bucket_[static_cast<size_t>(param)]; }
   bool masters_sharded() const { return level_ == 3 && applied_.nranks > 0; }
-  size_t grad_capacity(fp8_dtype_t dtype) const { return grads_[dtype].bytes(); }
   // Every parameter's GradScales, in parameter order (meaningful for FP8 gradients only).
   GradScales* grad_scales() const { return reinterpret_cast<GradScales*>(grad_scales_.data()); }
   // Grows at every layout(): what was derived from an earlier layout must be derived again.
@@ -111,6 +119,8 @@ class ParamStore {
   Arena values_[5], grads_[5], masters_, grad_scales_, value_scales_;
   size_t used_values_[5] = {}, used_grads_[5] = {}, used_masters_ = 0, used_scales_ = 0;
   Shares shares_, applied_;  // wanted by set_shares; in effect since the last layout
+  std::vector<Bucket> buckets_;
+  std::vector<int32_t> param_bucket_;
   uint64_t generation_ = 0;
 };
 

@@ -58,7 +58,9 @@ const AttrSpec& spec(fp8_optimizer_attr_t attr) {
 }
 
 constexpr int64_t kStateAlign = 16;  // elements: every state slice starts 16-byte aligned, whatever its type
-int64_t aligned(int64_t n) { return (n + kStateAlign - 1) / kStateAlign * kStateAlign; }
+int64_t aligned(int64_t n) {
+  return (n + kStateAlign - 1) / kStateAlign * kStateAlign;
+}
 
 bool needs_states(const fp8_optimizer& o) {
   return o.kind != FP8_OPTIMIZER_SGD || o.attrs[FP8_OPTIM_MOMENTUM] > 0.0;
@@ -72,8 +74,10 @@ void allocate_states(fp8_optimizer& o) {
   int64_t floats = 0, m8 = 0, v16 = 0;
   for (size_t i = 0; i < o.tensors.size(); ++i) {
     const OptimTensor& t = o.tensors[i];
-    if (t.layout <= kLayoutO1) floats += per * aligned(t.n);
-    else m8 += aligned(o.owned[i].second - o.owned[i].first), v16 += aligned(o.owned[i].second - o.owned[i].first);
+    if (t.layout <= kLayoutO1)
+      floats += per * aligned(t.n);
+    else
+      m8 += aligned(o.owned[i].second - o.owned[i].first), v16 += aligned(o.owned[i].second - o.owned[i].first);
   }
   const size_t sizes[3] = {static_cast<size_t>(floats) * sizeof(float), static_cast<size_t>(m8),
                            static_cast<size_t>(v16) * sizeof(uint16_t)};
@@ -113,23 +117,26 @@ void allocate_states(fp8_optimizer& o) {
   }
 }
 
-bool has_states(const fp8_optimizer& o) { return o.states || o.states_m8 || o.states_v16; }
+bool has_states(const fp8_optimizer& o) {
+  return o.states || o.states_m8 || o.states_v16;
+}
 
 // The chunks of tensor `index` (parameter p). Every rank lists the same chunks in the same order, so
 // the norm's partials line up across ranks; where the masters are sharded, a tensor's chunks also
-// break at the ranks' share boundaries, and the chunks of other ranks' shares have len 0 here (this
-// rank neither sums nor updates them; its partial for them stays 0).
+// break at the boundaries of its bucket's pieces, and the chunks of other ranks' pieces have len 0
+// here (this rank neither sums nor updates them; its partial for them stays 0).
 void add_chunks(fp8_optimizer& o, const fp8_model& model, const nn::Parameter& p, int32_t index) {
   const int64_t n = p.value->numel;
   const nn::Shares shares = model.store->shares();
   const bool sharded = model.store->masters_sharded() && p.master;
-  int64_t piece = 0, at = 0;
+  int64_t piece = 0, at = 0;  // (sharded) the bucket's piece, and p's offset from the bucket's start
   if (sharded) {
     void* base = nullptr;
     size_t used = 0;
     model.store->flat(nn::kValues, FP8_DTYPE_E4M3, &base, &used);
-    piece = static_cast<int64_t>(model.store->share_of(nn::kValues, FP8_DTYPE_E4M3));
-    at = static_cast<char*>(p.value->data) - static_cast<char*>(base);
+    const nn::Bucket& b = model.store->bucket_of(index);
+    piece = static_cast<int64_t>(b.piece(shares.nranks));
+    at = static_cast<char*>(p.value->data) - static_cast<char*>(base) - static_cast<int64_t>(b.fp8_at);
   }
   for (int64_t off = 0; off < n;) {
     int64_t end = std::min(n, off + kOptimChunk);
@@ -308,7 +315,8 @@ void check_attr(fp8_optimizer_attr_t attr, double value) {
   if (below || above) {
     const char* hi = s.max == kInf ? "" : s.max_open ? ")" : "]";
     if (s.max == kInf)
-      fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", value, "; expected a finite value ", s.min_open ? "> " : ">= ", s.min);
+      fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", value, "; expected a finite value ",
+           s.min_open ? "> " : ">= ", s.min);
     fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", value, "; expected ", s.min_open ? "(" : "[", s.min, ", ", s.max, hi);
   }
 }
@@ -356,14 +364,14 @@ void step(fp8_optimizer& o) {
   // Sharded (O3 data-parallel): each rank steps its share of the Linear weights from its share of
   // the averaged gradients, the ranks agree on the norm's partials and on the compact scales, and
   // the E4M3 weights are all-gathered.
-  if (m.comm && !m.comm->explicit_sync) dist::sync_grads(m, !o.sharded);
+  if (m.comm) dist::sync_grads(m, !o.sharded);  // (what the backward has not exchanged yet, and a wait)
   o.backend->optimizer_norm(job);
   if (o.sharded) dist::agree_partials(o);
   o.backend->optimizer_update(job);
   if (o.sharded) dist::agree_compact_scales(o);
   o.backend->optimizer_promote(job);
   if (o.sharded) dist::gather_weights(m);
-  if (m.comm) m.comm->explicit_sync = false;
+  dist::grads_consumed(m);
   ++m.weights_version;  // the layers remake their FP8 and bf16 weight copies at the next forward
 }
 

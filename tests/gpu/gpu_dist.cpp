@@ -78,6 +78,34 @@ INSTANTIATE_TEST_SUITE_P(Levels, GpuLevels,
                                            "backend=msamp, opt_level=O1, small_layer_fallback=0", kO2,
                                            "backend=msamp, opt_level=O3, small_layer_fallback=0"));
 
+// Backward sync on the GPU: each bucket's exchange runs on the context's communication stream while
+// the backward goes on (ranks sharing the GPU: the in-process transport, with the exchange kernels on
+// that stream). The result is bit for bit the exchange at the step, at every level.
+TEST_P(GpuLevels, BackwardSyncOnTheCommunicationStreamGivesTheBitsOfTheExchangeAtTheStep) {
+  const char* recipe = GetParam();
+  Group at_step(2, recipe, FP8_OPTIMIZER_ADAM, 0.05f, 0, FP8_MIN_BUCKET_BYTES, false);
+  Group in_backward(2, recipe, FP8_OPTIMIZER_ADAM, 0.05f, 0, FP8_MIN_BUCKET_BYTES, true);
+  for (int step = 0; step < 3; ++step) {
+    on_ranks(2, [&](int k) {
+      train_step(at_step.ranks[k], step, k);
+      train_step(in_backward.ranks[k], step, k);
+    });
+    for (int k = 0; k < 2; ++k)
+      ASSERT_EQ(state_bytes(in_backward.ranks[k], true), state_bytes(at_step.ranks[k], true)) << "rank " << k;
+  }
+  // And with NCCL's one rank: backward sync changes nothing.
+  Group one(1, recipe, FP8_OPTIMIZER_ADAM, 0.05f, 0, FP8_MIN_BUCKET_BYTES, true);
+  Group one_at_step(1, recipe, FP8_OPTIMIZER_ADAM, 0.05f, 0, FP8_MIN_BUCKET_BYTES, false);
+  for (int step = 0; step < 2; ++step) {
+    train_step(one.ranks[0], step, 0);
+    train_step(one_at_step.ranks[0], step, 0);
+  }
+  EXPECT_EQ(state_bytes(one.ranks[0], true), state_bytes(one_at_step.ranks[0], true));
+  EXPECT_OK(fp8_context_synchronize(one.ranks[0].ctx.get()));
+  std::printf("[ backward sync ] %s: 2 ranks sharing the GPU and 1 NCCL rank give the step-time exchange's bits\n",
+              recipe);
+}
+
 // At te the FP32 exchange of one rank (a sum of one, divided by one) changes nothing: NCCL with one
 // rank trains bit for bit like no communicator.
 TEST(GpuDataParallel, OneNcclRankAtTeTrainsLikeNoCommunicator) {

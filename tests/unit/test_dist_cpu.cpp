@@ -249,10 +249,6 @@ TEST(DataParallelSkip, ANonFiniteGradientOnOneRankSkipsTheStepOnEveryRank) {
   }
 }
 
-std::string temp_path(const char* name) {
-  return (std::filesystem::temp_directory_path() / (std::string("fp8_dist_") + name)).string();
-}
-
 // Saved by 4 ranks (rank 0 writes), loaded by 4, 2 and 1: the weights are those saved, and a group
 // of 4 that loads trains on bit-identically with the group that saved. At O3 the masters, m and v
 // are sharded: the file holds them whole, and each loading rank takes its share.
