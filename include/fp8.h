@@ -1072,10 +1072,13 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    a bucket's exchange starts as soon as the backward has written every parameter of it (in
  *    fp8_model_backward, fp8_layer_backward(_saved) or fp8_model_accumulate_grad), on a communication
  *    stream of the context, while the backward goes on; the step starts the buckets no backward
- *    finished (parameters it never wrote) and makes the context's stream wait for them all. For an
- *    accumulation, turn it off for all micro-batches but the last (DDP's no_sync). The backward's
- *    own scaling update (at its end, or at autocast_end) waits for the exchanges already started,
- *    so per-layer calls overlap best inside one region (not one autowrap region per call).
+ *    finished (parameters it never wrote) and makes the context's stream wait for them all (so do
+ *    fp8_model_sync_grads, zero_grad, fp8_context_synchronize, fp8_context_set_stream and
+ *    libfp8's copies to and from the host: work of the application that reads gradients belongs
+ *    after one of them). For an accumulation, turn it off for all micro-batches but the last
+ *    (DDP's no_sync). The backward's own scaling update (at its end, or at autocast_end) waits for
+ *    the exchanges already started, so per-layer calls overlap best inside one region (not one
+ *    autowrap region per call).
  *    fp8_model_sync_grads averages whatever is left now (for an optimizer of the application's own,
  *    or to read the averages). Whether a bucket is exchanged is decided by these calls, never by
  *    one rank's data: once it is, until the next step or zero_grad, libfp8 refuses to write its

@@ -44,7 +44,7 @@ class Backend {
   // queued on the stream before begin_side() and running beside what the stream gets after
   // end_side(), until join_side() makes the stream wait for all of it. Every collective issued
   // outside a begin/end pair joins first, so a communicator's collectives run in the order they were
-  // issued. set_stream() and synchronize() join too. The CPU runs everything in order: nothing to do.
+  // issued. set_stream(), synchronize() and the host copies join too. The CPU runs everything in order: nothing to do.
   virtual void begin_side() {}
   virtual void end_side() {}
   virtual void join_side() {}

@@ -79,12 +79,14 @@ class CudaBackend final : public Backend {
   void copy_from_host(void* dst, const void* src, size_t bytes) override {
     if (!bytes) return;
     DeviceScope scope(limits_.device);
+    join_side();  // (the memory may be the communication stream's)
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
     cuda_check(cudaStreamSynchronize(stream_), "copy to device (synchronize)");
   }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
     if (!bytes) return;
     DeviceScope scope(limits_.device);
+    join_side();
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copy to host");
     cuda_check(cudaStreamSynchronize(stream_), "copy to host (synchronize)");
   }
@@ -100,7 +102,8 @@ class CudaBackend final : public Backend {
            device_memory ? " (it belongs to another device)" : " (it is host memory)");
   }
 
-  // Work already queued on the old stream comes before anything queued on the new one.
+  // Work already queued on the old stream (and the communication stream) comes before anything
+  // queued on the new one.
   void set_stream(CUstream_st* stream) override {
     if (stream == stream_) return;
     if (in_side_) fail(FP8_ERR_INTERNAL, "set_stream inside the communication stream's scope");

@@ -19,6 +19,14 @@ fp8_model::fp8_model() : serial(next_model_serial++) {}
 
 fp8_model::~fp8_model() {
   for (fp8_model** link : optimizer_links) *link = nullptr;
+  // An exchange still running on the communication stream uses the model's memory: the stream's
+  // later work (and so an allocator's reuse of what is released next) comes after it.
+  if (comm) {
+    try {
+      backend->join_side();
+    } catch (...) {  // (a destructor reports nothing; the context's next call will)
+    }
+  }
 }
 
 namespace fp8::nn {
