@@ -370,8 +370,48 @@ FP8_API fp8_status_t fp8_tensor_create(fp8_tensor_t **out, fp8_context_t *ctx, f
 FP8_API fp8_status_t fp8_tensor_wrap(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
                                      int32_t ndim, const int64_t *shape, void *data);
 
-/** Releases a tensor from fp8_tensor_create or fp8_tensor_wrap (wrapped memory stays the caller's).
- *  A tensor the library lends out (a model's parameter value or gradient, from fp8_model_parameter
+/**
+ * An FP8 tensor (E4M3 or E5M2; FP8_ERR_DTYPE otherwise) over the caller's `data`, as
+ * fp8_tensor_wrap, whose scale_inv is the float at `scale_inv` (device memory of the context's
+ * device, or host memory on the CPU backend, that the caller owns and keeps alive; its value is
+ * used as it is). Allocates nothing and never synchronises, unlike fp8_tensor_wrap of an FP8 dtype
+ * (which makes a scale_inv slot of 1.0): the way to hand FP8 data around on a hot path.
+ */
+FP8_API fp8_status_t fp8_tensor_wrap_scaled(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
+                                            int32_t ndim, const int64_t *shape, void *data, float *scale_inv);
+
+/* DLPack (dlpack/dlpack.h, version 0.6 or later, e.g. Debian's libdlpack-dev): the tensor exchange
+ * of PyTorch, JAX, CuPy and others. fp8.h itself needs no DLPack header. */
+struct DLManagedTensor;
+/**
+ * Borrows a framework's tensor (torch.utils.dlpack.to_dlpack(t), t.__dlpack__()): [out] out, a
+ * tensor over managed's memory (byte_offset applied). Checked: the device (kDLCUDA with the
+ * context's device id, or kDLCUDAManaged; kDLCPU or kDLCUDAHost for a CPU context:
+ * FP8_ERR_INVALID_ARGUMENT naming both), the dtype (float32, float16 or bfloat16: FP8_ERR_DTYPE
+ * naming it), ndim <= FP8_MAX_DIMS, and the strides (NULL or those of a contiguous row-major tensor,
+ * any stride on a size-1 dimension; FP8_ERR_SHAPE naming them otherwise). On success the tensor
+ * owns `managed`: its deleter runs when the tensor is destroyed (or, if the tensor was lent on with
+ * fp8_tensor_to_dlpack, when the last consumer is done). On failure `managed` stays the caller's.
+ * Allocates no device memory and never synchronises.
+ */
+FP8_API fp8_status_t fp8_tensor_from_dlpack(fp8_tensor_t **out, fp8_context_t *ctx, struct DLManagedTensor *managed);
+/**
+ * Lends `tensor` as a DLPack tensor: [out] out, its data, shape and contiguous strides on its device
+ * (kDLCUDA and the device id, or kDLCPU), dtype float32, float16 or bfloat16, and E4M3/E5M2 as
+ * their uint8 codes (DLPack 0.6 has no FP8 type; the scale_inv stays with
+ * fp8_tensor_get_scale_inv). The consumer calls out->deleter when it is done (frameworks do).
+ * Memory libfp8 owns (fp8_tensor_create, a model's parameters and gradients, a tensor from
+ * fp8_tensor_from_dlpack) stays allocated until then, even after the tensor or its model is
+ * destroyed; memory a tensor wraps stays the caller's to keep. A model's parameters lent this way
+ * view its flat storage: when the storage moves (see "Flat storage"), the lent views keep the old
+ * memory alive but no longer see the model's, so take them again. Work queued on the context's
+ * stream may still be writing the memory: order the consumer after it. Allocates no device memory.
+ */
+FP8_API fp8_status_t fp8_tensor_to_dlpack(const fp8_tensor_t *tensor, struct DLManagedTensor **out);
+
+/** Releases a tensor from fp8_tensor_create, fp8_tensor_wrap(_scaled) (wrapped memory stays the
+ *  caller's) or fp8_tensor_from_dlpack (the producer's deleter runs, unless the memory is lent on
+ *  with fp8_tensor_to_dlpack: then with the last consumer's). A tensor the library lends out (a model's parameter value or gradient, from fp8_model_parameter
  *  or fp8_model_parameter_at) belongs to its model: it is left as it is, and
  *  fp8_last_error_message() says that the model owns it (the function returns nothing). */
 FP8_API void fp8_tensor_destroy(fp8_tensor_t *tensor);
@@ -671,16 +711,19 @@ FP8_API fp8_status_t fp8_model_create(fp8_model_t **out, fp8_context_t *ctx);
 FP8_API void fp8_model_destroy(fp8_model_t *model);
 
 /** Adds a Linear of weight [out_features, in_features] (and bias [out_features] if with_bias).
- *  Names are unique within a model, 1..63 bytes, no '.'. [out] layer_id (may be NULL): 0, 1, ...
+ *  Names are unique within a model, 1..127 bytes; dots separate the parts of torch-style module
+ *  paths ("blocks.0.mlp.fc1"; no empty part). A parameter's name is the layer's, a dot, and
+ *  "weight" or "bias". [out] layer_id (may be NULL): 0, 1, ...
  *  in order of addition. Synchronous (allocates and initialises the parameters). */
 FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t *model, const char *name, int64_t in_features,
                                           int64_t out_features, int32_t with_bias, int32_t *layer_id);
-/** Adds a LayerNorm over the last dimension `dim` (gamma and beta), eps > 0. dim is 1..2^20, the
+/** Adds a LayerNorm over the last dimension `dim` (gamma and beta: parameters "weight" and "bias",
+ *  torch's names; earlier releases' "gamma" and "beta" still find them), eps > 0. dim is 1..2^20, the
  *  largest d fp8_norm_backward takes (the layer's backward runs it); a larger one is refused with
  *  FP8_ERR_INVALID_ARGUMENT. */
 FP8_API fp8_status_t fp8_model_add_layernorm(fp8_model_t *model, const char *name, int64_t dim, float eps,
                                              int32_t *layer_id);
-/** Adds an RMSNorm over the last dimension `dim` (gamma), eps > 0, dim 1..2^20 as for LayerNorm. */
+/** Adds an RMSNorm over the last dimension `dim` (gamma: parameter "weight"), eps > 0, dim 1..2^20 as for LayerNorm. */
 FP8_API fp8_status_t fp8_model_add_rmsnorm(fp8_model_t *model, const char *name, int64_t dim, float eps,
                                            int32_t *layer_id);
 /** Adds an activation layer (FP8_ACTIVATION_*; no parameters). */
@@ -1064,18 +1107,20 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    in one collective on the device, so every rank computes the same scales (TransformerEngine's
  *    reduce_amax); no host synchronisation.
  *  - Gradients are averaged once per optimizer step, bucket by bucket. A bucket is a run of
- *    consecutive parameters (in the model's order) whose gradients reach fp8_model_set_bucket_bytes
- *    (FP8_DEFAULT_BUCKET_BYTES: 32 MiB of gradients as stored; a larger parameter is a bucket of its
- *    own). By default the step averages every bucket before it updates, so the micro-batches of an
+ *    consecutive parameters (in the model's order), closed by the parameter that brings its
+ *    gradients to fp8_model_set_bucket_bytes (FP8_DEFAULT_BUCKET_BYTES: 32 MiB of gradients as
+ *    stored) or beyond. By default the step averages every bucket before it updates, so the micro-batches of an
  *    accumulation do not communicate and there is nothing to mark. With
  *    fp8_model_set_backward_sync(model, 1), each backward is taken as the step's last (DDP's default):
  *    a bucket's exchange starts as soon as the backward has written every parameter of it (in
  *    fp8_model_backward, fp8_layer_backward(_saved) or fp8_model_accumulate_grad), on a communication
  *    stream of the context, while the backward goes on; the step starts the buckets no backward
  *    finished (parameters it never wrote) and makes the context's stream wait for them all (so do
- *    fp8_model_sync_grads, zero_grad, fp8_context_synchronize, fp8_context_set_stream and
- *    libfp8's copies to and from the host: work of the application that reads gradients belongs
- *    after one of them). For an accumulation, turn it off for all micro-batches but the last
+ *    the end of fp8_model_backward, fp8_model_sync_grads, zero_grad, fp8_context_synchronize,
+ *    fp8_context_set_stream and libfp8's copies to and from the host: work of the application that
+ *    reads gradients, or runs collectives of its own communicators, belongs after one of them; a
+ *    CUDA graph capture that forks the communication stream must end after one). The calls that
+ *    set backward sync are not compared across the ranks: make them alike on every rank. For an accumulation, turn it off for all micro-batches but the last
  *    (DDP's no_sync). The backward's own scaling update (at its end, or at autocast_end) waits for
  *    the exchanges already started, so per-layer calls overlap best inside one region (not one
  *    autowrap region per call).
@@ -1084,6 +1129,8 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    one rank's data: once it is, until the next step or zero_grad, libfp8 refuses to write its
  *    gradients again (FP8_ERR_INVALID_STATE, naming the parameter), and writes libfp8 cannot see
  *    (fp8_tensor_copy_from_host into a gradient, kernels on the flat storage) belong before it.
+ *    At O3 the exchange started by a backward averages only this rank's pieces of the FP8
+ *    gradients (what its step needs): read them after fp8_model_sync_grads.
  *  - FP32 gradients (every gradient at te; biases and norms at O1..O3) are summed by an FP32
  *    all-reduce and divided by the number of ranks. (A group of one rank leaves every gradient as
  *    it is: it is its own mean.)

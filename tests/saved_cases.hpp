@@ -44,8 +44,8 @@ inline int32_t add_layer(fp8_model_t* m, Kind kind, const std::string& name) {
       break;
     case Kind::kLayerNorm:
       EXPECT_OK(fp8_model_add_layernorm(m, name.c_str(), kIn, 1e-5f, &id));
-      set_param(m, name + ".gamma", randn(static_cast<size_t>(kIn), 13, 0.2f, 1.0f));
-      set_param(m, name + ".beta", randn(static_cast<size_t>(kIn), 14, 0.2f));
+      set_param(m, name + ".weight", randn(static_cast<size_t>(kIn), 13, 0.2f, 1.0f));
+      set_param(m, name + ".bias", randn(static_cast<size_t>(kIn), 14, 0.2f));
       break;
     case Kind::kGelu:
       EXPECT_OK(fp8_model_add_activation(m, name.c_str(), FP8_ACTIVATION_GELU, &id));

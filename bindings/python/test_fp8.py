@@ -477,7 +477,7 @@ class BindingTest(unittest.TestCase):
         model = fp8.Model(ctx)
         model.add_layernorm("ln", 16)
         model.add_linear("fc", 16, 16)
-        self.assertEqual(model.parameter_names(), ["ln.gamma", "ln.beta", "fc.weight", "fc.bias"])
+        self.assertEqual(model.parameter_names(), ["ln.weight", "ln.bias", "fc.weight", "fc.bias"])
         weight, _ = model.parameter("fc.weight")
         values = [struct.unpack("f", struct.pack("f", 0.1 * i - 12.3))[0] for i in range(256)]  # F32, not F16
         model.write_parameter("fc.weight", values)
@@ -485,8 +485,8 @@ class BindingTest(unittest.TestCase):
         model.write_parameter(3, tuple(values[:16]))  # by index, any sequence
         self.assertEqual(model.parameter("fc.bias")[0].read_floats(), values[:16])
         import array
-        model.write_parameter("ln.gamma", array.array("f", values[16:32]))  # a buffer of C floats
-        self.assertEqual(model.parameter("ln.gamma")[0].read_floats(), values[16:32])
+        model.write_parameter("ln.weight", array.array("f", values[16:32]))  # a buffer of C floats
+        self.assertEqual(model.parameter("ln.weight")[0].read_floats(), values[16:32])
         with self.assertRaises(fp8.Fp8Error) as err:
             model.write_parameter("fc.weight", values[:255])
         self.assertEqual(err.exception.status_name, "FP8_ERR_SHAPE")

@@ -141,6 +141,7 @@ FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t* model, fp8_comm_t* comm) {
     };
     if (!comm) {
       checks();
+      model->backend->join_side();  // (an exchange still running uses the buffers that go)
       model->comm.reset();
       if (model->store) model->store->set_shares({});
       return;
@@ -188,10 +189,7 @@ FP8_API fp8_status_t fp8_model_set_backward_sync(fp8_model_t* model, int32_t on)
     require_arg(model, "model");
     if (on != 0 && on != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "on = ", on, "; expected 0 or 1");
     if (!model->comm) fp8::fail(FP8_ERR_INVALID_STATE, "the model is not data-parallel; fp8_model_set_comm first");
-    fp8::dist::ModelComm& c = *model->comm;
-    if (on && !c.backward_sync)  // only what the backward writes from now on counts
-      std::fill(c.written.begin(), c.written.end(), uint8_t{0});
-    c.backward_sync = on != 0;
+    fp8::dist::set_backward_sync(*model, on != 0);
   });
 }
 

@@ -149,7 +149,7 @@ FP8_API fp8_status_t fp8_model_parameter(fp8_model_t* model, const char* name, f
     fp8::nn::Parameter* p = fp8::nn::find_parameter(*model, name);
     if (!p)
       fp8::fail(FP8_ERR_INVALID_ARGUMENT, "the model has no parameter '", name,
-                "'; expected '<layer>.<weight|bias|gamma|beta>'");
+                "'; expected '<layer>.<weight|bias>'");
     if (value) *value = p->value.get();
     if (grad) *grad = p->grad.get();
   });

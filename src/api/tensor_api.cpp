@@ -37,6 +37,22 @@ FP8_API fp8_status_t fp8_tensor_wrap(fp8_tensor_t** out, fp8_context_t* ctx, fp8
   });
 }
 
+FP8_API fp8_status_t fp8_tensor_wrap_scaled(fp8_tensor_t** out, fp8_context_t* ctx, fp8_dtype_t dtype, int32_t ndim,
+                                            const int64_t* shape, void* data, float* scale_inv) {
+  return guard("fp8_tensor_wrap_scaled", [&] {
+    require_arg(out, "out");
+    require_arg(ctx, "ctx");
+    require_arg(scale_inv, "scale_inv");
+    if (!fp8::dtype_is_fp8(dtype))
+      fp8::fail(FP8_ERR_DTYPE, "dtype ", fp8::dtype_valid(dtype) ? fp8::dtype_name(dtype) : "(not a dtype)",
+                "; expected FP8_DTYPE_E4M3 or FP8_DTYPE_E5M2 (other dtypes have no scale: fp8_tensor_wrap)");
+    if (reinterpret_cast<uintptr_t>(scale_inv) % alignof(float) != 0)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "scale_inv is not aligned to 4 bytes");
+    ctx->backend->check_device_pointer(scale_inv, "scale_inv");
+    *out = fp8::make_tensor(ctx->backend, dtype, ndim, shape, true, data, sizeof(float), scale_inv).release();
+  });
+}
+
 FP8_API void fp8_tensor_destroy(fp8_tensor_t* tensor) {
   if (tensor && tensor->lent_by) {  // not the caller's: its owner releases it
     char what[256];

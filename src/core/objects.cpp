@@ -7,19 +7,21 @@
 #include "core/error.hpp"
 
 fp8_tensor::~fp8_tensor() {
-  if (owns_data) backend->release(data);
   backend->release(scale_inv_allocation);
 }
 
-size_t fp8_tensor::nbytes() const { return static_cast<size_t>(numel) * fp8::dtype_size(dtype); }
-
+size_t fp8_tensor::nbytes() const {
+  return static_cast<size_t>(numel) * fp8::dtype_size(dtype);
+}
 
 namespace fp8 {
 
 std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend, fp8_dtype_t dtype, int32_t ndim,
-                                        const int64_t* shape, bool borrow, void* data, size_t scale_bytes) {
+                                        const int64_t* shape, bool borrow, void* data, size_t scale_bytes,
+                                        float* scale_inv) {
   if (!dtype_valid(dtype))
-    fail(FP8_ERR_DTYPE, "dtype ", dtype, " is not a dtype; expected FP8_DTYPE_F32 (0), F16 (1), BF16 (2), E4M3 (3) or E5M2 (4)");
+    fail(FP8_ERR_DTYPE, "dtype ", dtype,
+         " is not a dtype; expected FP8_DTYPE_F32 (0), F16 (1), BF16 (2), E4M3 (3) or E5M2 (4)");
   if (ndim < 0 || ndim > FP8_MAX_DIMS) fail(FP8_ERR_SHAPE, "ndim = ", ndim, "; expected 0..", FP8_MAX_DIMS);
   if (ndim > 0) require_arg(shape, "shape");
   auto t = std::make_unique<fp8_tensor>();
@@ -37,11 +39,17 @@ std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend,
   const size_t nbytes = t->nbytes();
   const bool fp8 = dtype_is_fp8(dtype);
   if (borrow) {
-    if (!data && nbytes != 0) fail(FP8_ERR_INVALID_ARGUMENT, "argument 'data' is NULL; only an empty tensor may wrap NULL");
+    if (!data && nbytes != 0)
+      fail(FP8_ERR_INVALID_ARGUMENT, "argument 'data' is NULL; only an empty tensor may wrap NULL");
     if (reinterpret_cast<uintptr_t>(data) % dtype_size(dtype) != 0)
-      fail(FP8_ERR_INVALID_ARGUMENT, "data is not aligned to ", dtype_size(dtype), " bytes, the size of ", dtype_name(dtype));
+      fail(FP8_ERR_INVALID_ARGUMENT, "data is not aligned to ", dtype_size(dtype), " bytes, the size of ",
+           dtype_name(dtype));
     if (nbytes) backend->check_device_pointer(data, "data");
     t->data = data;
+    if (fp8 && scale_inv) {
+      t->scale_inv = scale_inv;
+      return t;
+    }
     if (fp8) {
       t->scale_inv_allocation = backend->allocate(sizeof(float));
       t->scale_inv = static_cast<float*>(t->scale_inv_allocation);
@@ -49,6 +57,7 @@ std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend,
   } else {
     if (nbytes == 0 && !fp8) return t;
     t->data = backend->allocate(fp8 ? fp8::scale_inv_offset(nbytes) + scale_bytes : nbytes);
+    t->keeper = std::shared_ptr<void>(t->data, [backend](void* p) { backend->release(p); });
     t->owns_data = true;
     if (fp8) t->scale_inv = reinterpret_cast<float*>(static_cast<char*>(t->data) + fp8::scale_inv_offset(nbytes));
   }
@@ -65,7 +74,8 @@ void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count,
   for (int32_t i = 0; i < count; ++i)
     items[static_cast<size_t>(i)] = {states[i]->state, scaled_fp8_max(states[i]->dtype == FP8_DTYPE_E5M2, margin)};
   backend.scaling_update({items.data(), count, static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN)),
-                          recipe.get(FP8_RECIPE_INTERVAL), recipe.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
+                          recipe.get(FP8_RECIPE_INTERVAL),
+                          recipe.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
 }
 
 std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,

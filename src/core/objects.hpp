@@ -26,7 +26,10 @@ struct fp8_tensor {
   int64_t shape[FP8_MAX_DIMS] = {};
   int64_t numel = 1;
   void* data = nullptr;
-  bool owns_data = false;
+  bool owns_data = false;  // the memory is the tensor's own (fp8_tensor_create, a new layer's parameter)
+  // Holds the memory behind data (when libfp8 or a DLPack producer owns it), shared with the
+  // DLPack consumers it is lent to: it is released with the last of them.
+  std::shared_ptr<void> keeper;
   // FP8 dtypes only: the dequantisation factor, in device memory. It shares the data allocation of
   // an owned tensor and has a small allocation of its own for a wrapped one.
   float* scale_inv = nullptr;
@@ -79,14 +82,17 @@ namespace fp8 {
 
 // Where the scale_inv of an FP8 tensor that shares its data's allocation sits: the first 16-byte
 // boundary behind nbytes of codes.
-inline size_t scale_inv_offset(size_t nbytes) { return (nbytes + 15) / 16 * 16; }
+inline size_t scale_inv_offset(size_t nbytes) {
+  return (nbytes + 15) / 16 * 16;
+}
 
 // Validates dtype, ndim and shape (naming them in the error) and builds a tensor: over the caller's
 // `data` when `borrow` is set, else over a new allocation (`data` ignored). An owned FP8 tensor's
-// scale_inv slot holds `scale_bytes` (>= 4; an FP8 gradient keeps its GradScales there).
+// scale_inv slot holds `scale_bytes` (>= 4; an FP8 gradient keeps its GradScales there); a borrowed
+// one uses `scale_inv` when given (the caller's), else a slot of its own set to 1.
 std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend, fp8_dtype_t dtype, int32_t ndim,
                                         const int64_t* shape, bool borrow, void* data,
-                                        size_t scale_bytes = sizeof(float));
+                                        size_t scale_bytes = sizeof(float), float* scale_inv = nullptr);
 
 // Marks `t` as a model's parameter tensor (see fp8_tensor::lent_by) and passes it on.
 constexpr const char* kLentByModel =

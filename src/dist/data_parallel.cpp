@@ -325,15 +325,31 @@ void before_grad_write(fp8_model& m, int32_t first, int32_t count) {
   }
 }
 
-void after_grad_write(fp8_model& m, int32_t first, int32_t count) {
+void after_grad_write(fp8_model& m, int32_t first, int32_t count, int32_t unwritten_below) {
   if (!m.comm || !m.store || !m.comm->backward_sync) return;
   ModelComm& c = progress(m);
   for (int32_t i = first; i < first + count; ++i) {
     if (c.written[static_cast<size_t>(i)]) continue;
     c.written[static_cast<size_t>(i)] = 1;
-    const auto k = static_cast<size_t>(m.store->bucket_index(i));
-    if (--c.pending[k] == 0) exchange_bucket(m, k, backward_goal(m));
+    --c.pending[static_cast<size_t>(m.store->bucket_index(i))];
   }
+  // Every complete bucket starts, the last first, except one the same call has still to write.
+  const std::vector<nn::Bucket>& buckets = m.store->buckets();
+  for (size_t k = buckets.size(); k-- > 0;)
+    if (c.pending[k] == 0 && c.exchanged[k] == ModelComm::kNotStarted && buckets[k].first >= unwritten_below)
+      exchange_bucket(m, k, backward_goal(m));
+}
+
+void set_backward_sync(fp8_model& m, bool on) {
+  ModelComm& c = *m.comm;
+  if (on && !c.backward_sync && m.store) {  // only what is written from now on counts
+    progress(m);
+    std::fill(c.written.begin(), c.written.end(), uint8_t{0});
+    const std::vector<nn::Bucket>& buckets = m.store->buckets();
+    for (size_t k = 0; k < buckets.size(); ++k)
+      if (c.exchanged[k] == ModelComm::kNotStarted) c.pending[k] = buckets[k].last - buckets[k].first;
+  }
+  c.backward_sync = on;
 }
 
 void sync_grads(fp8_model& m, bool whole) {

@@ -44,9 +44,13 @@ void reduce_amax(Transport& t, fp8_model& m, const std::vector<fp8_scaling*>& st
 // before_grad_write first (refused, FP8_ERR_INVALID_STATE, once the bucket of any of them was
 // exchanged since the last step or zero_grad) and after_grad_write when it is queued: under backward
 // sync, a bucket whose parameters have all been written since then starts its exchange there.
-// Parameters [first, first + count) in the model's order.
+// Parameters [first, first + count) in the model's order; `unwritten_below`: the call goes on to
+// write parameters [0, unwritten_below) (a whole-model backward), so buckets holding any of them wait.
 void before_grad_write(fp8_model& m, int32_t first, int32_t count);
-void after_grad_write(fp8_model& m, int32_t first, int32_t count);
+void after_grad_write(fp8_model& m, int32_t first, int32_t count, int32_t unwritten_below = 0);
+
+// fp8_model_set_backward_sync: turned on, only what is written from then on counts.
+void set_backward_sync(fp8_model& m, bool on);
 
 // Collective: the rest of the exchange. Starts every bucket not started yet, in order, and makes the
 // context's stream wait for all of them. With `whole` false each rank needs only its pieces of the

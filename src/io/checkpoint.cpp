@@ -283,7 +283,7 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* o, const std::string& path
   for (size_t i = 0; i < params.size(); ++i) {
     ParamState& p = params[i];
     const nn::Parameter& t = *targets[i];
-    if (p.name != t.name || p.n != t.value->numel)
+    if (nn::current_parameter_name(p.name) != t.name || p.n != t.value->numel)
       fail(FP8_ERR_INVALID_STATE, "parameter ", i, " is '", p.name, "' of ", p.n, " elements in the checkpoint, '",
            t.name, "' of ", t.value->numel, " in the model");
     if (!o) {  // the weights alone: keep this model's states
@@ -380,12 +380,14 @@ void import_safetensors(fp8_model& model, const std::string& path) {
   const SafetensorsFile st = decode_safetensors(file.data(), file.size());
   const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
   for (const SafeTensor& t : st.tensors)
-    if (std::none_of(targets.begin(), targets.end(), [&](const nn::Parameter* p) { return p->name == t.name; }))
+    if (std::none_of(targets.begin(), targets.end(),
+                     [&](const nn::Parameter* p) { return p->name == nn::current_parameter_name(t.name); }))
       fail(FP8_ERR_INVALID_STATE, "the file's tensor '", t.name, "' is no parameter of the model");
   std::vector<ParamState> params;
   for (size_t i = 0; i < targets.size(); ++i) {
     const nn::Parameter& t = *targets[i];
-    auto it = std::find_if(st.tensors.begin(), st.tensors.end(), [&](const SafeTensor& s) { return s.name == t.name; });
+    auto it = std::find_if(st.tensors.begin(), st.tensors.end(),
+                           [&](const SafeTensor& s) { return nn::current_parameter_name(s.name) == t.name; });
     if (it == st.tensors.end()) fail(FP8_ERR_INVALID_STATE, "the file has no tensor '", t.name, "'");
     const std::vector<int64_t> shape(t.value->shape, t.value->shape + t.value->ndim);
     if (it->shape != shape)

@@ -123,7 +123,7 @@ struct Step {
 // grad's scale_inv points. A layer's constructor makes them with memory of their own, which the
 // model's storage takes over when the layer is added.
 struct Parameter {
-  std::string name;  // "<layer>.<weight|bias|gamma|beta>"
+  std::string name;  // "<layer>.<weight|bias>"
   std::unique_ptr<fp8_tensor> value, grad;
   uint16_t* master = nullptr;  // O3: the F16 master weight, indexed by element: it holds [owned_lo, owned_hi)
   int64_t owned_lo = 0, owned_hi = 0;  // the whole tensor, except O3 masters sharded over ranks

@@ -66,7 +66,8 @@ void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const ch
        allow_fp8 ? " (or FP8 once converted)" : "");
 }
 
-void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim, const int64_t* shape) {
+void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim,
+                   const int64_t* shape) {
   bool same = t->ndim == ndim;
   for (int32_t i = 0; same && i < ndim; ++i) same = t->shape[i] == shape[i];
   if (!same)
@@ -102,7 +103,7 @@ struct ElementwiseSaved final : fp8_saved {
   fp8_dtype_t x_dtype = FP8_DTYPE_F32;
   int32_t ndim = 0;
   int64_t x_shape[FP8_MAX_DIMS] = {};
-  uint64_t weights_version = 0;  // norms: the gamma/beta the forward used
+  uint64_t weights_version = 0;  // norms: the weight (gamma) and bias (beta) the forward used
   PooledBuffer stats;            // norms: rows floats of mean (LayerNorm), then rows floats of rstd
   void release() override { stats.reset(); }
   int64_t rows() const {
@@ -203,16 +204,16 @@ class Norm final : public ElementwiseBase {
         rms_(rms),
         dim_(dim),
         eps_(eps) {
-    add_parameter("gamma", 1, &dim, 1.0f);
-    if (!rms) add_parameter("beta", 1, &dim, 0.0f);
+    add_parameter("weight", 1, &dim, 1.0f);  // (gamma and beta; torch's names)
+    if (!rms) add_parameter("bias", 1, &dim, 0.0f);
   }
 
   int64_t input_features() const override { return dim_; }
 
   std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
     if (x->ndim >= 1 && x->cols() != dim_)
-      fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_, "' expects [.., ",
-           dim_, "]");
+      fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_, "' expects [.., ", dim_,
+           "]");
     ScalingHeader* state = check_forward(x, y, dim_);
     auto s = begin_forward(step, x, state);
     const int64_t rows = x->rows();
@@ -276,7 +277,8 @@ class Activation final : public ElementwiseBase {
   int64_t output_features(int64_t in) const override {
     if (act_ != FP8_ACTIVATION_SWIGLU) return in;
     if (in % 2 != 0)
-      fail(FP8_ERR_SHAPE, "layer '", name_, "' (SwiGLU) needs an even number of input features [gate | up]; it gets ", in);
+      fail(FP8_ERR_SHAPE, "layer '", name_, "' (SwiGLU) needs an even number of input features [gate | up]; it gets ",
+           in);
     return in / 2;
   }
 

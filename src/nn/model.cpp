@@ -55,9 +55,11 @@ const char* precision(int32_t p) {
 void require_new_layer_name(const fp8_model& m, const char* name) {
   require_arg(name, "name");
   const size_t len = std::strlen(name);
-  if (len == 0 || len > 63) fail(FP8_ERR_INVALID_ARGUMENT, "name '", name, "' has ", len, " bytes; expected 1..63");
-  if (std::strchr(name, '.'))
-    fail(FP8_ERR_INVALID_ARGUMENT, "name '", name, "' contains '.'; it separates layer and parameter names");
+  if (len == 0 || len > kMaxLayerName)
+    fail(FP8_ERR_INVALID_ARGUMENT, "name '", name, "' has ", len, " bytes; expected 1..", kMaxLayerName);
+  if (name[0] == '.' || name[len - 1] == '.' || std::strstr(name, ".."))
+    fail(FP8_ERR_INVALID_ARGUMENT, "name '", name, "' has an empty part between dots; expected a name like 'fc1' or ",
+         "'blocks.0.mlp.fc1'");
   for (const auto& l : m.layers)
     if (l->name() == name) fail(FP8_ERR_INVALID_ARGUMENT, "the model already has a layer named '", name, "'");
 }
@@ -370,11 +372,14 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
     m.layers[i]->backward(step, *m.run_saved[i], g_out, g_in, false);
     const auto count = static_cast<int32_t>(m.layers[i]->parameters().size());
     end -= count;
-    dist::after_grad_write(m, end, count);  // (under backward sync, a bucket may start now)
+    dist::after_grad_write(m, end, count, end);  // (under backward sync, buckets may start now)
     g_out = g_in;
   }
   m.run_saved.clear();
   update_model_scaling(m, true);
+  // The exchanges started above overlapped the backward; the stream waits for them here, so that a
+  // captured backward joins what it forked and the gradients are whole when the call is done.
+  m.backend->join_side();
 }
 
 void zero_grad(fp8_model& m) {
@@ -417,10 +422,22 @@ int32_t stored_layout(const fp8_model& m, const Parameter& p) {
   return p.value->dtype == FP8_DTYPE_E4M3 ? kLayoutO3 : m.store->level();
 }
 
+std::string current_parameter_name(const std::string& full_name) {
+  // Norms named their parameters gamma and beta before they took torch's names.
+  const auto ends = [&](const char* tail) {
+    const size_t n = std::strlen(tail);
+    return full_name.size() > n && full_name.compare(full_name.size() - n, n, tail) == 0;
+  };
+  if (ends(".gamma")) return full_name.substr(0, full_name.size() - 6) + ".weight";
+  if (ends(".beta")) return full_name.substr(0, full_name.size() - 5) + ".bias";
+  return full_name;
+}
+
 Parameter* find_parameter(fp8_model& m, const std::string& full_name) {
-  for (auto& l : m.layers)
-    for (Parameter& p : l->parameters())
-      if (p.name == full_name) return &p;
+  for (const std::string& name : {full_name, current_parameter_name(full_name)})
+    for (auto& l : m.layers)
+      for (Parameter& p : l->parameters())
+        if (p.name == name) return &p;
   return nullptr;
 }
 

@@ -145,8 +145,13 @@ std::vector<const Parameter*> all_parameters(const fp8_model& m);
 // How a parameter is stored now (OptimLayout): FP32 (te), F16 (the model's O1 or O2), E4M3 (O3).
 int32_t stored_layout(const fp8_model& m, const Parameter& p);
 
-// "<layer>.<param>" -> the parameter, or nullptr.
+// "<layer>.<param>" -> the parameter, or nullptr. A norm's parameters are also found by their
+// names of earlier releases (gamma, beta).
 Parameter* find_parameter(fp8_model& m, const std::string& full_name);
+// A parameter's full name of an earlier release as it is now ("ln.gamma" -> "ln.weight").
+std::string current_parameter_name(const std::string& full_name);
+// The longest layer name (bytes): room for torch's dotted module paths.
+constexpr size_t kMaxLayerName = 127;
 
 std::string model_report(const fp8_model& m);
 const char* kind_name(int32_t layer_kind);  // "linear", "layernorm", "rmsnorm", "activation"

@@ -12,21 +12,9 @@
 
 namespace fp8::nn {
 
-Arena::Arena(std::shared_ptr<Backend> backend, size_t bytes)
-    : backend_(std::move(backend)), data_(static_cast<char*>(backend_->allocate(bytes))), bytes_(bytes) {}
-
-Arena& Arena::operator=(Arena&& other) noexcept {
-  if (this != &other) {
-    if (backend_) backend_->release(data_);
-    backend_ = std::move(other.backend_);
-    data_ = std::exchange(other.data_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-  }
-  return *this;
-}
-
-Arena::~Arena() {
-  if (backend_) backend_->release(data_);
+Arena::Arena(std::shared_ptr<Backend> backend, size_t bytes) : bytes_(bytes) {
+  char* data = static_cast<char*>(backend->allocate(bytes));
+  memory_ = std::shared_ptr<char>(data, [backend = std::move(backend)](char* p) { backend->release(p); });
 }
 
 namespace {
@@ -204,6 +192,7 @@ const char* const kO3WeightRefusal =
 
 void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp8_dtype_t grad_dtype, bool slack) {
   Backend& be = *backend_;
+  be.join_side();  // (the gradients carried over are whole: no exchange is still writing them)
   if (level == 0) grad_dtype = FP8_DTYPE_E5M2;  // (no FP8 gradients: one canonical value)
   const Arenas want(params, level, grad_dtype, shares_);
   const size_t scale_bytes = params.size() * kScaleSlot;
@@ -271,19 +260,21 @@ void ParamStore::layout(const std::vector<Parameter*>& params, int32_t level, fp
     const Placement& pl = want.places[i];
     fp8_tensor& value = *p.value;
     fp8_tensor& grad = *p.grad;
-    if (value.owns_data) be.release(value.data);
-    if (grad.owns_data) be.release(grad.data);
+    value.keeper.reset();  // (a new layer's own memory, or the old arena's share)
+    grad.keeper.reset();
     be.release(value.scale_inv_allocation);
     be.release(grad.scale_inv_allocation);
     value.owns_data = grad.owns_data = false;
     value.scale_inv_allocation = grad.scale_inv_allocation = nullptr;
     value.dtype = pl.value_dtype;
     value.data = v[pl.value_dtype].data() + pl.value_at;
+    value.keeper = v[pl.value_dtype].memory();
     value.scale_inv =
         pl.value_dtype == FP8_DTYPE_E4M3 ? reinterpret_cast<float*>(vs->data() + i * kScaleSlot) : nullptr;
     value.write_refusal = pl.value_dtype == FP8_DTYPE_E4M3 ? kO3WeightRefusal : nullptr;
     grad.dtype = pl.grad_dtype;
     grad.data = g[pl.grad_dtype].data() + pl.grad_at;
+    grad.keeper = g[pl.grad_dtype].memory();
     grad.scale_inv = dtype_is_fp8(pl.grad_dtype) ? reinterpret_cast<float*>(gs->data() + i * kScaleSlot) : nullptr;
     grad.write_refusal = dtype_is_fp8(pl.grad_dtype) ? kFp8GradRefusal : nullptr;
     p.master = pl.master ? reinterpret_cast<uint16_t*>(mas->data() + pl.master_at) - pl.lo : nullptr;

@@ -45,20 +45,18 @@ struct Bucket {
   size_t piece(int32_t nranks) const { return fp8_bytes / static_cast<size_t>(nranks); }
 };
 
-// One allocation of device memory, released with it.
+// One allocation of device memory, released with the last of the arena and the tensors lent out
+// of it (fp8_tensor_to_dlpack).
 class Arena {
  public:
   Arena() = default;
   Arena(std::shared_ptr<Backend> backend, size_t bytes);
-  Arena(Arena&& other) noexcept { *this = std::move(other); }
-  Arena& operator=(Arena&& other) noexcept;
-  ~Arena();
-  char* data() const { return data_; }
+  char* data() const { return memory_.get(); }
   size_t bytes() const { return bytes_; }
+  const std::shared_ptr<char>& memory() const { return memory_; }
 
  private:
-  std::shared_ptr<Backend> backend_;
-  char* data_ = nullptr;
+  std::shared_ptr<char> memory_;
   size_t bytes_ = 0;
 };
 

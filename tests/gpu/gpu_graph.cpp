@@ -39,7 +39,7 @@ struct Trainer {
     EXPECT_OK(fp8_model_add_linear(m, "fc2", kHidden, kIn, 1, nullptr));
     set_param(m, "fc1.weight", randn(kIn * kHidden, 1, 0.06f));
     set_param(m, "fc1.bias", randn(kHidden, 2, 0.1f));
-    set_param(m, "ln.gamma", randn(kHidden, 3, 0.1f, 1.0f));
+    set_param(m, "ln.weight", randn(kHidden, 3, 0.1f, 1.0f));
     set_param(m, "fc2.weight", randn(kIn * kHidden, 4, 0.04f));
     Recipe r = make_recipe(recipe);
     EXPECT_OK(fp8_convert_model(m, r.get(), nullptr));

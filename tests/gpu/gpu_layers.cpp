@@ -155,8 +155,8 @@ TEST(GpuLayers, MlpBlockWithFp8HandOffsMatchesTheCpuReference) {
   t.add_linear("fc1", d, f, 7);
   for (fp8_model_t* m : {t.mc.get(), t.mg.get()}) FP8_ASSERT_OK(fp8_model_add_activation(m, "gelu", FP8_ACTIVATION_GELU, nullptr));
   t.add_linear("fc2", f, d, 9);
-  t.set_param("ln.gamma", normal_floats(d, 11, 1.0f, 0.2f));
-  t.set_param("ln.beta", normal_floats(d, 12, 0.0f, 0.2f));
+  t.set_param("ln.weight", normal_floats(d, 11, 1.0f, 0.2f));
+  t.set_param("ln.bias", normal_floats(d, 12, 0.0f, 0.2f));
   t.convert("small_layer_fallback=off");
   const fp8_dtype_t bf = FP8_DTYPE_BF16, e4 = FP8_DTYPE_E4M3;
   for (int step = 0; step < 3; ++step) {

@@ -147,7 +147,7 @@ struct OptimRig {
     ASSERT_EQ(n_params, 6);
     for (int32_t i = 0; i < n_params; ++i) {
       const std::string name = param_name(models[0].get(), i);
-      const bool gamma = name == "ln.gamma";
+      const bool gamma = name == "ln.weight";
       int64_t n = 0;
       fp8_tensor_numel(param_at(models[0].get(), i, false), &n);
       const auto v = normal_floats(static_cast<size_t>(n), 500 + static_cast<uint32_t>(i), gamma ? 1.0f : 0.0f,
@@ -239,7 +239,7 @@ TEST(GpuOptimizer, NonFiniteGradientsSkipTheStepLikeTheCpuReference) {
     ASSERT_NO_FATAL_FAILURE(r.init(c, 2));  // 0: GPU, 1: CPU twin (same sequence), 2: CPU, finite steps only
     fp8_model_t *mg = r.models[0].get(), *mc = r.models[1].get(), *mclean = r.models[2].get();
     ASSERT_EQ(param_name(mg, 0), "big.weight");
-    ASSERT_EQ(param_name(mg, 2), "ln.gamma");
+    ASSERT_EQ(param_name(mg, 2), "ln.weight");
     for (size_t k = 0; k < 3; ++k) ASSERT_NO_FATAL_FAILURE(r.set_float(k, FP8_OPTIM_LR, 2e-3));
     int64_t finite_steps = 0, skipped = 0;
     for (int s = 0; s < 5; ++s) {
@@ -564,7 +564,7 @@ struct TrainRig {
       size_t n;
       float mean, sd;
     } init_values[] = {{"fc1.weight", kD * kD, 0.0f, 0.05f}, {"fc1.bias", kD, 0.0f, 0.5f},
-                       {"ln.gamma", kD, 1.0f, 0.2f},         {"ln.beta", kD, 0.0f, 0.2f},
+                       {"ln.weight", kD, 1.0f, 0.2f},         {"ln.bias", kD, 0.0f, 0.2f},
                        {"fc2.weight", kOut * kD, 0.0f, 0.05f}, {"fc2.bias", kOut, 0.0f, 0.5f}};
     uint32_t seed = 1;
     for (const auto& p : init_values) {

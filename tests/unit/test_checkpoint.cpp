@@ -36,8 +36,6 @@ using namespace fp8test;
 
 namespace {
 
-
-
 using Bytes = std::vector<uint8_t>;
 
 // ---- files -----------------------------------------------------------------------------------------
@@ -150,7 +148,8 @@ std::vector<float> decoded(const fp8_tensor_t* t) {
     out.resize(b.size() / 4);
     std::memcpy(out.data(), b.data(), b.size());
   } else if (dt == FP8_DTYPE_F16) {
-    for (size_t k = 0; k < b.size(); k += 2) out.push_back(fp8::f16_to_float(static_cast<uint16_t>(b[k] | (b[k + 1] << 8))));
+    for (size_t k = 0; k < b.size(); k += 2)
+      out.push_back(fp8::f16_to_float(static_cast<uint16_t>(b[k] | (b[k + 1] << 8))));
   } else {
     float si = 0.0f;
     EXPECT_OK(fp8_tensor_get_scale_inv(t, &si));
@@ -194,9 +193,12 @@ struct Net {
       EXPECT_OK(fp8_tensor_numel(t, &n));
       const std::string nm = name;
       const uint32_t s = seed * 100 + static_cast<uint32_t>(i);
-      if (nm.find("weight") != std::string::npos) upload(t, randn(static_cast<size_t>(n), s, 1.0f / 8.0f));
-      else if (nm.find("gamma") != std::string::npos) upload(t, randn(static_cast<size_t>(n), s, 0.1f, 1.0f));
-      else upload(t, randn(static_cast<size_t>(n), s, 0.05f));
+      if (nm == "ln.weight")
+        upload(t, randn(static_cast<size_t>(n), s, 0.1f, 1.0f));  // (a norm's gain)
+      else if (nm.find("weight") != std::string::npos)
+        upload(t, randn(static_cast<size_t>(n), s, 1.0f / 8.0f));
+      else
+        upload(t, randn(static_cast<size_t>(n), s, 0.05f));
     }
     if (v != Variant::Unconverted) {
       Recipe r = make_recipe(recipe_text(level, v).c_str());
@@ -321,19 +323,23 @@ Snapshot snapshot(fp8_model_t* m, const fp8_optimizer_t* o) {
     s.emplace_back("optimizer training_bytes", bytes_of(st.training_bytes));
     for (int a = 0; a < FP8_OPTIM_ATTR_COUNT; ++a) {
       double v = 0.0;
-      if (fp8_optimizer_get_float(o, a, &v) == FP8_OK) s.emplace_back("optimizer attr " + std::to_string(a), bytes_of(v));
+      if (fp8_optimizer_get_float(o, a, &v) == FP8_OK)
+        s.emplace_back("optimizer attr " + std::to_string(a), bytes_of(v));
     }
   }
   return s;
 }
-Snapshot snapshot(Net& n) { return snapshot(n.m(), n.o()); }
+Snapshot snapshot(Net& n) {
+  return snapshot(n.m(), n.o());
+}
 
 // "" when equal, else the first entry that differs.
 std::string first_difference(const Snapshot& got, const Snapshot& want) {
   if (got.size() != want.size())
     return "different entry counts: " + std::to_string(got.size()) + " vs " + std::to_string(want.size());
   for (size_t i = 0; i < got.size(); ++i) {
-    if (got[i].first != want[i].first) return "entry " + std::to_string(i) + ": " + got[i].first + " vs " + want[i].first;
+    if (got[i].first != want[i].first)
+      return "entry " + std::to_string(i) + ": " + got[i].first + " vs " + want[i].first;
     if (got[i].second != want[i].second) {
       const Bytes &a = got[i].second, &b = want[i].second;
       size_t k = 0;
@@ -404,7 +410,8 @@ TEST_P(CheckpointResume, TrainSaveLoadTrainIsBitIdenticalToUninterruptedTraining
   std::vector<double> losses_b;
   for (int k = kN; k < kN + kM; ++k) losses_b.push_back(b.train_step(k));
   EXPECT_EQ(first_difference(snapshot(b), snap_a), "") << "after " << kM << " more steps";
-  for (int k = 0; k < kM; ++k) EXPECT_EQ(bits_of(static_cast<float>(losses_b[k])), bits_of(static_cast<float>(losses_a[k])));
+  for (int k = 0; k < kM; ++k)
+    EXPECT_EQ(bits_of(static_cast<float>(losses_b[k])), bits_of(static_cast<float>(losses_a[k])));
   EXPECT_EQ(stats_of(b.o()).steps, kN + kM);
 
   // The format stores nothing that depends on time or the process: the two saves at N + M agree byte
@@ -413,16 +420,15 @@ TEST_P(CheckpointResume, TrainSaveLoadTrainIsBitIdenticalToUninterruptedTraining
   EXPECT_EQ(file_difference(read_bytes(dir.path("b_end.ckpt")), read_bytes(dir.path("a_end.ckpt"))), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    LevelsAndKinds, CheckpointResume,
-    ::testing::Values(ResumeCase{0, FP8_OPTIMIZER_ADAM}, ResumeCase{0, FP8_OPTIMIZER_ADAMW},
-                      ResumeCase{0, FP8_OPTIMIZER_SGD}, ResumeCase{1, FP8_OPTIMIZER_ADAM},
-                      ResumeCase{1, FP8_OPTIMIZER_ADAMW}, ResumeCase{1, FP8_OPTIMIZER_SGD},
-                      ResumeCase{2, FP8_OPTIMIZER_ADAM}, ResumeCase{2, FP8_OPTIMIZER_ADAMW},
-                      ResumeCase{3, FP8_OPTIMIZER_ADAM}, ResumeCase{3, FP8_OPTIMIZER_ADAMW}),
-    [](const ::testing::TestParamInfo<ResumeCase>& info) {
-      return std::string(level_name(info.param.level)) + "_" + kind_name(info.param.kind);
-    });
+INSTANTIATE_TEST_SUITE_P(LevelsAndKinds, CheckpointResume,
+                         ::testing::Values(ResumeCase{0, FP8_OPTIMIZER_ADAM}, ResumeCase{0, FP8_OPTIMIZER_ADAMW},
+                                           ResumeCase{0, FP8_OPTIMIZER_SGD}, ResumeCase{1, FP8_OPTIMIZER_ADAM},
+                                           ResumeCase{1, FP8_OPTIMIZER_ADAMW}, ResumeCase{1, FP8_OPTIMIZER_SGD},
+                                           ResumeCase{2, FP8_OPTIMIZER_ADAM}, ResumeCase{2, FP8_OPTIMIZER_ADAMW},
+                                           ResumeCase{3, FP8_OPTIMIZER_ADAM}, ResumeCase{3, FP8_OPTIMIZER_ADAMW}),
+                         [](const ::testing::TestParamInfo<ResumeCase>& info) {
+                           return std::string(level_name(info.param.level)) + "_" + kind_name(info.param.kind);
+                         });
 
 // =================================================================================================
 // 2. Gradients
@@ -549,8 +555,8 @@ TEST(CheckpointLoadFailure, TruncatedFilesAreCorruptAndChangeNothing) {
   const Bytes good = read_bytes(fx.valid);
   ASSERT_GT(good.size(), 100u);
   const size_t n = good.size();
-  for (size_t len : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{11}, size_t{12}, size_t{16}, size_t{20},
-                     n / 4, n / 2, 3 * n / 4, n - 5, n - 4, n - 1}) {
+  for (size_t len : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{11}, size_t{12}, size_t{16}, size_t{20}, n / 4,
+                     n / 2, 3 * n / 4, n - 5, n - 4, n - 1}) {
     SCOPED_TRACE("length " + std::to_string(len) + " of " + std::to_string(n));
     const std::string p = fx.dir.path("truncated.ckpt");
     write_bytes(p, Bytes(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(len)));
@@ -666,7 +672,8 @@ TEST(CheckpointLoadFailure, MismatchedModelsAndOptimizersAreRefusedAndChangeNoth
       {"other margin (same states, another rule)", 3, FP8_OPTIMIZER_ADAM, Variant::OtherMargin, "with_opt", true,
        "margin=2"},
       {"unconverted model", 0, FP8_OPTIMIZER_ADAM, Variant::Unconverted, "with_opt", true, "converted"},
-      {"unconverted model, no optimizer", 0, FP8_OPTIMIZER_ADAM, Variant::Unconverted, "model_only", false, "converted"},
+      {"unconverted model, no optimizer", 0, FP8_OPTIMIZER_ADAM, Variant::Unconverted, "model_only", false,
+       "converted"},
       {"optimizer of another kind", 3, FP8_OPTIMIZER_ADAMW, Variant::Standard, "with_opt", true, "kind"},
       {"optimizer but the file has none", 3, FP8_OPTIMIZER_ADAM, Variant::Standard, "model_only", true, "no optimizer"},
   };
@@ -717,7 +724,8 @@ TEST(CheckpointAtomicWrite, SavingIntoAMissingDirectoryFailsWithIoAndWritesNothi
   EXPECT_FALSE(file_exists(dir.path("missing")));
   EXPECT_TRUE(dir.entries().empty());
   const std::string st = dir.path("missing/model.safetensors");
-  EXPECT_REFUSED(fp8_model_export_safetensors(a.m(), st.c_str()), FP8_ERR_IO, "fp8_model_export_safetensors", "missing");
+  EXPECT_REFUSED(fp8_model_export_safetensors(a.m(), st.c_str()), FP8_ERR_IO, "fp8_model_export_safetensors",
+                 "missing");
   EXPECT_TRUE(dir.entries().empty());
 }
 
@@ -758,7 +766,10 @@ std::map<std::string, std::vector<float>> decoded_params(fp8_model_t* m) {
   }
   return out;
 }
-bool is_linear_weight(const std::string& name) { return name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0; }
+// (The norm of the model is "ln".)
+bool is_linear_weight(const std::string& name) {
+  return name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0 && name != "ln.weight";
+}
 
 // The tensors of a safetensors file (name -> dtype, shape, bytes) and its metadata, parsed here.
 struct StTensor {
@@ -777,13 +788,21 @@ struct StFile {
 class Json {
  public:
   explicit Json(const std::string& s) : s_(s) {}
-  void ws() { while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_; }
+  void ws() {
+    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
+  }
   bool eat(char c) {
     ws();
-    if (i_ < s_.size() && s_[i_] == c) { ++i_; return true; }
+    if (i_ < s_.size() && s_[i_] == c) {
+      ++i_;
+      return true;
+    }
     return false;
   }
-  bool peek(char c) { ws(); return i_ < s_.size() && s_[i_] == c; }
+  bool peek(char c) {
+    ws();
+    return i_ < s_.size() && s_[i_] == c;
+  }
   bool string(std::string& out) {
     if (!eat('"')) return false;
     out.clear();
@@ -811,7 +830,10 @@ class Json {
     } while (eat(','));
     return eat(']');
   }
-  bool done() { ws(); return i_ == s_.size(); }
+  bool done() {
+    ws();
+    return i_ == s_.size();
+  }
 
  private:
   const std::string& s_;
@@ -820,54 +842,96 @@ class Json {
 
 StFile parse_safetensors(const Bytes& file) {
   StFile out;
-  if (file.size() < 8) { out.error = "shorter than 8 bytes"; return out; }
+  if (file.size() < 8) {
+    out.error = "shorter than 8 bytes";
+    return out;
+  }
   uint64_t len = 0;
   for (int k = 0; k < 8; ++k) len |= static_cast<uint64_t>(file[static_cast<size_t>(k)]) << (8 * k);
-  if (len > file.size() - 8) { out.error = "header length past the end"; return out; }
+  if (len > file.size() - 8) {
+    out.error = "header length past the end";
+    return out;
+  }
   const std::string header(file.begin() + 8, file.begin() + 8 + static_cast<std::ptrdiff_t>(len));
   const size_t data_start = 8 + len;
   Json j(header);
-  if (!j.eat('{')) { out.error = "no {"; return out; }
+  if (!j.eat('{')) {
+    out.error = "no {";
+    return out;
+  }
   uint64_t expected_offset = 0;
   std::vector<std::pair<int64_t, std::string>> by_offset;
   std::map<std::string, std::vector<int64_t>> offsets;
   if (!j.peek('}')) do {
-    std::string key;
-    if (!j.string(key) || !j.eat(':') || !j.eat('{')) { out.error = "bad entry"; return out; }
-    if (key == "__metadata__") {
-      if (!j.peek('}')) do {
-        std::string k, v;
-        if (!j.string(k) || !j.eat(':') || !j.string(v)) { out.error = "bad metadata"; return out; }
-        out.metadata[k] = v;
-      } while (j.eat(','));
-    } else {
-      StTensor t;
-      std::vector<int64_t> off;
-      do {
-        std::string field;
-        if (!j.string(field) || !j.eat(':')) { out.error = "bad field in " + key; return out; }
-        if (field == "dtype") { if (!j.string(t.dtype)) { out.error = "bad dtype"; return out; } }
-        else if (field == "shape") { if (!j.int_array(t.shape)) { out.error = "bad shape"; return out; } }
-        else if (field == "data_offsets") { if (!j.int_array(off) || off.size() != 2) { out.error = "bad offsets"; return out; } }
-        else { out.error = "unknown field " + field; return out; }
-      } while (j.eat(','));
-      if (off.size() != 2 || off[0] > off[1] || data_start + static_cast<uint64_t>(off[1]) > file.size()) {
-        out.error = "offsets of " + key + " outside the data";
+      std::string key;
+      if (!j.string(key) || !j.eat(':') || !j.eat('{')) {
+        out.error = "bad entry";
         return out;
       }
-      t.data.assign(file.begin() + static_cast<std::ptrdiff_t>(data_start + static_cast<uint64_t>(off[0])),
-                    file.begin() + static_cast<std::ptrdiff_t>(data_start + static_cast<uint64_t>(off[1])));
-      by_offset.emplace_back(off[0], key);
-      offsets[key] = off;
-      out.tensors[key] = std::move(t);
-    }
-    if (!j.eat('}')) { out.error = "unclosed object " + key; return out; }
-  } while (j.eat(','));
-  if (!j.eat('}') || !j.done()) { out.error = "trailing header text"; return out; }
+      if (key == "__metadata__") {
+        if (!j.peek('}')) do {
+            std::string k, v;
+            if (!j.string(k) || !j.eat(':') || !j.string(v)) {
+              out.error = "bad metadata";
+              return out;
+            }
+            out.metadata[k] = v;
+          } while (j.eat(','));
+      } else {
+        StTensor t;
+        std::vector<int64_t> off;
+        do {
+          std::string field;
+          if (!j.string(field) || !j.eat(':')) {
+            out.error = "bad field in " + key;
+            return out;
+          }
+          if (field == "dtype") {
+            if (!j.string(t.dtype)) {
+              out.error = "bad dtype";
+              return out;
+            }
+          } else if (field == "shape") {
+            if (!j.int_array(t.shape)) {
+              out.error = "bad shape";
+              return out;
+            }
+          } else if (field == "data_offsets") {
+            if (!j.int_array(off) || off.size() != 2) {
+              out.error = "bad offsets";
+              return out;
+            }
+          } else {
+            out.error = "unknown field " + field;
+            return out;
+          }
+        } while (j.eat(','));
+        if (off.size() != 2 || off[0] > off[1] || data_start + static_cast<uint64_t>(off[1]) > file.size()) {
+          out.error = "offsets of " + key + " outside the data";
+          return out;
+        }
+        t.data.assign(file.begin() + static_cast<std::ptrdiff_t>(data_start + static_cast<uint64_t>(off[0])),
+                      file.begin() + static_cast<std::ptrdiff_t>(data_start + static_cast<uint64_t>(off[1])));
+        by_offset.emplace_back(off[0], key);
+        offsets[key] = off;
+        out.tensors[key] = std::move(t);
+      }
+      if (!j.eat('}')) {
+        out.error = "unclosed object " + key;
+        return out;
+      }
+    } while (j.eat(','));
+  if (!j.eat('}') || !j.done()) {
+    out.error = "trailing header text";
+    return out;
+  }
   // The data region is covered exactly, in offset order, with no gaps.
   std::sort(by_offset.begin(), by_offset.end());
   for (const auto& [begin, name] : by_offset) {
-    if (static_cast<uint64_t>(begin) != expected_offset) { out.error = "gap before " + name; return out; }
+    if (static_cast<uint64_t>(begin) != expected_offset) {
+      out.error = "gap before " + name;
+      return out;
+    }
     expected_offset = static_cast<uint64_t>(offsets[name][1]);
   }
   if (data_start + expected_offset != file.size()) out.error = "bytes after the last tensor";
@@ -892,7 +956,8 @@ Bytes make_safetensors(const std::vector<StOut>& tensors) {
   h += "}";
   while (h.size() % 8) h += ' ';
   Bytes out(8 + h.size() + off);
-  for (int k = 0; k < 8; ++k) out[static_cast<size_t>(k)] = static_cast<uint8_t>(static_cast<uint64_t>(h.size()) >> (8 * k));
+  for (int k = 0; k < 8; ++k)
+    out[static_cast<size_t>(k)] = static_cast<uint8_t>(static_cast<uint64_t>(h.size()) >> (8 * k));
   std::memcpy(out.data() + 8, h.data(), h.size());
   size_t at = 8 + h.size();
   for (const StOut& t : tensors) {
@@ -931,8 +996,8 @@ TEST(CheckpointCrossLevel, TeToO2RoundsTheWeightsToF16AndTrainingContinues) {
     EXPECT_EQ(stats_of(o.o()).steps, 3);
     EXPECT_EQ(stats_of(o.o()).opt_level, level);
     const auto got = decoded_params(o.m());
-    const auto master = level == 3 ? exported_f16(o, dir.path("o3.safetensors"))
-                                   : std::map<std::string, std::vector<uint16_t>>{};
+    const auto master =
+        level == 3 ? exported_f16(o, dir.path("o3.safetensors")) : std::map<std::string, std::vector<uint16_t>>{};
     for (const auto& [name, want] : te_params) {
       SCOPED_TRACE(name);
       const std::vector<float>& g = got.at(name);
@@ -968,8 +1033,8 @@ TEST(CheckpointCrossLevel, O2AndO3ToTeWidenExactlyAndO3UsesTheMaster) {
     for (int k = 0; k < 3; ++k) src.train_step(k);
     FP8_ASSERT_OK(src.save(dir.path("src.ckpt")));
     const auto src_params = decoded_params(src.m());
-    const auto master = level == 3 ? exported_f16(src, dir.path("src.safetensors"))
-                                   : std::map<std::string, std::vector<uint16_t>>{};
+    const auto master =
+        level == 3 ? exported_f16(src, dir.path("src.safetensors")) : std::map<std::string, std::vector<uint16_t>>{};
 
     Net te(0, FP8_OPTIMIZER_ADAMW, 7);
     FP8_ASSERT_OK(te.load(dir.path("src.ckpt")));
@@ -986,7 +1051,8 @@ TEST(CheckpointCrossLevel, O2AndO3ToTeWidenExactlyAndO3UsesTheMaster) {
         differs_from_e4m3 += bits_of(got[k]) != bits_of(src_values[k]);
       }
       EXPECT_EQ(bad, 0u);
-      if (level == 3 && is_linear_weight(name)) EXPECT_GT(differs_from_e4m3, got.size() / 2) << "the E4M3 copy, not the master";
+      if (level == 3 && is_linear_weight(name))
+        EXPECT_GT(differs_from_e4m3, got.size() / 2) << "the E4M3 copy, not the master";
     }
     const std::vector<double> losses = losses_on_a_fixed_batch(te, 4);
     for (double l : losses) EXPECT_TRUE(std::isfinite(l));
@@ -1025,9 +1091,9 @@ TEST(CheckpointModelOnly, AnO3ModelOnlyCheckpointKeepsTheMastersAndTheOptimizerK
 
 TEST(Safetensors, ExportAtEachLevelImportsIntoTeBitExactlyWithTheRightHeader) {
   TempDir dir;
-  const std::map<std::string, std::vector<int64_t>> shapes = {
-      {"fc1.weight", {kHidden, kIn}}, {"fc1.bias", {kHidden}}, {"ln.gamma", {kHidden}},
-      {"ln.beta", {kHidden}},         {"fc2.weight", {kOut, kHidden}}, {"fc2.bias", {kOut}}};
+  const std::map<std::string, std::vector<int64_t>> shapes = {{"fc1.weight", {kHidden, kIn}},  {"fc1.bias", {kHidden}},
+                                                              {"ln.weight", {kHidden}},        {"ln.bias", {kHidden}},
+                                                              {"fc2.weight", {kOut, kHidden}}, {"fc2.bias", {kOut}}};
   for (int level : {0, 1, 2, 3}) {
     SCOPED_TRACE(level_name(level));
     Net src(level, FP8_OPTIMIZER_ADAM);
@@ -1070,8 +1136,10 @@ TEST(Safetensors, ExportAtEachLevelImportsIntoTeBitExactlyWithTheRightHeader) {
       SCOPED_TRACE(name);
       std::vector<float> want(t.data.size() / (t.dtype == "F16" ? 2 : 4));
       for (size_t k = 0; k < want.size(); ++k) {
-        if (t.dtype == "F16") want[k] = fp8::f16_to_float(static_cast<uint16_t>(t.data[2 * k] | (t.data[2 * k + 1] << 8)));
-        else std::memcpy(&want[k], t.data.data() + 4 * k, 4);
+        if (t.dtype == "F16")
+          want[k] = fp8::f16_to_float(static_cast<uint16_t>(t.data[2 * k] | (t.data[2 * k + 1] << 8)));
+        else
+          std::memcpy(&want[k], t.data.data() + 4 * k, 4);
       }
       const std::vector<float> got = decoded(param_tensor(te.m(), name));
       ASSERT_EQ(got.size(), want.size());
@@ -1150,7 +1218,7 @@ TEST(Safetensors, ImportsBf16TensorsWrittenByHand) {
     t.shape.assign(shape, shape + ndim);
     const std::vector<float> f = randn(static_cast<size_t>(numel_of(t.shape)), 900 + static_cast<uint32_t>(i), 0.3f);
     std::vector<float>& w = want[name];
-    t.dtype = std::string(name) == "ln.beta" ? "F16" : std::string(name) == "fc2.bias" ? "F32" : "BF16";
+    t.dtype = std::string(name) == "ln.bias" ? "F16" : std::string(name) == "fc2.bias" ? "F32" : "BF16";
     for (float x : f) {
       if (t.dtype == "BF16") {
         const uint16_t h = fp8::float_to_bf16(x);
@@ -1204,10 +1272,11 @@ TEST(Safetensors, MissingExtraMisshapenOrI32TensorsAreRefusedAllOrNothing) {
   const StFile good = parse_safetensors(read_bytes(good_path));
   ASSERT_EQ(good.error, "");
   // In the model's order, so that a wrong last tensor comes after the others were read.
-  const char* order[] = {"fc1.weight", "fc1.bias", "ln.gamma", "ln.beta", "fc2.weight", "fc2.bias"};
+  const char* order[] = {"fc1.weight", "fc1.bias", "ln.weight", "ln.bias", "fc2.weight", "fc2.bias"};
   auto base = [&] {
     std::vector<StOut> v;
-    for (const char* n : order) v.push_back({n, good.tensors.at(n).dtype, good.tensors.at(n).shape, good.tensors.at(n).data});
+    for (const char* n : order)
+      v.push_back({n, good.tensors.at(n).dtype, good.tensors.at(n).shape, good.tensors.at(n).data});
     return v;
   };
   struct Case {
@@ -1298,15 +1367,23 @@ TEST(CheckpointArguments, NullsBadFlagsForeignOptimizersAndAutocastAreRefused) {
   const Snapshot before = snapshot(a);
   const std::string q = dir.path("q.ckpt");
 
-  EXPECT_REFUSED(fp8_checkpoint_save(nullptr, nullptr, q.c_str(), 0), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_save", "model");
-  EXPECT_REFUSED(fp8_checkpoint_save(a.m(), a.o(), nullptr, 0), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_save", "path");
-  EXPECT_REFUSED(fp8_checkpoint_save(a.m(), a.o(), q.c_str(), 2), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_save", "flags");
-  EXPECT_REFUSED(fp8_checkpoint_load(nullptr, nullptr, p.c_str()), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_load", "model");
+  EXPECT_REFUSED(fp8_checkpoint_save(nullptr, nullptr, q.c_str(), 0), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_save",
+                 "model");
+  EXPECT_REFUSED(fp8_checkpoint_save(a.m(), a.o(), nullptr, 0), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_save",
+                 "path");
+  EXPECT_REFUSED(fp8_checkpoint_save(a.m(), a.o(), q.c_str(), 2), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_save",
+                 "flags");
+  EXPECT_REFUSED(fp8_checkpoint_load(nullptr, nullptr, p.c_str()), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_load",
+                 "model");
   EXPECT_REFUSED(fp8_checkpoint_load(a.m(), a.o(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_load", "path");
-  EXPECT_REFUSED(fp8_checkpoint_read_recipe(nullptr, nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_read_recipe", "path");
-  EXPECT_REFUSED(fp8_checkpoint_read_recipe(p.c_str(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_read_recipe", "recipe");
-  EXPECT_REFUSED(fp8_model_export_safetensors(nullptr, q.c_str()), FP8_ERR_INVALID_ARGUMENT, "fp8_model_export_safetensors", "model");
-  EXPECT_REFUSED(fp8_model_import_safetensors(a.m(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_model_import_safetensors", "path");
+  EXPECT_REFUSED(fp8_checkpoint_read_recipe(nullptr, nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_read_recipe",
+                 "path");
+  EXPECT_REFUSED(fp8_checkpoint_read_recipe(p.c_str(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_read_recipe",
+                 "recipe");
+  EXPECT_REFUSED(fp8_model_export_safetensors(nullptr, q.c_str()), FP8_ERR_INVALID_ARGUMENT,
+                 "fp8_model_export_safetensors", "model");
+  EXPECT_REFUSED(fp8_model_import_safetensors(a.m(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_model_import_safetensors",
+                 "path");
 
   // An optimizer made for another model.
   Net other(2, FP8_OPTIMIZER_ADAM);
@@ -1317,8 +1394,10 @@ TEST(CheckpointArguments, NullsBadFlagsForeignOptimizersAndAutocastAreRefused) {
 
   // Inside an autocast region.
   FP8_ASSERT_OK(fp8_autocast_begin(a.m()));
-  EXPECT_REFUSED(fp8_checkpoint_save(a.m(), a.o(), q.c_str(), 0), FP8_ERR_INVALID_STATE, "fp8_checkpoint_save", "autocast");
-  EXPECT_REFUSED(fp8_checkpoint_load(a.m(), a.o(), p.c_str()), FP8_ERR_INVALID_STATE, "fp8_checkpoint_load", "autocast");
+  EXPECT_REFUSED(fp8_checkpoint_save(a.m(), a.o(), q.c_str(), 0), FP8_ERR_INVALID_STATE, "fp8_checkpoint_save",
+                 "autocast");
+  EXPECT_REFUSED(fp8_checkpoint_load(a.m(), a.o(), p.c_str()), FP8_ERR_INVALID_STATE, "fp8_checkpoint_load",
+                 "autocast");
   EXPECT_REFUSED(fp8_model_import_safetensors(a.m(), dir.path("x.safetensors").c_str()), FP8_ERR_INVALID_STATE,
                  "fp8_model_import_safetensors", "autocast");
   FP8_ASSERT_OK(fp8_autocast_end(a.m()));

@@ -326,6 +326,73 @@ TEST(BackwardSync, CheckpointsMoveBetweenBucketLayouts) {
   }
 }
 
+void accumulate(Rank& r, int32_t index, int64_t rows, int64_t cols, uint32_t seed) {
+  Tensor g = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {rows, cols});
+  upload(g.get(), randn(static_cast<size_t>(rows * cols), seed, 0.1f));
+  EXPECT_OK(fp8_model_accumulate_grad(r.model.get(), index, g.get()));
+}
+
+// Gradients of fc1 written (fp8_model_accumulate_grad) before a whole-model backward in one bucket:
+// the bucket is complete once fc2's backward has run, but fc1's backward still has to add to it, so
+// it starts at the end. Every rank ends with the same averaged gradients, those of the step.
+TEST(BackwardSync, AWholeModelBackwardStartsABucketOnlyOnceItHasWrittenIt) {
+  constexpr int n = 2;
+  Group at_step(n, kTe, FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU, 0, false);
+  Group in_backward(n, kTe, FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU, 0, true);
+  on_ranks(n, [&](int k) {
+    for (Group* g : {&at_step, &in_backward}) {
+      Rank& r = g->ranks[k];
+      accumulate(r, 0, kHidden, kIn, 100u + k);
+      accumulate(r, 1, 1, kHidden, 200u + k);
+      forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+    }
+    EXPECT_OK(fp8_model_sync_grads(at_step.ranks[k].model.get()));
+  });
+  for (int k = 0; k < n; ++k)
+    EXPECT_EQ(parameter_bytes(in_backward.ranks[k], true), parameter_bytes(at_step.ranks[0], true)) << "rank " << k;
+}
+
+// Turning backward sync off and on again: only what is written afterwards counts towards a bucket.
+TEST(BackwardSync, TurnedOnAgainItCountsOnlyWhatIsWrittenFromThen) {
+  constexpr int n = 2;
+  Group g(n, kTe, FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU, 0, true);
+  on_ranks(n, [&](int k) {
+    Rank& r = g.ranks[k];
+    accumulate(r, 0, kHidden, kIn, 100u + k);
+    accumulate(r, 1, 1, kHidden, 200u + k);
+    accumulate(r, 2, kOut, kHidden, 300u + k);
+    EXPECT_OK(fp8_model_set_backward_sync(r.model.get(), 0));
+    EXPECT_OK(fp8_model_set_backward_sync(r.model.get(), 1));
+    accumulate(r, 0, kHidden, kIn, 400u + k);  // one of four parameters since: nothing starts
+    forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+    step_and_zero(r);
+  });
+  EXPECT_EQ(state_bytes(g.ranks[1], true), state_bytes(g.ranks[0], true));
+}
+
+// Leaving the group or converting while buckets are averaged: the model goes on from its gradients
+// as they are (averaged ones stay averaged), and nothing waits on a group it left.
+TEST(BackwardSync, LeavingTheGroupAfterABackwardKeepsTheAveragedGradients) {
+  constexpr int n = 2;
+  Group g(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU, FP8_MIN_BUCKET_BYTES, true);
+  on_ranks(n, [&](int k) {
+    Rank& r = g.ranks[k];
+    forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+    r.opt.reset();  // (set_comm refuses a model with an optimizer)
+  });
+  const std::vector<unsigned char> averaged = parameter_bytes(g.ranks[0], true);
+  EXPECT_EQ(parameter_bytes(g.ranks[1], true), averaged);
+  on_ranks(n, [&](int k) { EXPECT_OK(fp8_model_set_comm(g.ranks[k].model.get(), nullptr)); });
+  for (int k = 0; k < n; ++k) {
+    EXPECT_EQ(parameter_bytes(g.ranks[k], true), averaged) << "rank " << k;
+    EXPECT_REFUSED(fp8_model_set_backward_sync(g.ranks[k].model.get(), 1), FP8_ERR_INVALID_STATE,
+                   "fp8_model_set_backward_sync", "not data-parallel");
+    Optimizer o = make_optimizer(g.ranks[k].model.get(), FP8_OPTIMIZER_ADAM);
+    EXPECT_OK(fp8_optimizer_step(o.get()));  // alone now: no collective
+  }
+  EXPECT_EQ(parameter_bytes(g.ranks[1], false), parameter_bytes(g.ranks[0], false));
+}
+
 TEST(BackwardSync, Misuse) {
   Context ctx = make_context(FP8_DEVICE_CPU);
   Model alone = build_model(ctx.get(), kO2, 1);

@@ -24,12 +24,6 @@ namespace {
 // Handles, host data and small readers
 // =================================================================================================
 
-
-
-
-
-
-
 std::vector<int64_t> with_last(std::vector<int64_t> shape, int64_t last) {
   shape.back() = last;
   return shape;
@@ -658,8 +652,8 @@ TEST(HighPrecisionStack, BackwardMatchesCentralDifferences) {
   FP8_ASSERT_OK(fp8_model_add_linear(model.get(), "fc1", kD, kH, 1, &fc1));
   FP8_ASSERT_OK(fp8_model_add_activation(model.get(), "act", FP8_ACTIVATION_GELU, &act));
   FP8_ASSERT_OK(fp8_model_add_linear(model.get(), "fc2", kH, kO, 1, &fc2));
-  set_param(model.get(), "ln.gamma", randn(kD, 1, 0.2f, 1.0f));
-  set_param(model.get(), "ln.beta", randn(kD, 2, 0.2f));
+  set_param(model.get(), "ln.weight", randn(kD, 1, 0.2f, 1.0f));
+  set_param(model.get(), "ln.bias", randn(kD, 2, 0.2f));
   set_param(model.get(), "fc1.weight", randn(kH * kD, 3, 1.0f / std::sqrt(float(kD))));
   set_param(model.get(), "fc1.bias", randn(kH, 4, 0.3f));
   set_param(model.get(), "fc2.weight", randn(kO * kH, 5, 1.0f / std::sqrt(float(kH))));
@@ -716,7 +710,7 @@ TEST(HighPrecisionStack, BackwardMatchesCentralDifferences) {
 
   const std::pair<const char*, std::vector<size_t>> params[] = {{"fc1.weight", {0, 333, 1500}}, {"fc1.bias", {3, 40}},
                                                                 {"fc2.weight", {7, 500}},       {"fc2.bias", {11}},
-                                                                {"ln.gamma", {1, 30}},          {"ln.beta", {9}}};
+                                                                {"ln.weight", {1, 30}},         {"ln.bias", {9}}};
   for (const auto& [name, entries] : params) {
     std::vector<float> v = param_value(model.get(), name);
     const auto grad = param_grad(model.get(), name);
@@ -764,8 +758,8 @@ TEST(LinearFallback, SmallLayerRunsInHighPrecisionWhenTheRuleIsOn) {
 // A shape no FP8 GEMM takes is refused at conversion: the layer stays high precision, says why, and
 // runs exactly as before (its siblings convert).
 TEST(LinearFallback, FeaturesNotAMultipleOf16AreLeftUnconverted) {
-  for (const auto& [in, out, word] : {std::tuple<int64_t, int64_t, const char*>{40, kOut, "in_features = 40"},
-                                      {kIn, 40, "out_features = 40"}}) {
+  for (const auto& [in, out, word] :
+       {std::tuple<int64_t, int64_t, const char*>{40, kOut, "in_features = 40"}, {kIn, 40, "out_features = 40"}}) {
     LinearCase c(in, out);
     c.convert(fp8_recipe().get());
     int32_t has = 1;
@@ -907,11 +901,11 @@ TEST_P(Fp8HandOff, LinearComputesOnTheDequantisedHandOff) {
     if (kind == FP8_LAYER_LAYERNORM) {
       FP8_ASSERT_OK(fp8_model_add_layernorm(model.get(), "pre", kIn, eps, &pre));
       beta = randn(kIn, 2, 0.2f);
-      set_param(model.get(), "pre.beta", beta);
+      set_param(model.get(), "pre.bias", beta);
     } else {
       FP8_ASSERT_OK(fp8_model_add_rmsnorm(model.get(), "pre", kIn, eps, &pre));
     }
-    set_param(model.get(), "pre.gamma", gamma);
+    set_param(model.get(), "pre.weight", gamma);
   }
   FP8_ASSERT_OK(fp8_model_add_linear(model.get(), "fc", kIn, kOut, 1, &fc));
   const std::vector<float> b = randn(kOut, 3, 0.5f);
@@ -1001,7 +995,7 @@ struct SmallModel {
     EXPECT_OK(fp8_model_add_activation(model.get(), "act", FP8_ACTIVATION_RELU, &act));
     set_param(model.get(), "fc.weight", randn(kIn * kOut, 1, 0.125f));
     set_param(model.get(), "fc.bias", randn(kOut, 2, 0.5f));
-    set_param(model.get(), "ln.gamma", randn(kIn, 3, 0.1f, 1.0f));
+    set_param(model.get(), "ln.weight", randn(kIn, 3, 0.1f, 1.0f));
   }
   int32_t has_fp8() const {
     int32_t has = -1;
@@ -1118,7 +1112,6 @@ TEST(Conversion, LinearZeroConvertsOnlyNormsAndActivations) {
 // 11. Misuse: exact status, a message naming the function and the culprit, nothing changed
 // =================================================================================================
 
-
 constexpr float kSentinel = -12345.0f;
 
 class ModelMisuse : public ::testing::Test {
@@ -1226,10 +1219,11 @@ TEST_F(ModelMisuse, LayerDefinitions) {
   int32_t id = -7;
   EXPECT_REFUSED(fp8_model_add_linear(m, "fc", 16, 16, 1, &id), kInv, "fp8_model_add_linear", "'fc'");
   EXPECT_REFUSED(fp8_model_add_layernorm(m, "ln", 16, 1e-5f, &id), kInv, "fp8_model_add_layernorm", "'ln'");
-  EXPECT_REFUSED(fp8_model_add_linear(m, "fc.1", 16, 16, 1, &id), kInv, "fp8_model_add_linear", "'.'");
+  for (const char* dotted : {".fc", "fc.", "blocks..fc"})
+    EXPECT_REFUSED(fp8_model_add_linear(m, dotted, 16, 16, 1, &id), kInv, "fp8_model_add_linear", "empty part");
   EXPECT_REFUSED(fp8_model_add_linear(m, "", 16, 16, 1, &id), kInv, "fp8_model_add_linear", "name");
-  EXPECT_REFUSED(fp8_model_add_linear(m, std::string(64, 'a').c_str(), 16, 16, 1, &id), kInv, "fp8_model_add_linear",
-                 "1..63");
+  EXPECT_REFUSED(fp8_model_add_linear(m, std::string(128, 'a').c_str(), 16, 16, 1, &id), kInv, "fp8_model_add_linear",
+                 "1..127");
   EXPECT_REFUSED(fp8_model_add_linear(m, "a", 0, 16, 1, &id), kInv, "fp8_model_add_linear", "in_features");
   EXPECT_REFUSED(fp8_model_add_linear(m, "a", 16, -1, 1, &id), kInv, "fp8_model_add_linear", "out_features");
   EXPECT_REFUSED(fp8_model_add_linear(m, "a", 16, 16, 2, &id), kInv, "fp8_model_add_linear", "with_bias");
@@ -1244,8 +1238,20 @@ TEST_F(ModelMisuse, LayerDefinitions) {
   int32_t count = 0;
   FP8_ASSERT_OK(fp8_model_layer_count(m, &count));
   EXPECT_EQ(count, 2) << "a refused call added a layer";
-  FP8_ASSERT_OK(fp8_model_add_linear(m, std::string(63, 'a').c_str(), 16, 16, 1, &id));
+  FP8_ASSERT_OK(fp8_model_add_linear(m, std::string(127, 'a').c_str(), 16, 16, 1, &id));
   EXPECT_EQ(id, 2);
+  // torch's dotted module paths: the parameter's name is split at its last dot.
+  FP8_ASSERT_OK(fp8_model_add_layernorm(m, "blocks.0.ln_1", 16, 1e-5f, &id));
+  fp8_tensor_t *w = nullptr, *b = nullptr, *old = nullptr;
+  EXPECT_OK(fp8_model_parameter(m, "blocks.0.ln_1.weight", &w, nullptr));
+  EXPECT_OK(fp8_model_parameter(m, "blocks.0.ln_1.bias", &b, nullptr));
+  EXPECT_OK(fp8_model_parameter(m, "blocks.0.ln_1.gamma", &old, nullptr));  // (the name of earlier releases)
+  EXPECT_EQ(old, w);
+  EXPECT_OK(fp8_model_parameter(m, "blocks.0.ln_1.beta", &old, nullptr));
+  EXPECT_EQ(old, b);
+  const char* name = nullptr;
+  EXPECT_OK(fp8_model_parameter_at(m, 7, &name, nullptr, nullptr));
+  EXPECT_STREQ(name, "blocks.0.ln_1.bias");
 }
 
 TEST_F(ModelMisuse, LookupsOutOfRange) {
@@ -1267,9 +1273,9 @@ TEST_F(ModelMisuse, LookupsOutOfRange) {
   for (int32_t slot : {-1, 4})
     EXPECT_REFUSED(fp8_layer_get_scaling(m, fc, slot, &s), kInv, "fp8_layer_get_scaling", "slot");
   EXPECT_REFUSED(fp8_model_find_layer(m, "nope", &id), kInv, "fp8_model_find_layer", "'nope'");
-  for (const char* bad : {"fc.nope", "nope.weight", "fc", "ln.bias", "fc.weight.x"})
+  for (const char* bad : {"fc.nope", "nope.weight", "fc", "ln.shift", "fc.weight.x"})
     EXPECT_REFUSED(fp8_model_parameter(m, bad, &t, nullptr), kInv, "fp8_model_parameter", std::string("'") + bad + "'");
-  for (int32_t bad : {-1, 4})  // fc.weight, fc.bias, ln.gamma, ln.beta
+  for (int32_t bad : {-1, 4})  // fc.weight, fc.bias, ln.weight, ln.bias
     EXPECT_REFUSED(fp8_model_parameter_at(m, bad, &name, &t, nullptr), kInv, "fp8_model_parameter_at", "index");
   EXPECT_REFUSED(fp8_model_set_training(m, 2), kInv, "fp8_model_set_training", "training");
   rep.struct_size = 8;
@@ -1537,8 +1543,8 @@ TEST(ModelLayout, LayersAndParametersInOrderOfAddition) {
     std::vector<int64_t> shape;
     float init;
   };
-  const Expected want[] = {{"fc1.weight", {48, 32}, 0.0f}, {"fc1.bias", {48}, 0.0f},  {"ln.gamma", {48}, 1.0f},
-                           {"ln.beta", {48}, 0.0f},        {"rms.gamma", {48}, 1.0f}, {"fc2.weight", {16, 24}, 0.0f}};
+  const Expected want[] = {{"fc1.weight", {48, 32}, 0.0f}, {"fc1.bias", {48}, 0.0f},   {"ln.weight", {48}, 1.0f},
+                           {"ln.bias", {48}, 0.0f},        {"rms.weight", {48}, 1.0f}, {"fc2.weight", {16, 24}, 0.0f}};
   FP8_ASSERT_OK(fp8_model_parameter_count(model.get(), &count));
   ASSERT_EQ(count, 6);
   for (int32_t i = 0; i < count; ++i) {

@@ -337,7 +337,7 @@ TEST(OptimLevelSelection, WeightAndGradientDtypesAtEachLevel) {
         EXPECT_OK(fp8_tensor_shape(param_tensor(m, name), &ndim, shape));
         EXPECT_EQ(ndim, 2);
       }
-      for (const char* name : {"fc1.bias", "ln.gamma", "ln.beta"}) {
+      for (const char* name : {"fc1.bias", "ln.weight", "ln.bias"}) {
         SCOPED_TRACE(name);
         EXPECT_EQ(dtype_of(param_tensor(m, name)), FP8_DTYPE_F32);
         EXPECT_EQ(dtype_of(param_tensor(m, name, true)), FP8_DTYPE_F32);

@@ -107,8 +107,8 @@ TEST(AccumulateDx, ResidualBlockMatchesFloat64AndCentralDifferences) {
   const std::vector<float> gamma = randn(D, 1, 0.2f, 1.0f), beta = randn(D, 2, 0.2f);
   const std::vector<float> w1 = randn(H * D, 3, 0.2f), b1 = randn(H, 4, 0.3f);
   const std::vector<float> w2 = randn(D * H, 5, 0.15f), b2 = randn(D, 6, 0.3f);
-  set_param(m, "ln.gamma", gamma);
-  set_param(m, "ln.beta", beta);
+  set_param(m, "ln.weight", gamma);
+  set_param(m, "ln.bias", beta);
   set_param(m, "fc1.weight", w1);
   set_param(m, "fc1.bias", b1);
   set_param(m, "fc2.weight", w2);
@@ -404,7 +404,7 @@ TEST(StaleStates, ANormStateAfterItsParametersChanged) {
   fp8_saved_t* p = nullptr;
   FP8_ASSERT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &p));
   Saved s(p);
-  set_param(model.get(), "ln.gamma", randn(static_cast<size_t>(sc::kIn), 6, 0.1f, 1.0f));
+  set_param(model.get(), "ln.weight", randn(static_cast<size_t>(sc::kIn), 6, 0.1f, 1.0f));
   EXPECT_REFUSED(fp8_layer_backward_saved(model.get(), id, s.get(), y.get(), dx.get(), 0), FP8_ERR_INVALID_STATE,
                  "fp8_layer_backward_saved", "changed");
 }

@@ -51,8 +51,8 @@ struct ParamInfo {
   bool linear_weight;
 };
 const ParamInfo kParams[] = {
-    {"fc1.weight", 20 * 36, true}, {"fc1.bias", 20, false},       {"ln.gamma", 20, false},
-    {"ln.beta", 20, false},        {"fc2.weight", 12 * 20, true},
+    {"fc1.weight", 20 * 36, true}, {"fc1.bias", 20, false},       {"ln.weight", 20, false},
+    {"ln.bias", 20, false},        {"fc2.weight", 12 * 20, true},
 };
 constexpr int32_t kCount = 5;
 

@@ -310,7 +310,7 @@ struct OptimCase {
       values.push_back(v);
       grads.push_back(g);
       sizes.push_back(static_cast<size_t>(n));
-      const bool gamma = std::string(name) == "ln.gamma";
+      const bool gamma = std::string(name) == "ln.weight";
       upload(v, randn(static_cast<size_t>(n), seed * 100 + static_cast<uint32_t>(i), gamma ? 0.2f : 0.5f,
                       gamma ? 1.0f : 0.0f));
     }
