@@ -1,0 +1,1047 @@
+"""libfp8 for PyTorch: FP8 Linear, LayerNorm and RMSNorm modules over libfp8's C ABI, in the shape
+of Hugging Face Accelerate's FP8 utilities.
+
+    import libfp8.torch as lt
+    recipe = lt.Recipe(backend="te")                  # every FP8RecipeKwargs field; defaults as Accelerate
+    report = lt.convert_model(model, recipe=recipe)   # nn.Linear / nn.LayerNorm / nn.RMSNorm swapped in place
+    print(report)                                     # what was converted, what was skipped and why
+    lt.apply_fp8_autowrap(model, recipe)              # forward runs under fp8_autocast while training
+    opt = lt.Optimizer(model, "adamw", lr=3e-4, max_grad_norm=1.0)   # te, O1 or O2; other params too
+    loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
+
+The converted modules' parameters ARE torch Parameters over libfp8's own storage (lent through
+DLPack): state_dict and load_state_dict keep torch's names, and writes from torch (an optimizer's
+step, load_state_dict, copy_) are noticed through the tensors' version counters. At the te level
+(recipe backend="te") weights and gradients are FP32 and each Parameter's .grad is libfp8's gradient
+memory, so torch optimizers and clip_grad_norm_ work on them. At MS-AMP levels (O1, O2) a Linear's
+weight is stored in F16 and its gradient in FP8: the weight is a Parameter that does not require
+grad, and libfp8.torch.Optimizer trains it (O3 is not offered here).
+
+FP8 runs where libfp8 says (fp8.h, "Models and layers"): in a converted layer, inside fp8_autocast
+(or a forward wrapped by contextual_fp8_autocast / apply_fp8_autowrap), in training mode unless the
+recipe's use_autocast_during_eval. Elsewhere the same modules compute in high precision.
+
+Each layer call is a torch.autograd.Function over fp8_layer_forward_saved / fp8_layer_backward_saved,
+so a module may be used several times in a step, recomputed by torch.utils.checkpoint, and
+accumulate gradients over micro-batches. On CUDA the work goes on torch.cuda.current_stream() with
+no host synchronisation, and libfp8's device memory comes from torch's caching allocator.
+"""
+import contextlib
+import ctypes
+import math
+import threading
+import types
+import weakref
+
+import torch
+import torch.utils.checkpoint
+import torch.utils.dlpack
+
+import libfp8 as _f
+from libfp8 import _check, _i32, _i64, _lib, _p
+
+__all__ = ["Recipe", "convert_model", "ConversionReport", "has_fp8_layers", "fp8_autocast", "checkpoint",
+           "contextual_fp8_autocast", "apply_fp8_autowrap", "Optimizer", "Linear", "LayerNorm", "RMSNorm",
+           "report", "to_torch", "from_torch"]
+
+_TORCH_DTYPES = {torch.float32: _f.DTYPE_F32, torch.float16: _f.DTYPE_F16, torch.bfloat16: _f.DTYPE_BF16}
+
+# ------------------------------------------------------------------------------------------------
+# Recipe
+# ------------------------------------------------------------------------------------------------
+
+_CHOICES = {
+    "backend": {"auto": "auto", "te": "te", "msamp": "msamp", None: "auto"},
+    "opt_level": {"O1": "O1", "O2": "O2", "O3": "O3"},
+    "fp8_format": {"E4M3": "E4M3", "HYBRID": "HYBRID"},
+    "amax_compute_algo": {"max": "max", "most_recent": "most_recent"},
+}
+_RANGES = {"margin": (0, 32), "interval": (1, 1000000), "amax_history_len": (1, 16384)}
+
+
+class Recipe:
+    """How FP8 training is done: every field of Accelerate's FP8RecipeKwargs, with its defaults
+    (backend "auto" prefers MS-AMP, as Accelerate documents), plus libfp8's small_layer_fallback.
+
+    Immutable once made; equal recipes compare equal. A bad value raises ValueError (TypeError for
+    a wrong type) naming the field and what it accepts."""
+
+    __slots__ = ("backend", "opt_level", "margin", "interval", "fp8_format", "amax_history_len",
+                 "amax_compute_algo", "override_linear_precision", "use_autocast_during_eval",
+                 "small_layer_fallback", "_c")
+
+    def __init__(self, backend="auto", opt_level="O2", margin=0, interval=1, fp8_format="HYBRID",
+                 amax_history_len=1024, amax_compute_algo="most_recent",
+                 override_linear_precision=(False, False, False), use_autocast_during_eval=False,
+                 small_layer_fallback=True):
+        def choice(field, value):
+            key = value.lower() if isinstance(value, str) and field in ("backend", "amax_compute_algo") else value
+            key = key.upper() if isinstance(key, str) and field in ("opt_level", "fp8_format") else key
+            if key not in _CHOICES[field]:
+                allowed = ", ".join(repr(k) for k in _CHOICES[field])
+                raise ValueError(f"Recipe: {field}={value!r}; expected one of {allowed}")
+            return _CHOICES[field][key]
+
+        def integer(field, value):
+            lo, hi = _RANGES[field]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Recipe: {field}={value!r}; expected an int in {lo}..{hi}")
+            if not lo <= value <= hi:
+                raise ValueError(f"Recipe: {field}={value}; expected an int in {lo}..{hi}")
+            return value
+
+        def flag(field, value):
+            if not isinstance(value, (bool, int)) or value not in (0, 1):
+                raise TypeError(f"Recipe: {field}={value!r}; expected True or False")
+            return bool(value)
+
+        s = object.__setattr__
+        s(self, "backend", choice("backend", backend))
+        s(self, "opt_level", choice("opt_level", opt_level))
+        s(self, "margin", integer("margin", margin))
+        s(self, "interval", integer("interval", interval))
+        s(self, "fp8_format", choice("fp8_format", fp8_format))
+        s(self, "amax_history_len", integer("amax_history_len", amax_history_len))
+        s(self, "amax_compute_algo", choice("amax_compute_algo", amax_compute_algo))
+        olp = override_linear_precision
+        if not isinstance(olp, (tuple, list)) or len(olp) != 3:
+            raise TypeError(f"Recipe: override_linear_precision={olp!r}; expected three bools (fprop, dgrad, wgrad)")
+        s(self, "override_linear_precision", tuple(flag("override_linear_precision", v) for v in olp))
+        s(self, "use_autocast_during_eval", flag("use_autocast_during_eval", use_autocast_during_eval))
+        s(self, "small_layer_fallback", flag("small_layer_fallback", small_layer_fallback))
+        c = _f.Recipe(self.text())  # libfp8 checks it again
+        s(self, "_c", c)
+
+    @classmethod
+    def from_kwargs(cls, kwargs):
+        """From an Accelerate FP8RecipeKwargs (or any object or dict with its fields)."""
+        fields = [f for f in cls.__slots__ if not f.startswith("_")]
+        if isinstance(kwargs, dict):
+            return cls(**{k: v for k, v in kwargs.items() if k in fields})
+        return cls(**{k: getattr(kwargs, k) for k in fields if hasattr(kwargs, k)})
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Recipe is immutable: make a new one")
+
+    @property
+    def level(self):
+        """The storage and optimizer level this recipe gives: "te", "O1", "O2" or "O3"."""
+        return "te" if self.backend == "te" else self.opt_level
+
+    def text(self):
+        on = lambda v: "on" if v else "off"  # noqa: E731
+        f, d, w = self.override_linear_precision
+        return (f"backend={self.backend}, opt_level={self.opt_level}, margin={self.margin}, "
+                f"interval={self.interval}, fp8_format={self.fp8_format}, "
+                f"amax_history_len={self.amax_history_len}, amax_compute_algo={self.amax_compute_algo}, "
+                f"override_linear_precision={on(f)}/{on(d)}/{on(w)}, "
+                f"use_autocast_during_eval={on(self.use_autocast_during_eval)}, "
+                f"small_layer_fallback={on(self.small_layer_fallback)}")
+
+    def __eq__(self, other):
+        return isinstance(other, Recipe) and str(self._c) == str(other._c)
+
+    def __hash__(self):
+        return hash(str(self._c))
+
+    def __repr__(self):
+        return f"Recipe({self.text()})"
+
+
+def _recipe_arg(recipe, what):
+    if recipe is None:
+        return Recipe()
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, dict) or hasattr(recipe, "fp8_format"):
+        return Recipe.from_kwargs(recipe)
+    raise TypeError(f"{what}: recipe={recipe!r}; expected a libfp8.torch.Recipe, an FP8RecipeKwargs or a dict")
+
+
+# ------------------------------------------------------------------------------------------------
+# Devices: one libfp8 context per torch device, on torch's current stream and allocator
+# ------------------------------------------------------------------------------------------------
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [_p, _p, _p]
+_capsule_get = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get.restype, _capsule_get.argtypes = _p, [ctypes.py_object, ctypes.c_char_p]
+_capsule_set_name = ctypes.pythonapi.PyCapsule_SetName
+_capsule_set_name.restype, _capsule_set_name.argtypes = ctypes.c_int, [ctypes.py_object, _p]
+# Capsule names must outlive their capsules: static buffers.
+_DLTENSOR = ctypes.create_string_buffer(b"dltensor")
+_USED_DLTENSOR = ctypes.create_string_buffer(b"used_dltensor")
+
+_WRAP_CACHE_LIMIT = 4096
+
+
+class _Device:
+    """A libfp8 context for one torch device, with a cache of borrowed tensor handles.
+
+    Handles from fp8_tensor_wrap only name memory (pointer, dtype, shape): libfp8 keeps no handle
+    past a call (a saved forward keeps x's pointer, and autograd keeps x alive), so a handle can be
+    reused for whatever tensor torch places at that address with that dtype and shape, and the
+    caching allocator gives the same addresses step after step. That takes the wrap (and on CUDA
+    its pointer check) out of the per-call cost."""
+
+    def __init__(self, device):
+        self.device = device
+        self.index = -1 if device.type == "cpu" else (device.index if device.index is not None
+                                                      else torch.cuda.current_device())
+        self.ctx = _f.Context(self.index)
+        self.cuda = device.type == "cuda"
+        self.stream = 0
+        self._wraps = {}
+        if self.cuda:
+            self._set_torch_allocator()
+
+    def _set_torch_allocator(self):
+        index = self.index
+
+        def alloc(_user, nbytes, _device, stream):
+            try:
+                return torch.cuda.caching_allocator_alloc(max(int(nbytes), 1), index, stream or 0)
+            except Exception:  # noqa: BLE001 - no exception may cross into C: NULL is "out of memory"
+                return None
+
+        def free(_user, ptr, _device, _stream):
+            try:
+                torch.cuda.caching_allocator_delete(ptr)
+            except Exception:  # noqa: BLE001
+                pass
+
+        self._alloc, self._free = _f.ALLOC_FN(alloc), _f.FREE_FN(free)
+        self.ctx.set_allocator(self._alloc, self._free)
+
+    def follow_stream(self):
+        """Queues libfp8's work on torch's current stream (fp8_context_set_stream orders it after
+        what libfp8 queued before, on the device)."""
+        if self.cuda:
+            s = torch.cuda.current_stream(self.index).cuda_stream
+            if s != self.stream:
+                self.ctx.set_stream(s)
+                self.stream = s
+
+    def wrap(self, t):
+        """A borrowed handle over contiguous tensor t (f32, f16, bf16; uint8 taken as E4M3)."""
+        key = (t.data_ptr(), t.dtype, t.shape)
+        h = self._wraps.get(key)
+        if h is None:
+            if len(self._wraps) >= _WRAP_CACHE_LIMIT:
+                self.clear()
+            dtype = _f.DTYPE_E4M3 if t.dtype == torch.uint8 else _TORCH_DTYPES[t.dtype]
+            shape = (_i64 * max(t.dim(), 1))(*t.shape)
+            h = _p()
+            _check(_lib.fp8_tensor_wrap(ctypes.byref(h), self.ctx.handle, dtype, t.dim(), shape, key[0] or None))
+            self._wraps[key] = h
+        return h
+
+    def clear(self):
+        wraps, self._wraps = self._wraps, {}
+        for h in wraps.values():
+            _lib.fp8_tensor_destroy(h)
+
+    def __del__(self):
+        try:
+            self.clear()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+_devices = {}
+
+
+def _device_for(device):
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    d = _devices.get(device)
+    if d is None:
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"libfp8.torch: device {device}; expected cpu (libfp8's reference backend) or cuda")
+        d = _devices[device] = _Device(device)
+    return d
+
+
+def to_torch(tensor):
+    """A torch tensor sharing a libfp8 tensor's memory (fp8_tensor_to_dlpack; FP8 as uint8 codes).
+    `tensor` is a handle (ctypes c_void_p) or a libfp8.Tensor. The memory stays alive as long as the
+    torch tensor, even past the libfp8 tensor or its model."""
+    handle = tensor.handle if isinstance(tensor, _f._Handle) else tensor
+    managed = _p()
+    _check(_lib.fp8_tensor_to_dlpack(handle, ctypes.byref(managed)))
+    return torch.utils.dlpack.from_dlpack(_capsule_new(managed, ctypes.addressof(_DLTENSOR), None))
+
+
+class BorrowedTensor(_f.Tensor):
+    """A libfp8 tensor over a torch tensor's memory (fp8_tensor_from_dlpack): the torch memory stays
+    alive until this is destroyed."""
+
+    def __init__(self, ctx, t):  # pylint: disable=super-init-not-called
+        _f._Handle.__init__(self)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"from_torch: t is {type(t).__name__}; expected a torch.Tensor")
+        capsule = torch.utils.dlpack.to_dlpack(t.detach())
+        managed = _capsule_get(capsule, _DLTENSOR.value)
+        _check(_lib.fp8_tensor_from_dlpack(ctypes.byref(self.handle), ctx.handle, managed))
+        _capsule_set_name(capsule, ctypes.addressof(_USED_DLTENSOR))  # libfp8 owns it now
+        self.ctx, self.dtype, self.shape = ctx, _TORCH_DTYPES[t.dtype], tuple(t.shape)
+        self.nbytes = t.numel() * t.element_size()
+
+
+def from_torch(t, ctx=None):
+    """Borrows torch tensor t as a libfp8 tensor (fp8_tensor_from_dlpack) on `ctx` (default: the
+    context libfp8.torch keeps for t's device). Non-contiguous tensors, other dtypes and tensors of
+    another device are refused by libfp8 with Fp8Error naming what it expected."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"from_torch: t is {type(t).__name__}; expected a torch.Tensor")
+    return BorrowedTensor(ctx if ctx is not None else _device_for(t.device).ctx, t)
+
+
+# ------------------------------------------------------------------------------------------------
+# Autocast regions (Python-side, per thread; each libfp8 model's region opens lazily)
+# ------------------------------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+class _Region:
+    def __init__(self, enabled, recipe):
+        self.enabled, self.recipe, self.opened = enabled, recipe, []
+
+
+def _current_region():
+    return getattr(_local, "region", None)
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled=True, recipe=None):
+    """FP8 for the converted layers that run inside (Accelerate's / TransformerEngine's fp8_autocast).
+
+    Each libfp8 model touched inside opens one region (fp8_autocast_begin) at its first layer call
+    and closes it at the end of the block, which updates its scaling states in one batched launch
+    (the backward's states too, at the next region's end). enabled=False runs the layers in high
+    precision. `recipe`, if given, must equal the recipe the layers were converted with (libfp8
+    fixes a model's recipe at conversion; convert again to change it). Regions nest; the innermost
+    decides."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"fp8_autocast: enabled={enabled!r}; expected True or False")
+    region = _Region(enabled, _recipe_arg(recipe, "fp8_autocast") if recipe is not None else None)
+    outer = _current_region()
+    if outer is not None and outer.enabled == enabled and region.recipe in (None, outer.recipe):
+        yield  # the same FP8 state: the outer region goes on (scales update once, at its end)
+        return
+    _local.region = region
+    try:
+        yield
+    finally:
+        _local.region = outer
+        for group in region.opened:
+            group.close_region()
+
+
+def checkpoint(function, *args, **kwargs):
+    """torch.utils.checkpoint.checkpoint(function, *args, **kwargs) whose recompute (during the
+    backward, outside the forward's fp8_autocast) runs in the FP8 state of the forward: the same
+    layers in FP8 (with the scales of that moment, which the forward's region end may have moved
+    since: the recompute then differs from the forward by FP8 rounding, not more)."""
+    region = _current_region()
+    enabled, recipe = (region.enabled, region.recipe) if region is not None else (False, None)
+
+    def run(*a, **kw):
+        with fp8_autocast(enabled=enabled, recipe=recipe):
+            return function(*a, **kw)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, **kwargs)
+
+
+def contextual_fp8_autocast(model_forward, recipe=None, use_during_eval=False):
+    """Wraps a module's forward so that it runs under fp8_autocast while the module trains (and in
+    eval too with use_during_eval). Returns a function of (self, *args, **kwargs), as Accelerate's."""
+    if not callable(model_forward):
+        raise TypeError(f"contextual_fp8_autocast: model_forward={model_forward!r}; expected a callable")
+    recipe = _recipe_arg(recipe, "contextual_fp8_autocast") if recipe is not None else None
+
+    def forward(self, *args, **kwargs):
+        with fp8_autocast(enabled=bool(use_during_eval or self.training), recipe=recipe):
+            return model_forward(*args, **kwargs)
+
+    forward.__wrapped__ = model_forward
+    return forward
+
+
+def apply_fp8_autowrap(module, recipe=None):
+    """Replaces module.forward by contextual_fp8_autocast(module.forward, recipe,
+    recipe.use_autocast_during_eval) (Accelerate's apply_fp8_autowrap). Returns the module."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"apply_fp8_autowrap: module is {type(module).__name__}; expected a torch.nn.Module")
+    recipe = _recipe_arg(recipe, "apply_fp8_autowrap")
+    new_forward = contextual_fp8_autocast(module.forward, recipe, recipe.use_autocast_during_eval)
+    module.forward = types.MethodType(new_forward, module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------
+# A group: one libfp8 model holding the layers one convert_model call swapped in (per device)
+# ------------------------------------------------------------------------------------------------
+
+
+class _Saved:
+    """Owns an fp8_saved_t (destroyed with autograd's ctx, differentiated or not)."""
+    __slots__ = ("handle",)
+
+    def __init__(self):
+        self.handle = _p()
+
+    def __del__(self):
+        if self.handle:
+            _lib.fp8_saved_destroy(self.handle)
+            self.handle = None
+
+
+class _Group:
+    def __init__(self, device, recipe):
+        self.dev = _device_for(device)
+        self.model = _f.Model(self.dev.ctx)
+        self.recipe = recipe
+        self.modules = []  # in layer order
+        self.training = True
+        self.region = None  # the _Region that opened this model's libfp8 region
+        self.level = None
+        self.fp8_optimizer = None
+
+    # Regions ------------------------------------------------------------------------------------
+    def enter(self, training):
+        """Before a layer call: training mode, the region, the stream."""
+        self.dev.follow_stream()
+        if training != self.training:
+            _check(_lib.fp8_model_set_training(self.model.handle, int(training)))
+            self.training = training
+        region = _current_region()
+        want = region is not None and region.enabled and self.recipe is not None
+        if want and self.region is not region:
+            if region.recipe is not None and region.recipe != self.recipe:
+                raise ValueError(f"fp8_autocast: recipe {region.recipe.text()!r} differs from the one the layers "
+                                 f"were converted with ({self.recipe.text()!r}); convert_model again to change it")
+            if self.region is not None:
+                self.close_region()
+            _check(_lib.fp8_autocast_begin(self.model.handle))
+            self.region = region
+            region.opened.append(self)
+        elif not want and self.region is not None:
+            self.close_region()
+
+    def close_region(self):
+        if self.region is not None:
+            region, self.region = self.region, None
+            if self in region.opened:
+                region.opened.remove(self)
+            self.dev.follow_stream()
+            _check(_lib.fp8_autocast_end(self.model.handle))
+
+    # Weights written by torch -------------------------------------------------------------------
+    def sync_versions(self):
+        """Tells libfp8 once when any parameter was written from torch since the last look, and takes
+        every module's versions at once (so that one write is one fp8_model_weights_changed, and a
+        forward in flight is not invalidated by a later module's look)."""
+        for m in self.modules:
+            m._check_storage()
+            m._seen = m._versions()
+        _check(_lib.fp8_model_weights_changed(self.model.handle))
+
+
+def _layer_forward(module, x, need_backward):
+    """y = layer(x) through fp8_layer_forward_saved; the saved state when a backward will follow."""
+    group = module._group
+    dev = group.dev
+    y = torch.empty(module._out_shape(x), dtype=module._out_dtype(x), device=x.device)
+    saved = _Saved()
+    _check(_lib.fp8_layer_forward_saved(group.model.handle, module._layer_id, dev.wrap(x), dev.wrap(y),
+                                        ctypes.byref(saved.handle)))
+    if not need_backward:
+        saved = None  # nothing was kept past the call but its pool buffers, which go back now
+    return y, saved
+
+
+class _LayerFunction(torch.autograd.Function):
+    """One layer call: forward and backward by libfp8, parameter gradients accumulated by libfp8 into
+    its own storage (which the te Parameters' .grad alias), so autograd gets None for them."""
+
+    @staticmethod
+    def forward(ctx, module, x, *params):  # pylint: disable=arguments-differ
+        y, saved = _layer_forward(module, x, True)
+        # x itself (not save_for_backward): libfp8's saved state reads x's memory, which must stay
+        # alive even where torch.utils.checkpoint drops saved tensors and recomputes them.
+        ctx.module, ctx.saved, ctx.x, ctx.x_version, ctx.y_dtype = module, saved, x, x._version, y.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # pylint: disable=arguments-differ
+        module, x = ctx.module, ctx.x
+        if ctx.saved is None:
+            raise RuntimeError(f"libfp8 layer '{module._fp8_name}': backward through the same graph a second time "
+                               "(libfp8 differentiates each forward once; retain_graph is not supported)")
+        if x._version != ctx.x_version:
+            raise RuntimeError(f"libfp8 layer '{module._fp8_name}': its input was modified in place after the "
+                               "forward; the backward needs it unchanged")
+        group = module._group
+        dev = group.dev
+        dev.follow_stream()
+        module._alias_grads()
+        dy = dy.to(ctx.y_dtype).contiguous()
+        need_dx = ctx.needs_input_grad[1] or not module._dx_optional
+        # A Linear's dx has its activation dtype (y's); a norm's has x's.
+        dx_dtype = ctx.y_dtype if module._dx_optional else x.dtype
+        dx = torch.empty(x.shape, dtype=dx_dtype, device=x.device) if need_dx else None
+        _check(_lib.fp8_layer_backward_saved(group.model.handle, module._layer_id, ctx.saved.handle, dev.wrap(dy),
+                                             dev.wrap(dx) if dx is not None else None, 0))
+        ctx.saved = ctx.x = None
+        return (None, dx if ctx.needs_input_grad[1] else None) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+class _Module(torch.nn.Module):
+    """What the libfp8 modules share: the group, the layer id, the parameters lent by libfp8."""
+
+    _dx_optional = False
+
+    def _attach(self, group, layer_id, name):
+        self._group, self._layer_id, self._fp8_name = group, layer_id, name
+        self._lent = []  # (torch name, Parameter, value view, grad view or None, index, dtype of grad)
+
+    def _lend_parameters(self, first_index, names):
+        """Registers libfp8's parameters first_index.. as torch Parameters named `names`."""
+        model = self._group.model
+        self._lent = []
+        for k, name in enumerate(names):
+            index = first_index + k
+            value, grad = _p(), _p()
+            _check(_lib.fp8_model_parameter_at(model.handle, index, None, ctypes.byref(value), ctypes.byref(grad)))
+            v = to_torch(value)
+            g = to_torch(grad)
+            trains_in_torch = v.dtype == torch.float32 and g.dtype == torch.float32
+            p = torch.nn.Parameter(v, requires_grad=trains_in_torch)
+            if trains_in_torch:
+                p.grad = g
+            setattr(self, name, p)
+            self._lent.append((name, p, v, g, index, grad))
+        self._seen = self._versions()
+        self._anchor = None if any(p.requires_grad for _, p, *_ in self._lent) else \
+            torch.zeros(0, device=self._lent[0][1].device, requires_grad=True)
+
+    def _versions(self):
+        return tuple(p._version for _, p, *_ in self._lent)
+
+    def _check_storage(self):
+        for name, p, v, *_ in self._lent:
+            if p.data_ptr() != v.data_ptr() or p.shape != v.shape:
+                raise RuntimeError(f"libfp8 layer '{self._fp8_name}': parameter '{name}' no longer uses libfp8's "
+                                   "memory (moved with .to()/.cuda()/.half() or .data replaced after "
+                                   "convert_model?); move the model before converting it")
+
+    def _alias_grads(self):
+        """Re-aliases .grad to libfp8's gradient memory where torch dropped it (zero_grad with
+        set_to_none) or replaced it (a tied use accumulated first): libfp8 accumulates into its own
+        memory, so it first takes what torch holds (zero if nothing)."""
+        for _, p, _, g, *_ in self._lent:
+            if p.requires_grad and p.grad is not g:
+                if p.grad is None:
+                    g.zero_()
+                else:
+                    g.copy_(p.grad)
+                p.grad = g
+
+    def _out_dtype(self, x):
+        return x.dtype
+
+    def _call(self, x):
+        group = getattr(self, "_group", None)
+        if group is None:
+            raise RuntimeError("this libfp8 module was not made by libfp8.torch.convert_model")
+        if self._versions() != self._seen:
+            group.sync_versions()
+        x = self._cast_input(x).contiguous()
+        group.enter(self.training)
+        params = [p for _, p, *_ in self._lent if p.requires_grad]
+        if self._anchor is not None:
+            params.append(self._anchor)
+        grad = torch.is_grad_enabled() and self.training and (x.requires_grad or bool(params))
+        if grad:
+            return _LayerFunction.apply(self, x, *params)
+        return _layer_forward(self, x, False)[0]
+
+    def _cast_input(self, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"libfp8 layer '{self._fp8_name}': input is {type(x).__name__}; expected a torch.Tensor")
+        if x.device != self._lent[0][1].device:
+            raise ValueError(f"libfp8 layer '{self._fp8_name}': input is on {x.device}; the layer is on "
+                             f"{self._lent[0][1].device}")
+        if x.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"libfp8 layer '{self._fp8_name}': input dtype {x.dtype}; expected float32, "
+                            "bfloat16 or float16")
+        return x
+
+
+def _autocast_dtype(x):
+    if x.device.type == "cuda" and torch.is_autocast_enabled():
+        return torch.get_autocast_gpu_dtype()
+    if x.device.type == "cpu" and torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
+    return None
+
+
+class Linear(_Module):
+    """y = x W^T + b by libfp8 (made by convert_model from an nn.Linear; same parameter names).
+    Activations are float32 or bfloat16 (under torch.autocast, the autocast dtype; float16 is
+    refused); the output has the input's dtype."""
+
+    _dx_optional = True
+
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x):
+        return self._call(x)
+
+    def _cast_input(self, x):
+        x = super()._cast_input(x)
+        want = _autocast_dtype(x)
+        if want is not None and x.dtype != want:
+            x = x.to(want)
+        if x.dtype == torch.float16:
+            raise TypeError(f"libfp8 Linear '{self._fp8_name}': input dtype float16; expected float32 or bfloat16 "
+                            "(libfp8's Linear layers take f32 or bf16 activations)")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"libfp8 Linear '{self._fp8_name}': input shape {tuple(x.shape)}; expected "
+                             f"[..., {self.in_features}]")
+        return x
+
+    def _out_shape(self, x):
+        return x.shape[:-1] + (self.out_features,)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={'bias' in self._parameters}, libfp8='{self._fp8_name}'")
+
+
+class _Norm(_Module):
+    def forward(self, x):
+        return self._call(x)
+
+    def _cast_input(self, x):
+        x = super()._cast_input(x)
+        if x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
+            raise ValueError(f"libfp8 {type(self).__name__} '{self._fp8_name}': input shape {tuple(x.shape)}; "
+                             f"expected [..., {self.normalized_shape[0]}]")
+        return x
+
+    def _out_shape(self, x):
+        return x.shape
+
+    def _out_dtype(self, x):
+        # Under torch.autocast the norm writes the autocast dtype, which is what the Linear after it
+        # takes (torch's own layer_norm would write float32 and leave the cast to that Linear).
+        return _autocast_dtype(x) or x.dtype
+
+    def extra_repr(self):
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, libfp8='{self._fp8_name}'"
+
+
+class LayerNorm(_Norm):
+    """LayerNorm over the last dimension by libfp8 (weight and bias, as nn.LayerNorm)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.normalized_shape, self.eps, self.elementwise_affine = (dim,), eps, True
+
+
+class RMSNorm(_Norm):
+    """RMSNorm over the last dimension by libfp8 (weight, as nn.RMSNorm)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.normalized_shape, self.eps, self.elementwise_affine = (dim,), eps, True
+
+
+# ------------------------------------------------------------------------------------------------
+# convert_model
+# ------------------------------------------------------------------------------------------------
+
+
+class ConversionReport:
+    """What convert_model did: `converted` [(name, kind)], `skipped` [(name, kind, reason)]."""
+
+    def __init__(self, to_fp8):
+        self.to_fp8, self.converted, self.skipped = to_fp8, [], []
+
+    def __str__(self):
+        verb = "to libfp8" if self.to_fp8 else "back to torch"
+        lines = [f"converted {verb}: {len(self.converted)} modules; skipped: {len(self.skipped)}"]
+        lines += [f"  skipped {name} ({kind}): {reason}" for name, kind, reason in self.skipped]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _norm_types():
+    kinds = [(torch.nn.LayerNorm, "LayerNorm")]
+    if hasattr(torch.nn, "RMSNorm"):
+        kinds.append((torch.nn.RMSNorm, "RMSNorm"))
+    return kinds
+
+
+def _why_not(name, module, kind, shared):
+    """Why a torch module cannot become a libfp8 one, or None."""
+    if len(name.encode()) > 127 or not name:
+        return "its name is empty or longer than 127 bytes (libfp8's layer names are 1..127 bytes)"
+    params = list(module.parameters(recurse=False))
+    for p in params:
+        if id(p) in shared:
+            return f"a parameter is shared with '{shared[id(p)]}' (tied): libfp8 would own one copy of it"
+        if not p.is_floating_point():
+            return f"a parameter has dtype {p.dtype}"
+    if params and params[0].device.type not in ("cpu", "cuda"):
+        return f"it is on {params[0].device}"
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+        return "it has hooks, which the swap would lose"
+    if kind == "Linear":
+        for what, n in (("in_features", module.in_features), ("out_features", module.out_features)):
+            if n % 16:
+                return f"{what} = {n} is not a multiple of 16 (FP8 GEMMs need it)"
+        return None
+    shape = tuple(module.normalized_shape)
+    if len(shape) != 1:
+        return f"normalized_shape {shape} is not one dimension (libfp8 normalises the last one)"
+    if not module.elementwise_affine:
+        return "elementwise_affine=False (libfp8's norms have a weight)"
+    if kind == "LayerNorm" and module.bias is None:
+        return "bias=False (libfp8's LayerNorm has a bias)"
+    if not 1 <= shape[0] <= 1 << 20:
+        return f"dimension {shape[0]} is outside 1..2^20"
+    if kind == "RMSNorm" and module.eps is None:
+        return None  # torch's default eps (finfo(float32).eps) is used
+    if not module.eps > 0:
+        return f"eps = {module.eps} is not > 0"
+    return None
+
+
+def _owners(root):
+    """id(parameter) -> the name of every module holding it (to find tied parameters)."""
+    owners = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(name)
+    return owners
+
+
+def _set_child(root, name, new):
+    parent_name, _, leaf = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, leaf, new)
+
+
+def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, _convert_linear=None):
+    """Swaps, in place, nn.Linear and nn.LayerNorm (and nn.RMSNorm where torch has it) in `module`
+    for libfp8's Linear, LayerNorm and RMSNorm (to_fp8=True), or libfp8's back for torch's
+    (to_fp8=False), as Accelerate's convert_model. Returns a ConversionReport of what was swapped
+    and what was skipped and why (tied parameters, hooks, features not multiples of 16, ...).
+
+    The converted layers of one call (per device) form one libfp8 model, converted under `recipe`
+    (default Recipe()): its parameters, initialised from torch's, become torch Parameters over
+    libfp8's storage, with torch's names. Move the model to its device (and dtype) before: a
+    converted module cannot move. `module` itself is not swapped: pass its parent for a bare layer."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"convert_model: module is {type(module).__name__}; expected a torch.nn.Module")
+    for arg, v in (("to_fp8", to_fp8), ("linear", linear), ("norm", norm)):
+        if not isinstance(v, bool):
+            raise TypeError(f"convert_model: {arg}={v!r}; expected True or False")
+    report_ = ConversionReport(to_fp8)
+    if not to_fp8:
+        _convert_back(module, linear, norm, report_)
+        return report_
+    recipe = _recipe_arg(recipe, "convert_model")
+    if recipe.level == "O3":
+        raise ValueError("convert_model: recipe opt_level='O3' is not offered by libfp8.torch (its E4M3 weights "
+                         "have no torch Parameter form); expected backend='te' or opt_level 'O1' or 'O2'")
+    kinds = ([(torch.nn.Linear, "Linear")] if linear else []) + (_norm_types() if norm else [])
+    owners = _owners(module)
+    chosen = []  # (name, torch module, kind)
+    for name, m in module.named_modules():
+        if isinstance(m, _Module):
+            report_.skipped.append((name, type(m).__name__, "already a libfp8 module"))
+            continue
+        kind = next((k for t, k in kinds if type(m) is t), None)  # subclasses may change forward
+        if kind is None:
+            continue
+        shared = {}
+        for p in m.parameters(recurse=False):
+            others = owners.get(id(p), set()) - {name}
+            if others:
+                shared[id(p)] = sorted(others)[0]
+        reason = _why_not(name, m, kind, shared)
+        if reason:
+            report_.skipped.append((name, kind, reason))
+        else:
+            chosen.append((name, m, kind))
+    by_device = {}
+    for item in chosen:
+        by_device.setdefault(next(item[1].parameters()).device, []).append(item)
+    for device, items in by_device.items():
+        _build_group(module, device, recipe, items)
+        report_.converted += [(name, kind) for name, _, kind in items]
+    return report_
+
+
+def _build_group(root, device, recipe, items):
+    group = _Group(device, recipe)
+    model = group.model
+    first = []  # the index of each layer's first parameter
+    count = 0
+    for name, m, kind in items:
+        if kind == "Linear":
+            layer_id = model.add_linear(name, m.in_features, m.out_features, bias=m.bias is not None)
+            names = ["weight"] + (["bias"] if m.bias is not None else [])
+        elif kind == "LayerNorm":
+            layer_id = model.add_layernorm(name, m.normalized_shape[0], float(m.eps))
+            names = ["weight", "bias"]
+        else:
+            eps = m.eps if m.eps is not None else torch.finfo(torch.float32).eps
+            layer_id = model.add_rmsnorm(name, m.normalized_shape[0], float(eps))
+            names = ["weight"]
+        first.append((layer_id, count, names))
+        count += len(names)
+    _check(_lib.fp8_convert_model(model.handle, recipe._c.handle, None))
+    level = _i32()
+    _check(_lib.fp8_model_storage_level(model.handle, ctypes.byref(level)))
+    group.level = "te" if level.value == 0 else f"O{level.value}"
+    for (name, m, kind), (layer_id, index, names) in zip(items, first):
+        new = (Linear(m.in_features, m.out_features) if kind == "Linear" else
+               LayerNorm(m.normalized_shape[0], m.eps) if kind == "LayerNorm" else
+               RMSNorm(m.normalized_shape[0], m.eps))
+        new._attach(group, layer_id, name)
+        for k, pname in enumerate(names):  # torch's values into libfp8's storage, in its stored form
+            src = getattr(m, pname).detach().to(device="cpu", dtype=torch.float32).contiguous()
+            _check(_lib.fp8_model_write_parameter(model.handle, index + k, _f.DTYPE_F32,
+                                                  ctypes.c_void_p(src.data_ptr()), src.numel() * 4))
+        new._lend_parameters(index, names)
+        new._orig_dtype = next(m.parameters()).dtype
+        new.train(m.training)
+        group.modules.append(new)
+        _set_child(root, name, new)
+    return group
+
+
+def _convert_back(root, linear, norm, report_):
+    for name, m in list(root.named_modules()):
+        if not isinstance(m, _Module):
+            continue
+        kind = type(m).__name__
+        if (kind == "Linear" and not linear) or (kind != "Linear" and not norm):
+            report_.skipped.append((name, kind, "not chosen (linear/norm)"))
+            continue
+        p0 = m._lent[0][1]
+        dtype, device = m._orig_dtype, p0.device
+        if kind == "Linear":
+            new = torch.nn.Linear(m.in_features, m.out_features, bias="bias" in m._parameters, device=device,
+                                  dtype=dtype)
+        elif kind == "LayerNorm":
+            new = torch.nn.LayerNorm(m.normalized_shape, eps=m.eps, device=device, dtype=dtype)
+        else:
+            new = torch.nn.RMSNorm(m.normalized_shape, eps=m.eps, device=device, dtype=dtype)
+        m._group.dev.follow_stream()
+        with torch.no_grad():
+            for pname, p, *_ in m._lent:
+                getattr(new, pname).copy_(p)
+        new.train(m.training)
+        _set_child(root, name, new)
+        report_.converted.append((name, kind))
+
+
+def has_fp8_layers(module):
+    """True if `module` holds a libfp8 layer converted to FP8 (Accelerate's
+    has_transformer_engine_layers)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"has_fp8_layers: module is {type(module).__name__}; expected a torch.nn.Module")
+    return any(isinstance(m, _Module) and m._group.model.has_fp8_layers for m in module.modules())
+
+
+def _groups(module):
+    seen, out = set(), []
+    for m in module.modules():
+        if isinstance(m, _Module) and id(m._group) not in seen:
+            seen.add(id(m._group))
+            out.append(m._group)
+    return out
+
+
+def report(module):
+    """libfp8's table of every converted layer (kind, shape, precision of the latest calls, FP8 and
+    fallback counts, the latest fallback's reason), per libfp8 model in `module`."""
+    return "\n".join(g.model.report() for g in _groups(module))
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer
+# ------------------------------------------------------------------------------------------------
+
+_KINDS = {"sgd": _f.OPTIMIZER_SGD, "adam": _f.OPTIMIZER_ADAM, "adamw": _f.OPTIMIZER_ADAMW}
+
+
+class Optimizer:
+    """SGD, Adam or AdamW over a whole module: libfp8's optimizer at the converted layers' level (te,
+    O1, O2: see fp8.h, "Optimizer") and torch's over every other parameter that requires grad, with
+    one gradient clip over all of them (max_grad_norm > 0: torch's clip_grad_norm_ rule).
+
+        opt = Optimizer(model, "adamw", lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    step() and zero_grad() queue work on the current stream without synchronising; set_lr() is
+    synchronous for libfp8's part (call it between steps). FP8 weight gradients (O1, O2) are zeroed
+    by zero_grad() here, not by torch's module.zero_grad()."""
+
+    def __init__(self, module, kind="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None,
+                 momentum=0.0, max_grad_norm=0.0):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"Optimizer: module is {type(module).__name__}; expected a torch.nn.Module")
+        if kind not in _KINDS:
+            raise ValueError(f"Optimizer: kind={kind!r}; expected one of 'sgd', 'adam', 'adamw'")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise TypeError(f"Optimizer: betas={betas!r}; expected a pair (beta1, beta2)")
+        for arg, v in (("lr", lr), ("eps", eps), ("momentum", momentum), ("max_grad_norm", max_grad_norm)):
+            if not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
+                raise ValueError(f"Optimizer: {arg}={v!r}; expected a number >= 0")
+        if weight_decay is None:
+            weight_decay = 0.01 if kind == "adamw" else 0.0
+        self.kind, self.max_grad_norm = kind, float(max_grad_norm)
+        self.groups = _groups(module)
+        self._fp8 = []
+        attrs = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=0.0)
+        if kind == "sgd":
+            attrs["momentum"] = momentum
+        else:
+            attrs.update(beta1=betas[0], beta2=betas[1], eps=eps)
+        for g in self.groups:
+            if g.fp8_optimizer is not None and g.fp8_optimizer() is not None:
+                raise RuntimeError("Optimizer: the module's libfp8 layers already have an optimizer (one per model)")
+            o = _f.Optimizer(g.model, _KINDS[kind], **attrs)
+            g.fp8_optimizer = weakref.ref(self)
+            self._fp8.append((g, o))
+        lent = {id(p) for g in self.groups for m in g.modules for _, p, *_ in m._lent}
+        self.torch_params = [p for p in module.parameters() if p.requires_grad and id(p) not in lent]
+        self.torch_optimizer = None
+        if self.torch_params:
+            fused = {}
+            if self.torch_params[0].is_cuda and kind != "sgd" and _accepts(torch.optim.AdamW, "fused"):
+                fused = {"fused": True}
+            if kind == "sgd":
+                self.torch_optimizer = torch.optim.SGD(self.torch_params, lr=lr, momentum=momentum,
+                                                       weight_decay=weight_decay)
+            else:
+                cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+                self.torch_optimizer = cls(self.torch_params, lr=lr, betas=tuple(betas), eps=eps,
+                                           weight_decay=weight_decay, **fused)
+        self._scratch = None
+
+    def set_lr(self, lr):
+        for _, o in self._fp8:
+            o["lr"] = lr
+        if self.torch_optimizer:
+            for pg in self.torch_optimizer.param_groups:
+                pg["lr"] = lr
+
+    def _fp32_lent(self, g):
+        """(module, Parameter, grad view) of a group's FP32 gradients (te: all; O1/O2: biases, norms)."""
+        for m in g.modules:
+            for _, p, _, gv, *_ in m._lent:
+                if gv.dtype == torch.float32:
+                    yield m, p, gv
+
+    def _fp8_lent(self, g):
+        for m in g.modules:
+            for _, p, v, gv, index, handle in m._lent:
+                if gv.dtype == torch.uint8:
+                    yield index, handle, tuple(v.shape)
+
+    def _decoded(self, g, handle, shape):
+        """A float32 scratch view holding FP8 gradient `handle` decoded (fp8_dequantize: codes times its
+        scale_inv, read on the device)."""
+        n = math.prod(shape)
+        if self._scratch is None or self._scratch.numel() < n or self._scratch.device != g.dev.device:
+            self._scratch = torch.empty(n, dtype=torch.float32, device=g.dev.device)
+        view = self._scratch[:n].view(shape)
+        _check(_lib.fp8_dequantize(g.dev.ctx.handle, handle, g.dev.wrap(view)))
+        return view
+
+    def _clip(self):
+        sq, device = [], None
+        for g, _ in self._fp8:
+            g.dev.follow_stream()
+            device = g.dev.device
+            for m, p, gv in self._fp32_lent(g):
+                if p.requires_grad and p.grad is None:  # dropped by torch: nothing accumulated since
+                    gv.zero_()
+                    p.grad = gv
+                sq.append(gv.pow(2).sum())
+            for _, handle, shape in self._fp8_lent(g):
+                sq.append(self._decoded(g, handle, shape).pow(2).sum())
+        grads = [p.grad for p in self.torch_params if p.grad is not None]
+        for t in grads:
+            device = device or t.device
+            sq.append(t.float().pow(2).sum())
+        if not sq:
+            return
+        total = torch.stack([s.to(device) for s in sq]).sum().sqrt()
+        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        for t in grads:
+            t.mul_(coef.to(t.device, t.dtype))
+        for g, _ in self._fp8:
+            c = coef.to(g.dev.device)
+            for _, _, gv in self._fp32_lent(g):
+                gv.mul_(c)
+            for index, handle, shape in self._fp8_lent(g):
+                # grad += (coef - 1) grad: libfp8 requantises the sum in one pass (fp8_model_accumulate_grad).
+                d = self._decoded(g, handle, shape)
+                d.mul_(c - 1)
+                _check(_lib.fp8_model_accumulate_grad(g.model.handle, index, g.dev.wrap(d.view(-1))))
+
+    def step(self):
+        for g, _ in self._fp8:
+            g.close_region()  # a step inside an autocast block: the region's scales update first
+        if self.max_grad_norm > 0:
+            self._clip()
+        for g, o in self._fp8:
+            g.dev.follow_stream()
+            if g.level == "te":  # a dropped .grad holds nothing of this step: libfp8's must not either
+                for _, p, gv in self._fp32_lent(g):
+                    if p.requires_grad and p.grad is None:
+                        gv.zero_()
+                        p.grad = gv
+            o.step()
+            # torch sees no write to the lent values: take the versions as they are (libfp8 knows).
+            for m in g.modules:
+                m._seen = m._versions()
+        if self.torch_optimizer:
+            self.torch_optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        for g, o in self._fp8:
+            g.dev.follow_stream()
+            o.zero_grad()
+            for _, p, gv in self._fp32_lent(g):
+                if p.requires_grad:
+                    p.grad = gv  # zeroed by libfp8; stays aliased
+        if self.torch_optimizer:
+            self.torch_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def stats(self):
+        """libfp8's optimizer statistics (steps, skipped steps, level, bytes), one per libfp8 model.
+        Synchronous."""
+        return [o.stats() for _, o in self._fp8]
+
+
+def _accepts(cls, arg):
+    import inspect
+    try:
+        return arg in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
