@@ -116,14 +116,12 @@ def device_used_bytes():
 
 
 def fp8_layer_summary(model):
-    """'k/n FP8' over libfp8's layers: how many ran their latest forward in FP8."""
+    """'k/n FP8': how many of libfp8's layers ran forwards in FP8 (the rest fell back to high
+    precision, or are norms, which hand FP8 over only inside libfp8's own sequential runs)."""
     layers = [m for m in model.modules() if isinstance(m, lt._Module)]
     if not layers:
         return "-"
-    fp8 = 0
-    for m in layers:
-        r = lt._f.layer_report(m._group.model, m._layer_id)
-        fp8 += r.fprop == 1
+    fp8 = sum(lt._f.layer_report(m._group.model, m._layer_id).fp8_calls > 0 for m in layers)
     return f"{fp8}/{len(layers)} FP8"
 
 

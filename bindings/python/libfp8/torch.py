@@ -450,16 +450,22 @@ class _Group:
         _check(_lib.fp8_model_weights_changed(self.model.handle))
 
 
+_scratch_saved = _p()  # for forwards no backward follows: destroyed at once
+
+
 def _layer_forward(module, x, need_backward):
     """y = layer(x) through fp8_layer_forward_saved; the saved state when a backward will follow."""
     group = module._group
-    dev = group.dev
+    wrap = group.dev.wrap
     y = torch.empty(module._out_shape(x), dtype=module._out_dtype(x), device=x.device)
-    saved = _Saved()
-    _check(_lib.fp8_layer_forward_saved(group.model.handle, module._layer_id, dev.wrap(x), dev.wrap(y),
-                                        ctypes.byref(saved.handle)))
     if not need_backward:
-        saved = None  # nothing was kept past the call but its pool buffers, which go back now
+        _check(_lib.fp8_layer_forward_saved(group.model.handle, module._layer_id, wrap(x), wrap(y),
+                                            ctypes.byref(_scratch_saved)))
+        _lib.fp8_saved_destroy(_scratch_saved)  # its pool buffers go back now
+        return y, None
+    saved = _Saved()
+    _check(_lib.fp8_layer_forward_saved(group.model.handle, module._layer_id, wrap(x), wrap(y),
+                                        ctypes.byref(saved.handle)))
     return y, saved
 
 
@@ -524,12 +530,14 @@ class _Module(torch.nn.Module):
                 p.grad = g
             setattr(self, name, p)
             self._lent.append((name, p, v, g, index, grad))
+        self._plist = [p for _, p, *_ in self._lent]
+        self._device = self._plist[0].device
         self._seen = self._versions()
         self._anchor = None if any(p.requires_grad for _, p, *_ in self._lent) else \
             torch.zeros(0, device=self._lent[0][1].device, requires_grad=True)
 
     def _versions(self):
-        return tuple(p._version for _, p, *_ in self._lent)
+        return [p._version for p in self._plist]
 
     def _check_storage(self):
         for name, p, v, *_ in self._lent:
@@ -561,18 +569,18 @@ class _Module(torch.nn.Module):
             group.sync_versions()
         x = self._cast_input(x).contiguous()
         group.enter(self.training)
-        params = [p for _, p, *_ in self._lent if p.requires_grad]
-        if self._anchor is not None:
-            params.append(self._anchor)
-        grad = torch.is_grad_enabled() and self.training and (x.requires_grad or bool(params))
-        if grad:
-            return _LayerFunction.apply(self, x, *params)
+        if torch.is_grad_enabled() and self.training:
+            params = [p for p in self._plist if p.requires_grad]
+            if self._anchor is not None:
+                params.append(self._anchor)
+            if x.requires_grad or params:
+                return _LayerFunction.apply(self, x, *params)
         return _layer_forward(self, x, False)[0]
 
     def _cast_input(self, x):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"libfp8 layer '{self._fp8_name}': input is {type(x).__name__}; expected a torch.Tensor")
-        if x.device != self._lent[0][1].device:
+        if x.device != self._device:
             raise ValueError(f"libfp8 layer '{self._fp8_name}': input is on {x.device}; the layer is on "
                              f"{self._lent[0][1].device}")
         if x.dtype not in _TORCH_DTYPES:
@@ -582,11 +590,9 @@ class _Module(torch.nn.Module):
 
 
 def _autocast_dtype(x):
-    if x.device.type == "cuda" and torch.is_autocast_enabled():
-        return torch.get_autocast_gpu_dtype()
-    if x.device.type == "cpu" and torch.is_autocast_cpu_enabled():
-        return torch.get_autocast_cpu_dtype()
-    return None
+    if x.is_cuda:
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
 
 
 class Linear(_Module):
