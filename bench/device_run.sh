@@ -2,7 +2,7 @@
 # One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
 # RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0, RUN_GRAPH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
-# benchmarks. Dependencies missing on the GPU image (GoogleTest, zlib headers, the Fashion-MNIST
+# benchmarks. RUN_TORCH=1 adds the PyTorch stage (libfp8.torch's GPU tests, the GPT presets; see below). Dependencies missing on the GPU image (GoogleTest, zlib headers, the Fashion-MNIST
 # files) come from .device/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,26 @@ if [ "${RUN_EXAMPLE:-1}" = 1 ]; then
   [ -d "$data" ] || data=$PWD/.device/fashion-mnist
   build/device/examples/train_fashion_mnist --data "$data" --max-accuracy-gap 0.5 ${EXAMPLE_ARGS:-} 2>&1 |
     tee "$OUT/fashion_mnist.log" | tail -30
+fi
+
+# PyTorch: libfp8.torch's tests on CUDA, then the GPT on the Bible's bytes at gpt2s and 1b, each as
+# torch bf16 eager, torch.compile bf16, libfp8 FP8 te and O2 (TORCH_PRESETS, GPT_STEPS_<preset>,
+# GPT_ARGS change that). The text: $KJV, .device/kjv.txt, or written by `bible` (Debian's bible-kjv).
+if [ "${RUN_TORCH:-0}" = 1 ]; then
+  export FP8_LIBRARY=$PWD/build/device/libfp8.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1
+  python3 tests/gpu/test_torch_gpu.py 2>&1 | tee "$OUT/torch_gpu_tests.log" | tail -8
+  kjv=${KJV:-$PWD/.device/kjv.txt}
+  [ -f "$kjv" ] || { command -v bible >/dev/null && bible Genesis1:1-Revelation22:21 > "$OUT/kjv.txt" && kjv=$OUT/kjv.txt; }
+  : > "$OUT/gpt_table.md"
+  for preset in ${TORCH_PRESETS:-gpt2s 1b}; do
+    steps_var=GPT_STEPS_${preset//-/_}
+    steps=${!steps_var:-$([ "$preset" = 1b ] && echo 150 || echo 300)}
+    python3 examples/train_gpt.py --preset "$preset" --data "$kjv" --steps "$steps" --compile \
+      --json "$OUT/gpt_$preset.json" ${GPT_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/gpt_$preset.log" | grep -E "^(run|preset|\|)" 
+    { echo "### $preset ($steps steps)"; grep "^|" "$OUT/gpt_$preset.log"; echo; } >> "$OUT/gpt_table.md"
+  done
+  grep -E "^(OK|FAILED|Ran)" "$OUT/torch_gpu_tests.log"
+  cat "$OUT/gpt_table.md"
 fi
 
 [ "${RUN_BENCH:-1}" = 1 ] || exit 0
