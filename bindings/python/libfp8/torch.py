@@ -540,7 +540,7 @@ class _Module(torch.nn.Module):
         return [p._version for p in self._plist]
 
     def _check_storage(self):
-        for name, p, v, *_ in self._lent:
+        for name, p, v, *_ in self._lent:  # (each call checks the weight; a write checks them all)
             if p.data_ptr() != v.data_ptr() or p.shape != v.shape:
                 raise RuntimeError(f"libfp8 layer '{self._fp8_name}': parameter '{name}' no longer uses libfp8's "
                                    "memory (moved with .to()/.cuda()/.half() or .data replaced after "
@@ -567,6 +567,8 @@ class _Module(torch.nn.Module):
             raise RuntimeError("this libfp8 module was not made by libfp8.torch.convert_model")
         if self._versions() != self._seen:
             group.sync_versions()
+        elif self._plist[0].data_ptr() != self._lent[0][2].data_ptr():  # .data replaced: no version bump
+            self._check_storage()
         x = self._cast_input(x).contiguous()
         group.enter(self.training)
         if torch.is_grad_enabled() and self.training:
