@@ -450,18 +450,16 @@ class _Group:
         _check(_lib.fp8_model_weights_changed(self.model.handle))
 
 
-_scratch_saved = _p()  # for forwards no backward follows: destroyed at once
-
-
 def _layer_forward(module, x, need_backward):
     """y = layer(x) through fp8_layer_forward_saved; the saved state when a backward will follow."""
     group = module._group
     wrap = group.dev.wrap
     y = torch.empty(module._out_shape(x), dtype=module._out_dtype(x), device=x.device)
     if not need_backward:
+        saved = _p()
         _check(_lib.fp8_layer_forward_saved(group.model.handle, module._layer_id, wrap(x), wrap(y),
-                                            ctypes.byref(_scratch_saved)))
-        _lib.fp8_saved_destroy(_scratch_saved)  # its pool buffers go back now
+                                            ctypes.byref(saved)))
+        _lib.fp8_saved_destroy(saved)  # its pool buffers go back now
         return y, None
     saved = _Saved()
     _check(_lib.fp8_layer_forward_saved(group.model.handle, module._layer_id, wrap(x), wrap(y),
