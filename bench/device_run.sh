@@ -2,7 +2,8 @@
 # One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
 # RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0, RUN_GRAPH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
-# benchmarks. RUN_TORCH=1 adds the PyTorch stage (libfp8.torch's GPU tests, the GPT presets; see below). Dependencies missing on the GPU image (GoogleTest, zlib headers, the Fashion-MNIST
+# benchmarks. RUN_TORCH=1 adds the PyTorch stage (libfp8.torch's GPU tests, the GPT presets; see below).
+# Dependencies missing on the GPU image (GoogleTest, zlib and DLPack headers, the Fashion-MNIST
 # files) come from .device/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,9 @@ fi
 if [ ! -f /usr/include/zlib.h ] && [ -d .device/zlib/include ]; then
   libz=$(ldconfig -p | awk '/libz\.so\.1 .*x86-64/ {print $NF; exit}')
   cmake_args+=(-DZLIB_INCLUDE_DIR="$PWD/.device/zlib/include" -DZLIB_LIBRARY="$libz")
+fi
+if [ ! -f /usr/include/dlpack/dlpack.h ] && [ -d .device/dlpack ]; then
+  cmake_args+=(-DFP8_DLPACK_INCLUDE_DIR="$PWD/.device/dlpack")
 fi
 if ! ls /usr/lib/*/cmake/GTest /usr/lib/cmake/GTest >/dev/null 2>&1 && [ -d .device/googletest ]; then
   cmake_args+=(-DFP8_GTEST_SOURCE_DIR="$PWD/.device/googletest")
