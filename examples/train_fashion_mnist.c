@@ -46,7 +46,8 @@
  * rank has joined, so that a launch does not read an earlier one's stale id (should it still, its
  * fp8_comm_create fails or hangs: remove PATH and launch again).
  * Rank 0 prints its own shard's loss and train accuracy; each rank prints its weights' checksum. A
- * rank that dies leaves the others waiting in NCCL: end them (torchrun does). Two ranks on one host:
+ * rank that dies leaves the others waiting in NCCL until their communicator's timeout
+ * (fp8_comm_set_timeout: ten minutes) fails them, or torchrun ends them first. Two ranks on one host:
  *
  *   FP8_COMM_ID_FILE=/tmp/fp8.id FP8_WORLD_SIZE=2 FP8_RANK=0 build/release/examples/train_fashion_mnist &
  *   FP8_COMM_ID_FILE=/tmp/fp8.id FP8_WORLD_SIZE=2 FP8_RANK=1 build/release/examples/train_fashion_mnist

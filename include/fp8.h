@@ -18,7 +18,9 @@
  *   otherwise). Calls marked "asynchronous" only queue work on that stream: they never wait for the
  *   GPU, allocate device memory only where their buffers must first grow to a new shape (see "CUDA
  *   graphs"), and can be captured in a CUDA graph. fp8_context_set_stream
- *   orders the new stream after the work already queued on the old one. A fault inside such work is reported
+ *   orders the new stream after the work already queued on the old one (except into or out of a
+ *   stream under capture, which cannot depend on work outside it: order those yourself, as
+ *   torch.cuda.graph does by synchronising before it begins). A fault inside such work is reported
  *   by a later call or by fp8_context_synchronize. Calls marked "synchronous" return after the work
  *   is done.
  * - CUDA graphs: a whole training step (fp8_model_forward or per-layer calls under autocast or
@@ -1166,11 +1168,13 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  * rank alone (inside autocast on that rank only) leaves the others waiting in their next
  * collective, which the in-process transport reports as a mismatch and NCCL does not. A rank that
  * leaves the group (its communicator and every model using it destroyed, or fp8_comm_abort) makes
- * the others' collectives fail with FP8_ERR_NCCL under the in-process transport; under NCCL a rank
- * that is gone cannot be noticed by the others, so a watchdog of the application calls
- * fp8_comm_abort, which makes every pending and later collective of that rank fail with
- * FP8_ERR_NCCL. Errors NCCL reports asynchronously (ncclCommGetAsyncError) come back as
- * FP8_ERR_NCCL with NCCL's message at the next collective call or at fp8_context_synchronize.
+ * the others' collectives fail with FP8_ERR_NCCL under the in-process transport. Under NCCL the
+ * collectives of a rank whose peer is gone wait on the GPU: the first synchronous call that waits
+ * for them longer than the communicator's timeout (fp8_comm_set_timeout; ten minutes unless set)
+ * aborts the communicator and fails with FP8_ERR_NCCL, and an application's own watchdog may call
+ * fp8_comm_abort sooner. Errors NCCL reports asynchronously (ncclCommGetAsyncError) come back as
+ * FP8_ERR_NCCL with NCCL's message at the next collective call, during a synchronous wait, or at
+ * fp8_context_synchronize.
  * --------------------------------------------------------------------------------------------- */
 
 typedef struct fp8_comm fp8_comm_t;
@@ -1207,6 +1211,19 @@ FP8_API void fp8_comm_destroy(fp8_comm_t *comm);
  *  it: the application must not destroy it afterwards. Under NCCL, call it while no other thread
  *  is inside a libfp8 call on this rank's models (NCCL's blocking communicators allow no more). */
 FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t *comm);
+#define FP8_DEFAULT_COMM_TIMEOUT_S 600.0
+/** How long a wait for the group may last, in seconds, before libfp8 gives up on it: 0 waits
+ *  forever; default FP8_DEFAULT_COMM_TIMEOUT_S (ten minutes, as PyTorch's NCCL process groups).
+ *  Under NCCL the waits are libfp8's synchronous calls on the communicator's context
+ *  (fp8_context_synchronize, host copies, the synchronous collectives): one whose GPU work has not
+ *  finished after `seconds` aborts the communicator (as fp8_comm_abort; the kernel of a collective
+ *  whose peer is gone then returns) and fails with FP8_ERR_NCCL, naming the timeout. Asynchronous
+ *  errors NCCL reports meanwhile end such a wait too. Under the in-process transport, a collective
+ *  that waits longer for the other ranks aborts the group. Local, any thread; each rank sets its
+ *  own. [in] seconds: finite, >= 0. */
+FP8_API fp8_status_t fp8_comm_set_timeout(fp8_comm_t *comm, double seconds);
+/** [out] seconds: the communicator's timeout (fp8_comm_set_timeout). */
+FP8_API fp8_status_t fp8_comm_get_timeout(const fp8_comm_t *comm, double *seconds);
 
 /** Makes `model` data-parallel over `comm` (collective; see above), or single-rank again with NULL
  *  (local). comm must be made from the model's context. Refused (FP8_ERR_INVALID_STATE) while an

@@ -197,6 +197,12 @@ class BindingTest(unittest.TestCase):
         ctxs = [fp8.Context(), fp8.Context()]
         comms = fp8.Comm.local(ctxs)
         self.assertEqual([(c.rank, c.size) for c in comms], [(0, 2), (1, 2)])
+        self.assertEqual(comms[0].timeout, fp8.DEFAULT_COMM_TIMEOUT_S)
+        comms[1].timeout = 120
+        self.assertEqual(comms[1].timeout, 120.0)
+        with self.assertRaises(fp8.Fp8Error) as refused:
+            comms[1].timeout = -1
+        self.assertIn("seconds", str(refused.exception))
         models, grads = [], []
         for k, ctx in enumerate(ctxs):
             m = fp8.Model(ctx)

@@ -1,4 +1,5 @@
 // Communicators and data-parallel models: handle checks here, the work in src/dist.
+#include <cmath>
 #include <set>
 
 #include "api/guard.hpp"
@@ -119,6 +120,23 @@ FP8_API fp8_status_t fp8_comm_abort(fp8_comm_t* comm) {
   return guard("fp8_comm_abort", [&] {
     require_arg(comm, "comm");
     comm->transport->abort();
+  });
+}
+
+FP8_API fp8_status_t fp8_comm_set_timeout(fp8_comm_t* comm, double seconds) {
+  return guard("fp8_comm_set_timeout", [&] {
+    require_arg(comm, "comm");
+    if (!(seconds >= 0.0) || !std::isfinite(seconds))
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "seconds = ", seconds, "; expected a finite number >= 0 (0: wait forever)");
+    comm->transport->set_timeout(seconds);
+  });
+}
+
+FP8_API fp8_status_t fp8_comm_get_timeout(const fp8_comm_t* comm, double* seconds) {
+  return guard("fp8_comm_get_timeout", [&] {
+    require_arg(comm, "comm");
+    require_arg(seconds, "seconds");
+    *seconds = comm->transport->timeout();
   });
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -39,6 +40,11 @@ class Backend {
   // The id of the CUDA graph capture under way on the stream, 0 when none (always 0 on the CPU).
   virtual uint64_t capture_id() const { return 0; }
   virtual void synchronize() = 0;
+  // Called about every 10 ms while synchronize() or a host copy waits for the GPU, with the seconds
+  // waited so far; it may throw to end the wait (a communicator's timeout, NCCL's asynchronous
+  // errors: fp8_comm_set_timeout). Without one the waits block in the CUDA runtime. Set by the
+  // communicators of this backend (src/dist), under the context's external synchronisation.
+  void set_wait_poll(std::function<void(double)> poll) { wait_poll_ = std::move(poll); }
   // The communication stream (fp8.h, "Data parallelism"): between begin_side() and end_side() the
   // backend's work goes to a stream of its own (stream() returns it), ordered after everything
   // queued on the stream before begin_side() and running beside what the stream gets after
@@ -83,6 +89,7 @@ class Backend {
  protected:
   virtual void* native_allocate(size_t bytes) = 0;
   virtual void native_release(void* p) noexcept = 0;
+  std::function<void(double)> wait_poll_;
 
  private:
   std::mutex allocator_mutex_;  // release() may come from any thread (destroy calls)

@@ -4,7 +4,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <new>
+#include <thread>
 
 #include "backend/backend.hpp"
 #include "backend/cublaslt_gemm.hpp"
@@ -81,14 +83,14 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     join_side();  // (the memory may be the communication stream's)
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
-    cuda_check(cudaStreamSynchronize(stream_), "copy to device (synchronize)");
+    wait(stream_, "copy to device (synchronize)");
   }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
     if (!bytes) return;
     DeviceScope scope(limits_.device);
     join_side();
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copy to host");
-    cuda_check(cudaStreamSynchronize(stream_), "copy to host (synchronize)");
+    wait(stream_, "copy to host (synchronize)");
   }
   void check_device_pointer(const void* p, const char* what) const override {
     cudaPointerAttributes attr{};
@@ -109,6 +111,16 @@ class CudaBackend final : public Backend {
     if (in_side_) fail(FP8_ERR_INTERNAL, "set_stream inside the communication stream's scope");
     DeviceScope scope(limits_.device);
     join_side();
+    // A stream being captured into a CUDA graph cannot wait for work outside the capture (nor the
+    // other way round): the capture's owner orders them (torch.cuda.graph synchronises before it
+    // begins), so the switch into or out of a capture adds no dependency.
+    cudaStreamCaptureStatus old_capture = cudaStreamCaptureStatusNone, new_capture = cudaStreamCaptureStatusNone;
+    cuda_check(cudaStreamIsCapturing(stream_, &old_capture), "cudaStreamIsCapturing (the old stream)");
+    cuda_check(cudaStreamIsCapturing(stream, &new_capture), "cudaStreamIsCapturing (the new stream)");
+    if (old_capture != cudaStreamCaptureStatusNone || new_capture != cudaStreamCaptureStatusNone) {
+      stream_ = stream;
+      return;
+    }
     cudaEvent_t done = nullptr;
     cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     const cudaError_t recorded = cudaEventRecord(done, stream_);
@@ -163,7 +175,7 @@ class CudaBackend final : public Backend {
   void synchronize() override {
     DeviceScope scope(limits_.device);
     join_side();
-    cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    wait(stream_, "cudaStreamSynchronize");
     cuda_check(cudaGetLastError(), "an earlier asynchronous operation");
   }
 
@@ -270,6 +282,34 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Waits until `s` has done its work. With a wait poll (a communicator on this context), by
+  // querying instead of blocking in the runtime, so that a collective that never ends (a rank gone)
+  // can end the wait: the poll aborts the communicator, whose kernels then return, and throws.
+  void wait(cudaStream_t s, const char* what) {
+    if (!wait_poll_) {
+      cuda_check(cudaStreamSynchronize(s), what);
+      return;
+    }
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point start = Clock::now();
+    Clock::time_point next_poll = start + std::chrono::milliseconds(10);
+    for (;;) {
+      const cudaError_t done = cudaStreamQuery(s);
+      if (done == cudaSuccess) return;
+      if (done != cudaErrorNotReady) cuda_check(done, what);
+      const Clock::time_point now = Clock::now();
+      if (now >= next_poll) {
+        wait_poll_(std::chrono::duration<double>(now - start).count());
+        next_poll = now + std::chrono::milliseconds(10);
+      }
+      // Spin for the first millisecond (short waits keep their latency), then sleep a little.
+      if (now - start < std::chrono::milliseconds(1))
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
   kernels::LaunchLimits limits_{};
   cudaStream_t stream_ = nullptr;
   // The communication stream (begin_side), made at first use; main_ is the stream while it is in use.

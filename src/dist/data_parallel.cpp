@@ -461,26 +461,33 @@ Registry& registry() {
   return r;
 }
 
-}  // namespace
-
-void register_comm(const Backend* backend, const std::shared_ptr<Transport>& t) {
+std::vector<std::shared_ptr<Transport>> comms_of(const Backend* backend) {
+  std::vector<std::shared_ptr<Transport>> mine;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.comms.erase(std::remove_if(r.comms.begin(), r.comms.end(), [](const auto& e) { return e.second.expired(); }),
-                r.comms.end());
-  r.comms.emplace_back(backend, t);
+  for (const auto& [b, weak] : r.comms)
+    if (b == backend)
+      if (auto t = weak.lock()) mine.push_back(std::move(t));
+  return mine;
 }
 
-void check_comms(const Backend* backend) {
-  std::vector<std::shared_ptr<Transport>> mine;
+}  // namespace
+
+void register_comm(Backend* backend, const std::shared_ptr<Transport>& t) {
   {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
-    for (const auto& [b, weak] : r.comms)
-      if (b == backend)
-        if (auto t = weak.lock()) mine.push_back(std::move(t));
+    r.comms.erase(std::remove_if(r.comms.begin(), r.comms.end(), [](const auto& e) { return e.second.expired(); }),
+                  r.comms.end());
+    r.comms.emplace_back(backend, t);
   }
-  for (const auto& t : mine) t->check();
+  backend->set_wait_poll([backend](double waited) {
+    for (const auto& comm : comms_of(backend)) comm->poll_wait(waited);
+  });
+}
+
+void check_comms(const Backend* backend) {
+  for (const auto& t : comms_of(backend)) t->check();
 }
 
 Agreement agree(Transport& t, const std::shared_ptr<Backend>& be, fp8_status_t mine) {

@@ -107,8 +107,9 @@ void all_or_none(Transport& t, const std::shared_ptr<Backend>& be, const char* w
        "; its message says why), ", outcome);
 }
 
-// Makes the model's communicator surface in fp8_context_synchronize (NCCL's asynchronous errors).
-void register_comm(const Backend* backend, const std::shared_ptr<Transport>& t);
+// Makes a communicator surface in fp8_context_synchronize (NCCL's asynchronous errors) and in the
+// backend's blocking waits (its timeout: Backend::set_wait_poll).
+void register_comm(Backend* backend, const std::shared_ptr<Transport>& t);
 // Throws FP8_ERR_NCCL for the first communicator of `backend` that reports an error.
 void check_comms(const Backend* backend);
 

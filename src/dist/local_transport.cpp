@@ -1,5 +1,6 @@
 #include "dist/local_transport.hpp"
 
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -178,7 +179,7 @@ void compute_result(const std::vector<Call>& calls, int32_t rank, const Call& ca
   }
 }
 
-enum class Failure { kNone, kAborted, kDeparted, kMismatch, kRankFailed };
+enum class Failure { kNone, kAborted, kDeparted, kMismatch, kRankFailed, kTimedOut };
 
 // What the ranks' transports share. Everything is guarded by `mutex`, except that between a
 // collective's two barriers every rank reads calls[k] and rank k's buffers unlocked: rank k is
@@ -230,6 +231,11 @@ std::string failure_reason(const Group& g, int32_t rank, const Call* call, bool 
       os << "rank " << g.failed_rank << " could not take part in a collective";
       if (!g.failure_message.empty()) os << " (" << g.failure_message << ")";
       break;
+    case Failure::kTimedOut:
+      os << "rank " << g.failed_rank << " "
+         << (g.failure_message.empty() ? "timed out in a collective (fp8_comm_set_timeout)" : g.failure_message);
+      if (call != nullptr && g.failed_rank != rank) os << "; rank " << rank << " was in " << describe(*call);
+      return os.str();
   }
   if (call != nullptr && waited) os << " while rank " << rank << " waited in " << describe(*call);
   if (call != nullptr && !waited) os << " before rank " << rank << " called " << describe(*call);
@@ -365,7 +371,13 @@ class LocalTransport final : public Transport {
         record_failure(g, Failure::kMismatch, static_cast<int32_t>(mismatched), mismatch_message(g.calls, mismatched));
       }
     } else {
-      g.changed.wait(lock, [&] { return g.generation != posted || g.failure != Failure::kNone; });
+      const auto released = [&] { return g.generation != posted || g.failure != Failure::kNone; };
+      const double limit = timeout();
+      if (limit <= 0.0) {
+        g.changed.wait(lock, released);
+      } else if (!g.changed.wait_for(lock, std::chrono::duration<double>(limit), released)) {
+        record_failure(g, Failure::kTimedOut, rank_, timeout_message(g, call, limit));
+      }
     }
     if (g.generation == posted) {  // released by a failure, not by the last rank to post
       --g.arrived;
@@ -388,6 +400,18 @@ class LocalTransport final : public Transport {
     }
     lock.unlock();
     std::memcpy(call.recv, result.data(), result.size());
+  }
+
+  // Empty when it cannot be built (failure_reason then says less).
+  std::string timeout_message(const Group& g, const Call& call, double limit) const noexcept {
+    try {
+      std::ostringstream os;
+      os << "waited over " << limit << " s (fp8_comm_set_timeout) in " << describe(call) << " while only "
+         << g.arrived << " of " << g.size << " ranks had called it; the group is aborted";
+      return os.str();
+    } catch (...) {
+      return {};
+    }
   }
 
   // A rank that throws before posting would leave the others waiting for it: fail them too.

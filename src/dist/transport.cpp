@@ -28,4 +28,14 @@ size_t elem_size(ElemType t) {
   fail(FP8_ERR_INVALID_ARGUMENT, "unknown collective element type ", static_cast<int32_t>(t));
 }
 
+void Transport::poll_wait(double waited_seconds) {
+  check();
+  const double limit = timeout();
+  if (limit <= 0.0 || waited_seconds <= limit) return;
+  abort();
+  fail(FP8_ERR_NCCL, "a wait for this context's GPU work lasted over ", limit,
+       " s (fp8_comm_set_timeout) with rank ", rank(), " of ", size(), " of a ", kind(),
+       " communicator on it: a rank left, crashed or stalled in a collective; the communicator is aborted");
+}
+
 }  // namespace fp8::dist

@@ -8,8 +8,11 @@
 // completion before it returns. Each collective gives the same bytes on every rank.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+
+#include "fp8.h"
 
 namespace fp8::dist {
 
@@ -47,6 +50,19 @@ class Transport {
   // Throws FP8_ERR_NCCL with the reason when the group was aborted, a rank left it, or NCCL
   // reported an error asynchronously (ncclCommGetAsyncError) since the last call.
   virtual void check() = 0;
+
+  // fp8_comm_set_timeout: how long a wait for the group may last before it aborts the group
+  // (0: forever). Any thread.
+  void set_timeout(double seconds) noexcept { timeout_s_.store(seconds); }
+  double timeout() const noexcept { return timeout_s_.load(); }
+  // Called while a blocking wait of this rank's backend waits for the GPU (Backend::set_wait_poll),
+  // with the seconds waited so far: check(), and once the wait outlasts the timeout, abort() and
+  // FP8_ERR_NCCL. (Under NCCL a collective with a rank gone never ends: its kernel waits on the
+  // device, and only the abort ends it.)
+  void poll_wait(double waited_seconds);
+
+ private:
+  std::atomic<double> timeout_s_{FP8_DEFAULT_COMM_TIMEOUT_S};
 };
 
 }  // namespace fp8::dist

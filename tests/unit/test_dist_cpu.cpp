@@ -3,7 +3,7 @@
 // rank 0's model; scales agree (and equal one rank seeing the whole batch); weights stay bit-identical
 // at te and O1..O3; the FP32 exchange equals micro-batch accumulation; the FP8 exchange against
 // float64 and against summing in FP8; the skip; collective checkpoints across group sizes; refused
-// mismatches; abort and a rank that leaves; argument errors.
+// mismatches; abort, a rank that leaves and one that stalls (the timeout); argument errors.
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <functional>
 #include <future>
+#include <limits>
 #include <thread>
 
 #include "dist_cases.hpp"
@@ -501,6 +502,31 @@ TEST(DataParallelMisuse, AbortUnblocksARankWaitingForAnother) {
   EXPECT_REFUSED(fp8_model_sync_grads(g.ranks[1].model.get()), FP8_ERR_NCCL, "fp8_model_sync_grads", "aborted");
 }
 
+// A rank that stalls (alive, but never calling the collective) fails the others once their timeout
+// passes, not never, and the group is aborted for every rank.
+TEST(DataParallelMisuse, ARankThatStallsMakesTheOthersFailAfterTheirTimeout) {
+  Group g(2, nullptr, FP8_OPTIMIZER_SGD);
+  double seconds = 0.0;
+  EXPECT_OK(fp8_comm_get_timeout(g.ranks[0].comm.get(), &seconds));
+  EXPECT_EQ(seconds, FP8_DEFAULT_COMM_TIMEOUT_S);
+  EXPECT_OK(fp8_comm_set_timeout(g.ranks[0].comm.get(), 0.3));
+  EXPECT_OK(fp8_comm_get_timeout(g.ranks[0].comm.get(), &seconds));
+  EXPECT_EQ(seconds, 0.3);
+  Rank& r0 = g.ranks[0];
+  forward_backward(r0.ctx.get(), r0.model.get(), batch_x(0, 0), batch_dy(0, 0));
+  const auto start = std::chrono::steady_clock::now();
+  // Rank 1 never steps.
+  EXPECT_REFUSED(fp8_optimizer_step(r0.opt.get()), FP8_ERR_NCCL, "fp8_optimizer_step", "fp8_comm_set_timeout");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(took, 0.3);
+  EXPECT_LT(took, 10.0);
+  EXPECT_NE(std::string(fp8_last_error_message()).find("only 1 of 2 ranks had called it"), std::string::npos)
+      << fp8_last_error_message();
+  // Rank 1, calling late, is told why without waiting.
+  EXPECT_REFUSED(fp8_model_sync_grads(g.ranks[1].model.get()), FP8_ERR_NCCL, "fp8_model_sync_grads",
+                 "rank 0 waited over 0.3 s");
+}
+
 TEST(DataParallelMisuse, ARankThatLeavesMakesTheOthersFailInsteadOfWaiting) {
   Group g(3, "backend=msamp, opt_level=O2, small_layer_fallback=0");
   on_ranks(3, [&](int k) { train_step(g.ranks[k], 0, k); });
@@ -554,6 +580,16 @@ TEST(DataParallelMisuse, BadArguments) {
   EXPECT_EQ(size, 2);
   EXPECT_REFUSED(fp8_comm_rank(nullptr, &rank), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_rank", "comm");
   EXPECT_REFUSED(fp8_comm_size(a.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_size", "size");
+  for (double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()})
+    EXPECT_REFUSED(fp8_comm_set_timeout(a.get(), bad), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_set_timeout",
+                   "seconds = ");
+  double timeout = 0.0;
+  EXPECT_OK(fp8_comm_get_timeout(a.get(), &timeout));
+  EXPECT_EQ(timeout, FP8_DEFAULT_COMM_TIMEOUT_S);  // refusals changed nothing
+  EXPECT_REFUSED(fp8_comm_set_timeout(nullptr, 1.0), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_set_timeout", "comm");
+  EXPECT_REFUSED(fp8_comm_get_timeout(a.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_get_timeout",
+                 "seconds");
+  EXPECT_OK(fp8_comm_set_timeout(a.get(), 0.0));  // forever
   Model m = build_model(c0.get(), nullptr, 1);
   EXPECT_REFUSED(fp8_model_set_comm(m.get(), b.get()), FP8_ERR_INVALID_ARGUMENT, "fp8_model_set_comm",
                  "another context");

@@ -68,6 +68,7 @@ STORAGE_VALUES, STORAGE_GRADS, STORAGE_MASTERS = 0, 1, 2
 BACKWARD_ACCUMULATE_DX = 1
 CHECKPOINT_GRADIENTS = 1
 DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES = 33554432, 256
+DEFAULT_COMM_TIMEOUT_S = 600.0
 (OPTIM_LR, OPTIM_BETA1, OPTIM_BETA2, OPTIM_EPS, OPTIM_WEIGHT_DECAY, OPTIM_MOMENTUM, OPTIM_MAX_GRAD_NORM,
  OPTIM_ATTR_COUNT) = range(8)
 
@@ -164,6 +165,8 @@ for _name, _args in {
     "fp8_comm_rank": (_p, ctypes.POINTER(_i32)),
     "fp8_comm_size": (_p, ctypes.POINTER(_i32)),
     "fp8_comm_abort": (_p,),
+    "fp8_comm_set_timeout": (_p, ctypes.c_double),
+    "fp8_comm_get_timeout": (_p, ctypes.POINTER(ctypes.c_double)),
     "fp8_model_set_comm": (_p, _p),
     "fp8_model_sync_grads": (_p,),
     "fp8_model_set_backward_sync": (_p, _i32),
@@ -636,6 +639,17 @@ class Comm(_Handle):
 
     def abort(self):
         _check(_lib.fp8_comm_abort(self.handle))
+
+    @property
+    def timeout(self):
+        """Seconds a wait for the group may last before the group is aborted (0: forever)."""
+        v = ctypes.c_double()
+        _check(_lib.fp8_comm_get_timeout(self.handle, ctypes.byref(v)))
+        return v.value
+
+    @timeout.setter
+    def timeout(self, seconds):
+        _check(_lib.fp8_comm_set_timeout(self.handle, float(seconds)))
 
 
 class Saved(_Handle):
