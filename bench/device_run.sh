@@ -2,7 +2,8 @@
 # One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
 # RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0, RUN_GRAPH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
-# benchmarks. RUN_TORCH=1 adds the PyTorch stage (libfp8.torch's GPU tests, the GPT presets; see below).
+# benchmarks. RUN_TORCH=1 adds the PyTorch stage (libfp8.torch's GPU tests, the GPT presets; see below);
+# RUN_MULTI=1 the runs over several GPUs.
 # Dependencies missing on the GPU image (GoogleTest, zlib and DLPack headers, the Fashion-MNIST
 # files) come from .device/ when present.
 set -uo pipefail
@@ -62,6 +63,32 @@ if [ "${RUN_TORCH:-0}" = 1 ]; then
   done
   grep -E "^(OK|FAILED|Ran)" "$OUT/torch_gpu_tests.log"
   cat "$OUT/gpt_table.md"
+fi
+
+# Several GPUs (RUN_MULTI=1; the GPU suite above already ran gpu_dist_multi over all of them): the
+# example data-parallel over every GPU, with the ranks on threads (every level, against the one-GPU
+# run above) and with one process per GPU; libfp8's FP8 gradient exchange against NCCL's
+# all-reduces; the data-parallel training step's scaling against torch DDP. NVLink multicast stays
+# off (NCCL_NVLS_ENABLE=0).
+if [ "${RUN_MULTI:-0}" = 1 ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  ngpu=$(nvidia-smi -L | wc -l)
+  data=/usr/share/datasets/fashion-mnist
+  [ -d "$data" ] || data=$PWD/.device/fashion-mnist
+  build/device/examples/train_fashion_mnist --data "$data" --ranks "$ngpu" --max-accuracy-gap 0.5 ${EXAMPLE_ARGS:-} 2>&1 |
+    tee "$OUT/fashion_mnist_ranks.log" | tail -12
+  id=$(mktemp -u /tmp/fp8-id.XXXXXX)
+  for ((r = 0; r < ngpu; ++r)); do
+    FP8_COMM_ID_FILE=$id FP8_WORLD_SIZE=$ngpu FP8_RANK=$r timeout 300 build/device/examples/train_fashion_mnist \
+      --data "$data" --levels O2,O3 ${EXAMPLE_ARGS:-} > "$OUT/fashion_mnist_process$r.log" 2>&1 &
+  done
+  wait
+  for ((r = 0; r < ngpu; ++r)); do echo "process $r:"; tail -4 "$OUT/fashion_mnist_process$r.log"; done
+  build/device/bench/bench_allreduce "$OUT/bench_allreduce.json" 2>&1 | tee "$OUT/allreduce.md" | tail -40
+  build/device/bench/bench_dist --ranks "$ngpu" "$OUT/bench_dist_ranks.json" 2>&1 | tee -a "$OUT/run.log"
+  PYTHONUNBUFFERED=1 python3 bench/peer_dist.py --ranks "$ngpu" "$OUT/peer_dist_ranks.json" 2>&1 | grep -v Warning |
+    tee -a "$OUT/run.log"
+  python3 bench/report_dist.py "$OUT/bench_dist_ranks.json" "$OUT/peer_dist_ranks.json" | tee "$OUT/scaling.md"
 fi
 
 [ "${RUN_BENCH:-1}" = 1 ] || exit 0

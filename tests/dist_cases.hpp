@@ -70,15 +70,38 @@ inline Model build_model(fp8_context_t* ctx, const char* recipe, uint32_t seed, 
   return m;
 }
 
-// A group of n ranks, each with its own model (rank k built from seed k + 1, so
+// Makes rank r's model data-parallel over r.comm (collective: every rank at once, each on its own
+// thread) and gives it an optimizer of `kind`: lr 0.05 (SGD) or 0.01, and `max_grad_norm` (0: none);
+// `bucket_bytes` 0: the default buckets.
+inline void make_data_parallel(Rank& r, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM, float max_grad_norm = 0.0f,
+                               size_t bucket_bytes = 0, bool backward_sync = false) {
+  if (bucket_bytes) {
+    EXPECT_OK(fp8_model_set_bucket_bytes(r.model.get(), bucket_bytes));
+  }
+  EXPECT_OK(fp8_model_set_comm(r.model.get(), r.comm.get()));
+  if (backward_sync) {
+    EXPECT_OK(fp8_model_set_backward_sync(r.model.get(), 1));
+  }
+  fp8_optimizer_t* o = nullptr;
+  EXPECT_OK(fp8_optimizer_create(&o, r.model.get(), kind));
+  r.opt.reset(o);
+  EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_LR, kind == FP8_OPTIMIZER_SGD ? 0.05 : 0.01));
+  if (max_grad_norm > 0.0f) {
+    EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MAX_GRAD_NORM, max_grad_norm));
+  }
+}
+
+// A group of ranks, each with its own model (rank k built from seed k + 1, so
 // set_comm has something to broadcast), data-parallel, with an optimizer of `kind`.
 struct Group {
   std::vector<Rank> ranks;
-  // Every rank on `device` (FP8_DEVICE_CPU, or one GPU: NCCL for one rank, else the in-process
-  // transport through the host); `bucket_bytes` 0: the default buckets.
-  Group(int n, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM, float max_grad_norm = 0.0f,
-        int32_t device = FP8_DEVICE_CPU, size_t bucket_bytes = 0, bool backward_sync = false) {
-    for (int k = 0; k < n; ++k) ranks.emplace_back(device);
+  // Rank k on devices[k] (fp8_comm_create_local): CPU contexts or CUDA contexts sharing a GPU are
+  // joined by the in-process transport, CUDA contexts each on a GPU of its own by NCCL
+  // (ncclCommInitAll), as is one rank on a GPU.
+  Group(const std::vector<int32_t>& devices, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM,
+        float max_grad_norm = 0.0f, size_t bucket_bytes = 0, bool backward_sync = false) {
+    const int n = static_cast<int>(devices.size());
+    for (int32_t device : devices) ranks.emplace_back(device);
     std::vector<fp8_context_t*> ctxs;
     for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
     std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
@@ -87,18 +110,14 @@ struct Group {
       ranks[k].comm.reset(comms[k]);
       ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
     }
-    on_ranks(n, [&](int k) {
-      Rank& r = ranks[k];
-      if (bucket_bytes) EXPECT_OK(fp8_model_set_bucket_bytes(r.model.get(), bucket_bytes));
-      EXPECT_OK(fp8_model_set_comm(r.model.get(), r.comm.get()));
-      if (backward_sync) EXPECT_OK(fp8_model_set_backward_sync(r.model.get(), 1));
-      fp8_optimizer_t* o = nullptr;
-      EXPECT_OK(fp8_optimizer_create(&o, r.model.get(), kind));
-      r.opt.reset(o);
-      EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_LR, kind == FP8_OPTIMIZER_SGD ? 0.05 : 0.01));
-      if (max_grad_norm > 0.0f) EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MAX_GRAD_NORM, max_grad_norm));
-    });
+    on_ranks(n, [&](int k) { make_data_parallel(ranks[k], kind, max_grad_norm, bucket_bytes, backward_sync); });
   }
+  // n ranks, every one on `device` (FP8_DEVICE_CPU, or one GPU: NCCL for one rank, else the
+  // in-process transport through the host).
+  Group(int n, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM, float max_grad_norm = 0.0f,
+        int32_t device = FP8_DEVICE_CPU, size_t bucket_bytes = 0, bool backward_sync = false)
+      : Group(std::vector<int32_t>(static_cast<size_t>(n), device), recipe, kind, max_grad_norm, bucket_bytes,
+              backward_sync) {}
   int size() const { return static_cast<int>(ranks.size()); }
 };
 
@@ -135,6 +154,14 @@ inline std::vector<unsigned char> state_bytes(const Rank& r, bool grads, bool sc
   fp8_model_t* m = r.model.get();
   int32_t device = FP8_DEVICE_CPU;
   EXPECT_OK(fp8_context_device(r.ctx.get(), &device));
+  // The context's work done (its stream may be on another GPU than this thread's), then read on
+  // its own device.
+  int previous = 0;
+  if (device != FP8_DEVICE_CPU) {
+    EXPECT_OK(fp8_context_synchronize(r.ctx.get()));
+    EXPECT_EQ(cudaGetDevice(&previous), cudaSuccess);
+    EXPECT_EQ(cudaSetDevice(device), cudaSuccess);
+  }
   std::vector<unsigned char> out;
   const fp8_storage_role_t roles[] = {FP8_STORAGE_VALUES, FP8_STORAGE_GRADS};
   for (fp8_storage_role_t role : roles) {
@@ -149,6 +176,9 @@ inline std::vector<unsigned char> state_bytes(const Rank& r, bool grads, bool sc
       if (bytes && device != FP8_DEVICE_CPU)
         EXPECT_EQ(cudaMemcpy(out.data() + at, data, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
     }
+  }
+  if (device != FP8_DEVICE_CPU) {
+    EXPECT_EQ(cudaSetDevice(previous), cudaSuccess);
   }
   for (int32_t layer : {0, 2})
     for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
