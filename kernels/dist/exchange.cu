@@ -1,16 +1,17 @@
 // The FP8 gradient exchange's local halves on the GPU (core/exchange_rule.hpp), bit for bit the CPU
-// reference (src/backend/cpu_exchange.cpp):
+// reference (src/backend/cpu_exchange.cpp). One kernel, two passes over the senders' codes:
 //   grad_reduce: one block per chunk; the senders' scale_inv are staged in shared memory, each thread
 //     reads its elements' codes from every sender's piece (4-byte loads), sums them in rank order,
-//     divides, stores the mean (16-byte stores) and the block max-accumulates amax(mean);
-//   grad_requantize: one block per chunk (16-byte loads, 4-byte code stores), then a few blocks more
-//     for exchange_finish of every tensor;
+//     divides, and the block max-accumulates amax(mean);
+//   grad_requantize: the same means again, once the ranks agreed on amax, encoded with the agreed
+//     scale (4-byte code stores), then a few blocks more for exchange_finish of every tensor.
+// Recomputing the means reads N bytes per element where storing and reloading them would move 8.
 //   divide: a grid-stride pass, 4 elements per 16-byte access.
 // In the chunk kernels thread t takes the 4 consecutive elements at 4 * (t + kThreads * g) of its
 // chunk for g = 0..3, so that each warp's loads and stores are contiguous: 16-byte stores at a
 // 64-byte stride per thread instead reach 1.34 TB/s on an H100, contiguous ones 3.2 TB/s.
-// Codes that are not 4-byte aligned (pieces or piece_bytes), a mean that is not 16-byte aligned and
-// a chunk's last partial group of 4 take scalar paths; the sums are the same in every path.
+// Codes that are not 4-byte aligned (pieces, piece_bytes or the output) and a chunk's last partial
+// group of 4 take scalar paths; the sums are the same in every path.
 #include "core/exchange_rule.hpp"
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
@@ -87,9 +88,17 @@ __device__ __forceinline__ void add_codes(float (&sum)[kGroups][4], const uint32
   }
 }
 
-template <bool E5M2>
+// grad_reduce (REQUANTIZE false): one block per chunk max-accumulates amax(mean) of its elements.
+// grad_requantize (REQUANTIZE true): blocks [0, chunk_count) compute the same means again and store
+// their codes; the blocks after them run exchange_finish for kThreads tensors each.
+template <bool E5M2, bool REQUANTIZE>
 __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
-    grad_reduce_kernel(GradReduceJob j, bool codes_aligned, bool mean_aligned) {
+    exchange_kernel(GradExchangeJob j, bool codes_aligned, bool out_aligned) {
+  if (REQUANTIZE && blockIdx.x >= j.chunk_count) {
+    const int64_t t = (blockIdx.x - j.chunk_count) * static_cast<int64_t>(kThreads) + threadIdx.x;
+    if (t < j.tensor_count) exchange_finish(j.scales[t], j.amax[t], E5M2);
+    return;
+  }
   __shared__ float scale_inv[kScaleBatch];
   const OptimChunk ch = j.chunks[blockIdx.x];
   // Groups wholly inside the chunk: a prefix of the thread's groups (all of them but at a tensor's end).
@@ -133,60 +142,38 @@ __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
     }
   }
   uint32_t top = 0;
+  const float scale = REQUANTIZE ? exchange_scale(j.amax[ch.tensor], E5M2) : 0.0f;
   const float n = static_cast<float>(j.nranks);
-  const bool mean_vec = mean_aligned && ch.offset % 4 == 0;
+  const bool out_vec = out_aligned && ch.offset % 4 == 0;
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
     const int64_t i = ch.offset + group_offset(g);
     if (g < groups) {
       float m[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        m[e] = div_rn(sum[g][e], n);
-        top = max(top, abs_bits(m[e]));
-      }
-      if (mean_vec) {
-        *reinterpret_cast<float4*>(j.mean + i) = make_float4(m[0], m[1], m[2], m[3]);
+      for (int e = 0; e < 4; ++e) m[e] = div_rn(sum[g][e], n);
+      if (!REQUANTIZE) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) top = max(top, abs_bits(m[e]));
+      } else if (out_vec) {
+        *reinterpret_cast<uint32_t*>(j.codes + i) =
+            cast4<E5M2>(mul_rn(m[0], scale), mul_rn(m[1], scale), mul_rn(m[2], scale), mul_rn(m[3], scale));
       } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) j.mean[i + e] = m[e];
+        for (int e = 0; e < 4; ++e) j.codes[i + e] = encode_fp8_rn(mul_rn(m[e], scale), E5M2);
       }
     } else {  // the chunk's last few elements (at a tensor's end), by the rule itself
       for (int64_t x = i; x < ch.offset + ch.len && x < i + 4; ++x) {
         const float m =
             exchange_mean(j.pieces, j.piece_bytes, j.nranks, x, j.sender_scales, j.tensor_count, ch.tensor, E5M2);
-        j.mean[x] = m;
-        top = max(top, abs_bits(m));
+        if (REQUANTIZE)
+          j.codes[x] = encode_fp8_rn(mul_rn(m, scale), E5M2);
+        else
+          top = max(top, abs_bits(m));
       }
     }
   }
-  block_max_accumulate(top, j.amax + ch.tensor);
-}
-
-// Blocks [0, chunk_count) requantise one chunk each; the blocks after them run exchange_finish for
-// kThreads tensors each.
-template <bool E5M2>
-__global__ void __launch_bounds__(kThreads) grad_requantize_kernel(GradRequantizeJob j, bool aligned) {
-  if (blockIdx.x >= j.chunk_count) {
-    const int64_t t = (blockIdx.x - j.chunk_count) * static_cast<int64_t>(kThreads) + threadIdx.x;
-    if (t < j.tensor_count) exchange_finish(j.scales[t], j.amax[t], E5M2);
-    return;
-  }
-  const OptimChunk ch = j.chunks[blockIdx.x];
-  const float scale = exchange_scale(j.amax[ch.tensor], E5M2);
-  const int64_t end = ch.offset + ch.len;
-  const bool vec = aligned && ch.offset % 4 == 0;
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    const int64_t i = ch.offset + group_offset(g);
-    if (vec && i + 4 <= end) {
-      const float4 x = __ldg(reinterpret_cast<const float4*>(j.mean + i));
-      *reinterpret_cast<uint32_t*>(j.codes + i) =
-          cast4<E5M2>(mul_rn(x.x, scale), mul_rn(x.y, scale), mul_rn(x.z, scale), mul_rn(x.w, scale));
-    } else {
-      for (int64_t k = i; k < end && k < i + 4; ++k) j.codes[k] = encode_fp8_rn(mul_rn(j.mean[k], scale), E5M2);
-    }
-  }
+  if (!REQUANTIZE) block_max_accumulate(top, j.amax + ch.tensor);
 }
 
 __global__ void __launch_bounds__(kThreads) divide_kernel(float* x, int64_t n, float divisor, bool aligned) {
@@ -204,27 +191,29 @@ __global__ void __launch_bounds__(kThreads) divide_kernel(float* x, int64_t n, f
   for (int64_t i = n_vec * 4 + tid; i < n; i += stride) x[i] = div_rn(x[i], divisor);
 }
 
-}  // namespace
-
-void grad_reduce(const GradReduceJob& j, cudaStream_t stream) {
-  if (j.chunk_count <= 0 || j.nranks <= 0) return;
+// Blocks: one per chunk, and for grad_requantize those of exchange_finish after them.
+template <bool REQUANTIZE>
+void launch_exchange(const GradExchangeJob& j, cudaStream_t stream, const char* what) {
+  const int64_t chunks = j.chunk_count > 0 && j.nranks > 0 ? j.chunk_count : 0;
+  const int64_t blocks = chunks + (REQUANTIZE ? (j.tensor_count + kThreads - 1) / kThreads : 0);
+  if (blocks <= 0) return;
+  GradExchangeJob job = j;
+  job.chunk_count = chunks;
   const bool codes_aligned = (reinterpret_cast<uintptr_t>(j.pieces) & 3u) == 0 && j.piece_bytes % 4 == 0;
-  const bool mean_aligned = aligned16(j.mean);
-  auto* kernel = j.e5m2 ? grad_reduce_kernel<true> : grad_reduce_kernel<false>;
-  kernel<<<static_cast<unsigned>(j.chunk_count), kThreads, 0, stream>>>(j, codes_aligned, mean_aligned);
-  cuda_check(cudaGetLastError(), "gradient exchange reduce kernel launch");
+  const bool out_aligned = REQUANTIZE && (reinterpret_cast<uintptr_t>(j.codes) & 3u) == 0;
+  auto* kernel = j.e5m2 ? exchange_kernel<true, REQUANTIZE> : exchange_kernel<false, REQUANTIZE>;
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(job, codes_aligned, out_aligned);
+  cuda_check(cudaGetLastError(), what);
 }
 
-void grad_requantize(const GradRequantizeJob& j, cudaStream_t stream) {
-  const int64_t chunks = j.chunk_count > 0 ? j.chunk_count : 0;
-  const int64_t blocks = chunks + (j.tensor_count + kThreads - 1) / kThreads;
-  if (blocks <= 0) return;
-  GradRequantizeJob job = j;
-  job.chunk_count = chunks;
-  const bool aligned = aligned16(j.mean) && (reinterpret_cast<uintptr_t>(j.codes) & 3u) == 0;
-  auto* kernel = j.e5m2 ? grad_requantize_kernel<true> : grad_requantize_kernel<false>;
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(job, aligned);
-  cuda_check(cudaGetLastError(), "gradient exchange requantize kernel launch");
+}  // namespace
+
+void grad_reduce(const GradExchangeJob& j, cudaStream_t stream) {
+  launch_exchange<false>(j, stream, "gradient exchange reduce kernel launch");
+}
+
+void grad_requantize(const GradExchangeJob& j, cudaStream_t stream) {
+  launch_exchange<true>(j, stream, "gradient exchange requantize kernel launch");
 }
 
 void divide(const DivideJob& j, const LaunchLimits& lim, cudaStream_t stream) {

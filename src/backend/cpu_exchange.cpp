@@ -7,24 +7,29 @@
 
 namespace fp8 {
 
-void cpu_grad_reduce(const GradReduceJob& j) {
+namespace {
+
+float mean_at(const GradExchangeJob& j, int64_t i, int32_t tensor) {
+  return exchange_mean(j.pieces, j.piece_bytes, j.nranks, i, j.sender_scales, j.tensor_count, tensor, j.e5m2);
+}
+
+}  // namespace
+
+void cpu_grad_reduce(const GradExchangeJob& j) {
   for (int64_t c = 0; c < j.chunk_count; ++c) {
     const OptimChunk& ch = j.chunks[c];
     uint32_t top = 0;
-    for (int64_t i = ch.offset; i < ch.offset + ch.len; ++i) {
-      j.mean[i] = exchange_mean(j.pieces, j.piece_bytes, j.nranks, i, j.sender_scales, j.tensor_count, ch.tensor,
-                                j.e5m2);
-      top = std::max(top, abs_bits(j.mean[i]));
-    }
+    for (int64_t i = ch.offset; i < ch.offset + ch.len; ++i) top = std::max(top, abs_bits(mean_at(j, i, ch.tensor)));
     j.amax[ch.tensor] = std::max(j.amax[ch.tensor], top);
   }
 }
 
-void cpu_grad_requantize(const GradRequantizeJob& j) {
+void cpu_grad_requantize(const GradExchangeJob& j) {
   for (int64_t c = 0; c < j.chunk_count; ++c) {
     const OptimChunk& ch = j.chunks[c];
     const float scale = exchange_scale(j.amax[ch.tensor], j.e5m2);
-    for (int64_t i = ch.offset; i < ch.offset + ch.len; ++i) j.codes[i] = encode_fp8_rn(mul_rn(j.mean[i], scale), j.e5m2);
+    for (int64_t i = ch.offset; i < ch.offset + ch.len; ++i)
+      j.codes[i] = encode_fp8_rn(mul_rn(mean_at(j, i, ch.tensor), scale), j.e5m2);
   }
   for (int32_t t = 0; t < j.tensor_count; ++t) exchange_finish(j.scales[t], j.amax[t], j.e5m2);
 }

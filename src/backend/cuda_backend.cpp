@@ -82,6 +82,7 @@ class CudaBackend final : public Backend {
     if (!bytes) return;
     DeviceScope scope(limits_.device);
     join_side();  // (the memory may be the communication stream's)
+    wait_queued("copy to device");
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
     wait(stream_, "copy to device (synchronize)");
   }
@@ -89,6 +90,7 @@ class CudaBackend final : public Backend {
     if (!bytes) return;
     DeviceScope scope(limits_.device);
     join_side();
+    wait_queued("copy to host");
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copy to host");
     wait(stream_, "copy to host (synchronize)");
   }
@@ -219,11 +221,11 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::grad_accumulate(job, limits_, stream_);
   }
-  void grad_reduce(const GradReduceJob& job) override {
+  void grad_reduce(const GradExchangeJob& job) override {
     DeviceScope scope(limits_.device);
     kernels::grad_reduce(job, stream_);
   }
-  void grad_requantize(const GradRequantizeJob& job) override {
+  void grad_requantize(const GradExchangeJob& job) override {
     DeviceScope scope(limits_.device);
     kernels::grad_requantize(job, stream_);
   }
@@ -308,6 +310,12 @@ class CudaBackend final : public Backend {
       else
         std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
+  }
+
+  // A copy with pageable host memory waits inside the runtime for the work queued before it: with a
+  // wait poll, that work is waited for first, where the poll can end the wait.
+  void wait_queued(const char* what) {
+    if (wait_poll_) wait(stream_, what);
   }
 
   kernels::LaunchLimits limits_{};

@@ -204,10 +204,16 @@ struct OptimizerStepJob {
   OptimElementArgs* args;   // device memory: element_args(*hyper), written by the step's finish
 };
 
-// FP8 gradient exchange, receiver side (core/exchange_rule.hpp): for every element i of a chunk
-// (chunk offsets are element offsets in this rank's shard), mean[i] = exchange_mean(...), and
-// amax[tensor] = max(amax[tensor], abs bits of mean[i]) (the caller zeroes amax first).
-struct GradReduceJob {
+// FP8 gradient exchange at the receiver (core/exchange_rule.hpp), over this rank's shard of the FP8
+// gradient arena: every sender's codes of it with each sender's per-tensor scales. Chunk offsets are
+// element offsets in the shard. Two passes over the same inputs, because the ranks agree on the
+// mean's amax between them; each pass computes exchange_mean afresh (the same bits each time), which
+// costs fewer bytes than keeping the FP32 means (4 per element, written and read again):
+//   grad_reduce: amax[tensor] = max(amax[tensor], abs bits of exchange_mean(i)) over the chunks'
+//     elements (the caller zeroes amax first);
+//   grad_requantize: codes[i] = encode(exchange_mean(i) * exchange_scale(amax[tensor])), and
+//     exchange_finish(scales[t], amax[t]) for every tensor t (each rank sets all of them alike).
+struct GradExchangeJob {
   const uint8_t* pieces;  // nranks pieces of piece_bytes: sender k's codes of this shard at k * piece_bytes
   int32_t nranks;
   int64_t piece_bytes;
@@ -216,22 +222,9 @@ struct GradReduceJob {
   const OptimChunk* chunks;  // device memory
   int64_t chunk_count;
   bool e5m2;
-  float* mean;     // piece_bytes floats; elements outside the chunks are not written
-  uint32_t* amax;  // tensor_count
-};
-
-// FP8 gradient exchange, after the ranks agreed on amax: codes[i] = encode(mean[i] *
-// exchange_scale(amax[tensor])) for the chunks' elements, and exchange_finish(scales[t], amax[t])
-// for every tensor t (each rank sets all of them, so they agree everywhere).
-struct GradRequantizeJob {
-  const float* mean;
-  const OptimChunk* chunks;
-  int64_t chunk_count;
-  const uint32_t* amax;  // tensor_count, agreed across ranks
-  int32_t tensor_count;
-  bool e5m2;
-  uint8_t* codes;      // this rank's shard of the gradient arena
-  GradScales* scales;  // tensor_count
+  uint32_t* amax;      // tensor_count: accumulated by grad_reduce, agreed, read by grad_requantize
+  uint8_t* codes;      // grad_requantize: this rank's shard of the gradient arena
+  GradScales* scales;  // grad_requantize: tensor_count
 };
 
 // x[i] = x[i] / divisor (round to nearest): the mean of an FP32 gradient sum over the ranks.

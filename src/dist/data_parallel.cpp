@@ -118,7 +118,7 @@ struct ModelComm::Plan {
   std::vector<int64_t> chunk_begin;
   // Shared by the buckets, which run one after another on the communication stream: sized by the
   // largest piece. sender_scales holds bucket b's senders at [nranks * first, nranks * last).
-  nn::Arena recv, mean, sender_scales, amax, chunks;
+  nn::Arena recv, sender_scales, amax, chunks;
   // The scaling states' amaxes, gathered.
   nn::Arena amaxes;
   size_t amax_count = 0;
@@ -214,7 +214,6 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
   fresh.chunk_begin.push_back(static_cast<int64_t>(chunks.size()));
   if (fresh.codes) {
     fresh.recv = nn::Arena(m.backend, n * largest);
-    fresh.mean = nn::Arena(m.backend, largest * sizeof(float));
     fresh.sender_scales = nn::Arena(m.backend, n * params.size() * sizeof(GradScales));
     fresh.amax = nn::Arena(m.backend, params.size() * sizeof(uint32_t));
     fresh.chunks = nn::Arena(m.backend, chunks.size() * sizeof(OptimChunk));
@@ -281,11 +280,20 @@ void exchange_bucket(fp8_model& m, size_t k, uint8_t goal) {
         be.zero(amax, static_cast<size_t>(tensors) * sizeof(uint32_t));
         const auto* chunks = reinterpret_cast<const OptimChunk*>(plan.chunks.data()) + plan.chunk_begin[k];
         const int64_t chunk_count = plan.chunk_begin[k + 1] - plan.chunk_begin[k];
-        auto* mean = reinterpret_cast<float*>(plan.mean.data());
-        be.grad_reduce({reinterpret_cast<const uint8_t*>(plan.recv.data()), t.size(), static_cast<int64_t>(piece),
-                        senders, tensors, chunks, chunk_count, plan.e5m2, mean, amax});
+        const GradExchangeJob job{reinterpret_cast<const uint8_t*>(plan.recv.data()),
+                                  t.size(),
+                                  static_cast<int64_t>(piece),
+                                  senders,
+                                  tensors,
+                                  chunks,
+                                  chunk_count,
+                                  plan.e5m2,
+                                  amax,
+                                  share,
+                                  mine};
+        be.grad_reduce(job);
         t.all_reduce(amax, static_cast<size_t>(tensors), ElemType::kU32, ReduceOp::kMax);
-        be.grad_requantize({mean, chunks, chunk_count, amax, tensors, plan.e5m2, share, mine});
+        be.grad_requantize(job);
       }
       c.exchanged[k] = ModelComm::kOwnPieces;
     }

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <fstream>
@@ -562,10 +563,11 @@ TEST(GpuDataParallelChild, RankOneExitsEarlyAndRankZerosWaitEndsInAnNcclError) {
   std::mutex mutex;
   std::condition_variable changed;
   bool finished = false;
+  std::atomic<const char*> current{"(no call yet)"};
   std::thread watchdog([&] {
     std::unique_lock<std::mutex> lock(mutex);
     if (!changed.wait_for(lock, std::chrono::seconds(60), [&] { return finished; })) {
-      std::printf("rank 0: a call still waits 60 s after rank 1 exited: it hangs\n");
+      std::printf("rank 0: %s still waits 60 s after rank 1 exited: it hangs\n", current.load());
       std::fflush(stdout);
       const std::string text = "result=hang\n";
       write_bytes(env->out, text.data(), text.size());
@@ -588,6 +590,10 @@ TEST(GpuDataParallelChild, RankOneExitsEarlyAndRankZerosWaitEndsInAnNcclError) {
   fp8_status_t status = FP8_OK;
   std::string failed = "(none)", message;
   for (const auto& call : calls) {
+    current = call.first;
+    std::printf("rank 0: %.1f s: %s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                call.first);
+    std::fflush(stdout);
     status = call.second();
     if (status != FP8_OK) {
       failed = call.first;
