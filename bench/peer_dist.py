@@ -75,7 +75,8 @@ def make_mlp(dev):
 
 
 def flat_params(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).view(torch.int16)
+    # The bits, as bytes: NCCL broadcasts uint8 (not int16) and equality is of the bits.
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).view(torch.uint8)
 
 
 def scaling_rank(rank, n, init, barrier, path):
