@@ -3,7 +3,7 @@
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
 # RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0, RUN_GRAPH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
 # benchmarks. RUN_TORCH=1 adds the PyTorch stage (libfp8.torch's GPU tests, the GPT presets; see below);
-# RUN_MULTI=1 the runs over several GPUs.
+# RUN_MULTI=1 the runs over several GPUs; RUN_SANITIZER=1 the GPU suite under compute-sanitizer.
 # Dependencies missing on the GPU image (GoogleTest, zlib and DLPack headers, the Fashion-MNIST
 # files) come from .device/ when present.
 set -uo pipefail
@@ -36,6 +36,23 @@ cmake --build build/device -j 16 >> "$OUT/build.log" 2>&1 || { grep -E "error|Er
 echo "build: $(( $(date +%s) - t0 )) s"
 
 [ "${RUN_TESTS:-1}" = 1 ] && ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+
+# RUN_SANITIZER=1: the GPU suite again under compute-sanitizer, each tool over every program (the
+# exhaustive encoder check left out: 2^32 conversions take hours instrumented), one summary line per
+# tool; logs in $OUT/sanitizer_<tool>.log.
+if [ "${RUN_SANITIZER:-0}" = 1 ]; then
+  for tool in memcheck racecheck synccheck; do
+    programs=0 failed=""
+    for t in build/device/tests/gpu_*; do
+      [ -x "$t" ] && [ "${t##*/}" != gpu_encoder_exhaustive ] || continue
+      programs=$((programs + 1))
+      timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" \
+        >> "$OUT/sanitizer_$tool.log" 2>&1 || failed="$failed ${t##*/}($?)"
+    done
+    errors=$(grep -o "ERROR SUMMARY: [0-9]*" "$OUT/sanitizer_$tool.log" | awk '{n += $3} END {print n + 0}')
+    echo "compute-sanitizer $tool: $programs programs, $errors errors, failed:${failed:- none}"
+  done | tee "$OUT/sanitizer.md"
+fi
 
 # The main job on the real data: bf16 and FP8 runs side by side; fails when FP8 trails by > 0.5 points.
 if [ "${RUN_EXAMPLE:-1}" = 1 ]; then
