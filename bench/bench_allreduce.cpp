@@ -72,54 +72,14 @@ const char* const kPathKey[kPaths] = {"libfp8", "nccl_fp32", "nccl_bf16", "nccl_
 constexpr int kWire[kPaths] = {1, 4, 2, 1, 1};  // bytes per element on the wire
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// A failure on one rank ends the process at once: the other ranks' threads are inside libfp8 or
-// waiting in NCCL, so no destructor may run (std::exit would run them).
-thread_local int this_rank = -1;
-[[noreturn]] void die(const char* call, const char* status, const char* message) {
-  std::fflush(stdout);
-  if (this_rank >= 0)
-    std::fprintf(stderr, "bench_allreduce: rank %d: %s: %s: %s\n", this_rank, call, status, message);
-  else
-    std::fprintf(stderr, "bench_allreduce: %s: %s: %s\n", call, status, message);
-  std::fflush(stderr);
-  std::_Exit(1);
-}
-#define RCHECK_FP8(call)                                                           \
-  do {                                                                             \
-    const fp8_status_t s_ = (call);                                                \
-    if (s_ != FP8_OK) die(#call, fp8_status_string(s_), fp8_last_error_message()); \
-  } while (0)
-#define RCHECK_CUDA(call)                                              \
-  do {                                                                 \
-    const cudaError_t e_ = (call);                                     \
-    if (e_ != cudaSuccess) die(#call, "CUDA", cudaGetErrorString(e_)); \
-  } while (0)
+using fp8bench::die;
+using fp8bench::SpinBarrier;
+using fp8bench::this_rank;
 #define RCHECK_NCCL(call)                                                                 \
   do {                                                                                    \
     const ncclResult_t r_ = (call);                                                       \
     if (r_ != ncclSuccess) die(#call, ncclGetErrorString(r_), ncclGetLastError(nullptr)); \
   } while (0)
-
-// The ranks meet here (spinning: the wake-up must not skew their start by a scheduler's tick).
-class SpinBarrier {
- public:
-  explicit SpinBarrier(int n) : n_(n) {}
-  void wait() {
-    const int gen = gen_.load(std::memory_order_acquire);
-    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
-      count_.store(0, std::memory_order_relaxed);
-      gen_.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    while (gen_.load(std::memory_order_acquire) == gen) std::this_thread::yield();
-  }
-  int generation() const { return gen_.load(std::memory_order_acquire); }
-
- private:
-  const int n_;
-  std::atomic<int> count_{0};
-  std::atomic<int> gen_{0};
-};
 
 struct Row {
   int lg = 0;
@@ -514,7 +474,8 @@ void report(const Shared& s, FILE* json) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("NCCL_NVLS_ENABLE", "0", 0);  // NVLink multicast off (before any NCCL call)
+  fp8bench::die_program = "bench_allreduce";  // (its failures name the program)
+  setenv("NCCL_NVLS_ENABLE", "0", 0);         // NVLink multicast off (before any NCCL call)
   const char* json_path = argc > 1 ? argv[1] : "bench_allreduce.json";
   int max_lg = 28;
   if (const char* e = std::getenv("ALLREDUCE_MAX_LOG2")) {

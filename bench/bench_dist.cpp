@@ -56,6 +56,30 @@ struct Step {
   fp8_comm_t* comm = nullptr;
 };
 
+// Converts `m` with `recipe` and turns its autowrap on (forward and backward in FP8). A failure
+// ends the process at once (fp8bench::die: a rank's threads call it too).
+void convert(fp8_model_t* m, const char* recipe) {
+  fp8_recipe_t* r = nullptr;
+  RCHECK_FP8(fp8_recipe_create(&r));
+  RCHECK_FP8(fp8_recipe_parse(r, recipe));
+  RCHECK_FP8(fp8_convert_model(m, r, nullptr));
+  fp8_recipe_destroy(r);
+  RCHECK_FP8(fp8_model_set_autowrap(m, 1));
+}
+
+// The time in ms between events a and b recorded on `stream` before and after what `queue` queues
+// there (waits for b). A failure ends the process at once, as in convert.
+template <class Queue>
+float event_ms(cudaStream_t stream, cudaEvent_t a, cudaEvent_t b, const Queue& queue) {
+  RCHECK_CUDA(cudaEventRecord(a, stream));
+  queue();
+  RCHECK_CUDA(cudaEventRecord(b, stream));
+  RCHECK_CUDA(cudaEventSynchronize(b));
+  float t = 0;
+  RCHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+  return t;
+}
+
 // Linear k -> n with bias at O2, data-parallel over a one-rank NCCL communicator when `dp`, with
 // backward sync when `backward_sync`.
 Step make_step(int64_t k, int64_t n, bool dp, bool backward_sync) {
@@ -67,12 +91,7 @@ Step make_step(int64_t k, int64_t n, bool dp, bool backward_sync) {
   CHECK_FP8(fp8_model_parameter(s.model, "fc.bias", &b, nullptr));
   fp8bench::fill_normal(w, 1.0f / std::sqrt(static_cast<float>(k)), 1);
   fp8bench::fill_normal(b, 0.1f, 2);
-  fp8_recipe_t* r = nullptr;
-  CHECK_FP8(fp8_recipe_create(&r));
-  CHECK_FP8(fp8_recipe_parse(r, "backend=msamp, opt_level=O2, small_layer_fallback=0"));
-  CHECK_FP8(fp8_convert_model(s.model, r, nullptr));
-  fp8_recipe_destroy(r);
-  CHECK_FP8(fp8_model_set_autowrap(s.model, 1));
+  convert(s.model, "backend=msamp, opt_level=O2, small_layer_fallback=0");
   if (dp) {
     CHECK_FP8(fp8_comm_create_local(&s.comm, &ctx, 1));
     CHECK_FP8(fp8_model_set_comm(s.model, s.comm));
@@ -127,15 +146,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
   for (int rep = 0; rep < 30; ++rep)
-    for (int dp = 0; dp < kSteps; ++dp) {
-      CHECK_CUDA(cudaEventRecord(a, stream));
-      run(steps[dp]);
-      CHECK_CUDA(cudaEventRecord(b, stream));
-      CHECK_CUDA(cudaEventSynchronize(b));
-      float t = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-      ms[dp].push_back(t);
-    }
+    for (int dp = 0; dp < kSteps; ++dp) ms[dp].push_back(event_ms(stream, a, b, [&] { run(steps[dp]); }));
   double step_ms[kSteps];
   for (int dp = 0; dp < kSteps; ++dp) {
     std::sort(ms[dp].begin(), ms[dp].end());
@@ -170,45 +181,8 @@ constexpr double kStepFlops = 3.0 * 2.0 * 2.0 * kTokens * kModel * kHidden;
 // Above the dense FP8 peak of an H100 or H200 (1979 TFLOP/s): a step this fast skipped work.
 constexpr double kMaxTflops = 2000.0;
 
-// A failure on one rank ends the process at once: the other ranks' threads are inside libfp8 or
-// waiting in NCCL, so no destructor may run (std::exit would run them).
-thread_local int this_rank = -1;
-[[noreturn]] void die(const char* call, const char* status, const char* message) {
-  std::fflush(stdout);
-  std::fprintf(stderr, "rank %d: %s: %s: %s\n", this_rank, call, status, message);
-  std::fflush(stderr);
-  std::_Exit(1);
-}
-#define RCHECK_FP8(call)                                                                    \
-  do {                                                                                      \
-    const fp8_status_t s_ = (call);                                                         \
-    if (s_ != FP8_OK) scaling::die(#call, fp8_status_string(s_), fp8_last_error_message()); \
-  } while (0)
-#define RCHECK_CUDA(call)                                                       \
-  do {                                                                          \
-    const cudaError_t e_ = (call);                                              \
-    if (e_ != cudaSuccess) scaling::die(#call, "CUDA", cudaGetErrorString(e_)); \
-  } while (0)
-
-// The ranks meet here (spinning: the wake-up must not skew their start by a scheduler's tick).
-class SpinBarrier {
- public:
-  explicit SpinBarrier(int n) : n_(n) {}
-  void wait() {
-    const int gen = gen_.load(std::memory_order_acquire);
-    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
-      count_.store(0, std::memory_order_relaxed);
-      gen_.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    while (gen_.load(std::memory_order_acquire) == gen) std::this_thread::yield();
-  }
-
- private:
-  const int n_;
-  std::atomic<int> count_{0};
-  std::atomic<int> gen_{0};
-};
+using fp8bench::SpinBarrier;
+using fp8bench::this_rank;
 
 // What each rank found after the timed steps.
 struct RankOut {
@@ -271,12 +245,7 @@ Trained make_mlp(const Shared& g, fp8_context_t* c, fp8_comm_t* comm, bool backw
     RCHECK_FP8(fp8_model_parameter(t.model, kParamName[i], &p, nullptr));
     RCHECK_FP8(fp8_tensor_copy_from_host(p, g.params[i].data(), g.params[i].size() * sizeof(float)));
   }
-  fp8_recipe_t* r = nullptr;
-  RCHECK_FP8(fp8_recipe_create(&r));
-  RCHECK_FP8(fp8_recipe_parse(r, "backend=msamp, opt_level=O2"));
-  RCHECK_FP8(fp8_convert_model(t.model, r, nullptr));
-  fp8_recipe_destroy(r);
-  RCHECK_FP8(fp8_model_set_autowrap(t.model, 1));
+  convert(t.model, "backend=msamp, opt_level=O2");
   if (comm) {
     RCHECK_FP8(fp8_model_set_comm(t.model, comm));
     if (backward_sync) RCHECK_FP8(fp8_model_set_backward_sync(t.model, 1));
@@ -360,12 +329,7 @@ void rank_main(Shared& g, int k) {
     for (int cfg = 0; cfg < kConfigs; ++cfg) {
       g.barrier->wait();  // every rank has synchronised: its previous step is done
       if (!m[cfg].model) continue;
-      RCHECK_CUDA(cudaEventRecord(a, st));
-      step(m[cfg]);
-      RCHECK_CUDA(cudaEventRecord(b, st));
-      RCHECK_CUDA(cudaEventSynchronize(b));
-      float ms = 0;
-      RCHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+      const float ms = event_ms(st, a, b, [&] { step(m[cfg]); });
       if (it >= kWarm) g.times[cfg][static_cast<size_t>((it - kWarm) * g.n + k)] = ms;
     }
   g.barrier->wait();

@@ -1,14 +1,17 @@
 // What the benchmark programs share: checks that stop the program with the library's message, and
-// the CUDA-event timing every benchmark uses.
+// the CUDA-event timing every benchmark uses; for those whose ranks are threads of one process, the
+// checks that end the process at once and the barrier where the ranks meet.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "core/format.hpp"
@@ -86,4 +89,55 @@ inline void fill_normal(fp8_tensor_t* t, float sd, uint32_t seed) {
   }
 }
 
+// A failure on one rank ends the process at once: the other ranks' threads are inside libfp8 or
+// waiting in NCCL, so no destructor may run (std::exit would run them). The message starts with
+// die_program and ": " where it is set, then "rank k: " on a rank's thread (this_rank, which each
+// rank's thread sets; -1 elsewhere).
+inline thread_local int this_rank = -1;
+inline const char* die_program = nullptr;
+[[noreturn]] inline void die(const char* call, const char* status, const char* message) {
+  std::fflush(stdout);
+  const char* program = die_program ? die_program : "";
+  const char* colon = die_program ? ": " : "";
+  if (this_rank >= 0)
+    std::fprintf(stderr, "%s%srank %d: %s: %s: %s\n", program, colon, this_rank, call, status, message);
+  else
+    std::fprintf(stderr, "%s%s%s: %s: %s\n", program, colon, call, status, message);
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
+// The ranks meet here (spinning: the wake-up must not skew their start by a scheduler's tick).
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  void wait() {
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    while (gen_.load(std::memory_order_acquire) == gen) std::this_thread::yield();
+  }
+  int generation() const { return gen_.load(std::memory_order_acquire); }
+
+ private:
+  const int n_;
+  std::atomic<int> count_{0};
+  std::atomic<int> gen_{0};
+};
+
 }  // namespace fp8bench
+
+// CHECK_FP8 and CHECK_CUDA for a rank's thread (or any thread while ranks run): fp8bench::die.
+#define RCHECK_FP8(call)                                                                     \
+  do {                                                                                       \
+    const fp8_status_t s_ = (call);                                                          \
+    if (s_ != FP8_OK) fp8bench::die(#call, fp8_status_string(s_), fp8_last_error_message()); \
+  } while (0)
+#define RCHECK_CUDA(call)                                                        \
+  do {                                                                           \
+    const cudaError_t e_ = (call);                                               \
+    if (e_ != cudaSuccess) fp8bench::die(#call, "CUDA", cudaGetErrorString(e_)); \
+  } while (0)

@@ -91,25 +91,31 @@ inline void make_data_parallel(Rank& r, fp8_optimizer_kind_t kind = FP8_OPTIMIZE
   }
 }
 
+// Fills `ranks` (empty) with rank k on devices[k], each with its end of one group
+// (fp8_comm_create_local, whose status it returns): CPU contexts or CUDA contexts sharing a GPU are
+// joined by the in-process transport, CUDA contexts each on a GPU of its own by NCCL
+// (ncclCommInitAll), as is one rank on a GPU.
+inline fp8_status_t join_ranks(std::vector<Rank>& ranks, const std::vector<int32_t>& devices) {
+  const int n = static_cast<int>(devices.size());
+  for (int32_t device : devices) ranks.emplace_back(device);
+  std::vector<fp8_context_t*> ctxs;
+  for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
+  std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
+  const fp8_status_t status = fp8_comm_create_local(comms.data(), ctxs.data(), n);
+  for (int k = 0; k < n; ++k) ranks[k].comm.reset(comms[k]);
+  return status;
+}
+
 // A group of ranks, each with its own model (rank k built from seed k + 1, so
 // set_comm has something to broadcast), data-parallel, with an optimizer of `kind`.
 struct Group {
   std::vector<Rank> ranks;
-  // Rank k on devices[k] (fp8_comm_create_local): CPU contexts or CUDA contexts sharing a GPU are
-  // joined by the in-process transport, CUDA contexts each on a GPU of its own by NCCL
-  // (ncclCommInitAll), as is one rank on a GPU.
+  // Rank k on devices[k] (join_ranks).
   Group(const std::vector<int32_t>& devices, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM,
         float max_grad_norm = 0.0f, size_t bucket_bytes = 0, bool backward_sync = false) {
     const int n = static_cast<int>(devices.size());
-    for (int32_t device : devices) ranks.emplace_back(device);
-    std::vector<fp8_context_t*> ctxs;
-    for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
-    std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
-    EXPECT_OK(fp8_comm_create_local(comms.data(), ctxs.data(), n));
-    for (int k = 0; k < n; ++k) {
-      ranks[k].comm.reset(comms[k]);
-      ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
-    }
+    EXPECT_OK(join_ranks(ranks, devices));
+    for (int k = 0; k < n; ++k) ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
     on_ranks(n, [&](int k) { make_data_parallel(ranks[k], kind, max_grad_norm, bucket_bytes, backward_sync); });
   }
   // n ranks, every one on `device` (FP8_DEVICE_CPU, or one GPU: NCCL for one rank, else the
@@ -147,6 +153,24 @@ inline void train_step(Rank& r, int step, int rank) {
   EXPECT_OK(fp8_optimizer_zero_grad(r.opt.get()));
 }
 
+// Appends the bytes of every scaling state (scale, then history) of layers 0 and 2 (the Linears of
+// build_model) to *out; with `out` nullptr, only reads the states (each read checked).
+inline void append_scaling_bytes(fp8_model_t* m, std::vector<unsigned char>* out) {
+  for (int32_t layer : {0, 2})
+    for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
+      fp8_scaling_t* s = nullptr;
+      EXPECT_OK(fp8_layer_get_scaling(m, layer, slot, &s));
+      if (!s || !out) continue;
+      const fp8_scaling_info_t info = info_of(s);
+      std::vector<float> history(static_cast<size_t>(info.amax_history_len));
+      EXPECT_OK(fp8_scaling_get_history(s, history.data(), info.amax_history_len));
+      const auto* a = reinterpret_cast<const unsigned char*>(&info.scale);
+      out->insert(out->end(), a, a + sizeof info.scale);
+      const auto* h = reinterpret_cast<const unsigned char*>(history.data());
+      out->insert(out->end(), h, h + history.size() * sizeof(float));
+    }
+}
+
 // The bytes of every flat storage arena of values (and of gradients) and of every scaling state
 // (scale, history): what must be identical on every rank. (O3's F16 masters are not: each rank of
 // a data-parallel model keeps its share of them.)
@@ -180,20 +204,47 @@ inline std::vector<unsigned char> state_bytes(const Rank& r, bool grads, bool sc
   if (device != FP8_DEVICE_CPU) {
     EXPECT_EQ(cudaSetDevice(previous), cudaSuccess);
   }
-  for (int32_t layer : {0, 2})
-    for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
-      fp8_scaling_t* s = nullptr;
-      EXPECT_OK(fp8_layer_get_scaling(m, layer, slot, &s));
-      if (!s || !scaling) continue;
-      const fp8_scaling_info_t info = info_of(s);
-      std::vector<float> history(static_cast<size_t>(info.amax_history_len));
-      EXPECT_OK(fp8_scaling_get_history(s, history.data(), info.amax_history_len));
-      const auto* a = reinterpret_cast<const unsigned char*>(&info.scale);
-      out.insert(out.end(), a, a + sizeof info.scale);
-      const auto* h = reinterpret_cast<const unsigned char*>(history.data());
-      out.insert(out.end(), h, h + history.size() * sizeof(float));
-    }
+  append_scaling_bytes(m, scaling ? &out : nullptr);
   return out;
+}
+
+// ZeRO at O3: what each of the ranks keeps. Rank k on devices[k] (fp8_comm_create_local), each with
+// one 1024 x 1024 Linear "big" (no bias, weights from seed 5) converted with "backend=msamp,
+// opt_level=O3", made data-parallel (collective) with an Adam optimizer.
+struct ZeroO3Footprint {
+  std::vector<int64_t> parameters;       // per rank: the parameters its optimizer updates
+  std::vector<double> bytes_per_weight;  // per rank: its optimizer's training_bytes / parameters
+  size_t masters_total = 0;              // the bytes of every rank's F16 master share, added up
+};
+// Fills *out (a fatal failure, for ASSERT_NO_FATAL_FAILURE, where the ranks cannot be joined).
+inline void zero_o3_footprint(const std::vector<int32_t>& devices, ZeroO3Footprint* out) {
+  const int n = static_cast<int>(devices.size());
+  std::vector<Rank> ranks;
+  FP8_ASSERT_OK(join_ranks(ranks, devices));
+  for (int k = 0; k < n; ++k) {
+    Rank& r = ranks[k];
+    r.model = make_model(r.ctx.get());
+    EXPECT_OK(fp8_model_add_linear(r.model.get(), "big", 1024, 1024, 0, nullptr));
+    fp8_tensor_t* w = nullptr;
+    EXPECT_OK(fp8_model_parameter_at(r.model.get(), 0, nullptr, &w, nullptr));
+    upload(w, randn(1024 * 1024, 5, 0.03f));
+    Recipe rec = make_recipe("backend=msamp, opt_level=O3");
+    EXPECT_OK(fp8_convert_model(r.model.get(), rec.get(), nullptr));
+  }
+  on_ranks(n, [&](int k) {
+    EXPECT_OK(fp8_model_set_comm(ranks[k].model.get(), ranks[k].comm.get()));
+    ranks[k].opt = make_optimizer(ranks[k].model.get(), FP8_OPTIMIZER_ADAM);
+  });
+  *out = ZeroO3Footprint{};
+  for (int k = 0; k < n; ++k) {
+    const fp8_optimizer_stats_t s = stats_of(ranks[k].opt.get());
+    out->parameters.push_back(s.parameters);
+    out->bytes_per_weight.push_back(static_cast<double>(s.training_bytes) / static_cast<double>(s.parameters));
+    void* data = nullptr;
+    size_t bytes = 0;
+    EXPECT_OK(fp8_model_flat_storage(ranks[k].model.get(), FP8_STORAGE_MASTERS, FP8_DTYPE_F16, &data, &bytes));
+    out->masters_total += bytes;
+  }
 }
 
 // A file of this test in the system's temporary directory.

@@ -90,19 +90,7 @@ std::vector<unsigned char> weight_bytes(const Rank& r) {
       out.insert(out.end(), s, s + sizeof scale_inv);
     }
   }
-  for (int32_t layer : {0, 2})
-    for (int32_t slot : {FP8_SCALING_INPUT, FP8_SCALING_WEIGHT, FP8_SCALING_GRAD_OUTPUT}) {
-      fp8_scaling_t* s = nullptr;
-      EXPECT_OK(fp8_layer_get_scaling(m, layer, slot, &s));
-      if (!s) continue;
-      const fp8_scaling_info_t info = info_of(s);
-      std::vector<float> history(static_cast<size_t>(info.amax_history_len));
-      EXPECT_OK(fp8_scaling_get_history(s, history.data(), info.amax_history_len));
-      const auto* a = reinterpret_cast<const unsigned char*>(&info.scale);
-      out.insert(out.end(), a, a + sizeof info.scale);
-      const auto* h = reinterpret_cast<const unsigned char*>(history.data());
-      out.insert(out.end(), h, h + history.size() * sizeof(float));
-    }
+  append_scaling_bytes(m, &out);
   return out;
 }
 
@@ -202,46 +190,21 @@ INSTANTIATE_TEST_SUITE_P(Levels, MultiGpuLevels, ::testing::Combine(::testing::V
 TEST(MultiGpuZero, O3OnEveryGpuKeepsTwoPlusFiveOverNBytesPerWeight) {
   const int n = fp8_gpus();
   if (n < 2) GTEST_SKIP() << kNeedsTwoGpus << n;
-  std::vector<Rank> ranks;
-  for (int k = 0; k < n; ++k) ranks.emplace_back(k);
-  std::vector<fp8_context_t*> ctxs;
-  for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
-  std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
-  FP8_ASSERT_OK(fp8_comm_create_local(comms.data(), ctxs.data(), n));
-  for (int k = 0; k < n; ++k) {
-    Rank& r = ranks[k];
-    r.comm.reset(comms[k]);
-    r.model = make_model(r.ctx.get());
-    EXPECT_OK(fp8_model_add_linear(r.model.get(), "big", 1024, 1024, 0, nullptr));
-    fp8_tensor_t* w = nullptr;
-    EXPECT_OK(fp8_model_parameter_at(r.model.get(), 0, nullptr, &w, nullptr));
-    upload(w, randn(1024 * 1024, 5, 0.03f));
-    Recipe rec = make_recipe("backend=msamp, opt_level=O3");
-    EXPECT_OK(fp8_convert_model(r.model.get(), rec.get(), nullptr));
-  }
-  on_ranks(n, [&](int k) {
-    EXPECT_OK(fp8_model_set_comm(ranks[k].model.get(), ranks[k].comm.get()));
-    ranks[k].opt = make_optimizer(ranks[k].model.get(), FP8_OPTIMIZER_ADAM);
-  });
-  size_t masters_total = 0;
+  ZeroO3Footprint f;
+  ASSERT_NO_FATAL_FAILURE(zero_o3_footprint(first_gpus(n), &f));
   double worst = 0.0;
   for (int k = 0; k < n; ++k) {
-    const fp8_optimizer_stats_t s = stats_of(ranks[k].opt.get());
-    ASSERT_GT(s.parameters, 0) << "rank " << k;
-    const double per = static_cast<double>(s.training_bytes) / static_cast<double>(s.parameters);
+    ASSERT_GT(f.parameters[k], 0) << "rank " << k;
+    const double per = f.bytes_per_weight[k];
     EXPECT_LE(per, 2.0 + 5.0 / n + 0.01) << n << " GPUs, rank " << k;
     EXPECT_GE(per, 2.0 + 5.0 / n - 0.01) << n << " GPUs, rank " << k;
     worst = std::max(worst, std::fabs(per - (2.0 + 5.0 / n)));
-    void* data = nullptr;
-    size_t bytes = 0;
-    EXPECT_OK(fp8_model_flat_storage(ranks[k].model.get(), FP8_STORAGE_MASTERS, FP8_DTYPE_F16, &data, &bytes));
-    masters_total += bytes;
   }
-  EXPECT_EQ(masters_total, size_t{1024 * 1024 * 2}) << "the ranks' master shares add up to the whole";
+  EXPECT_EQ(f.masters_total, size_t{1024 * 1024 * 2}) << "the ranks' master shares add up to the whole";
   std::printf(
       "[ ZeRO O3 ] %d GPUs: every rank keeps 2 + 5/%d = %.3f bytes of training state per weight (within "
       "%.4f); the master shares add up to %zu bytes\n",
-      n, n, 2.0 + 5.0 / n, worst, masters_total);
+      n, n, 2.0 + 5.0 / n, worst, f.masters_total);
 }
 
 // Saved by a rank on every GPU (collective: rank 0 writes), loaded by one rank on GPU 0 (a model

@@ -26,15 +26,17 @@ struct LevelCase {
   fp8_optimizer_kind_t kind;
   float max_grad_norm;
 };
-void PrintTo(const LevelCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const LevelCase& c, std::ostream* os) {
+  *os << c.name;
+}
 
 const LevelCase kLevels[] = {
     {"unconverted_sgd", nullptr, FP8_OPTIMIZER_SGD, 0.0f},
     {"te_adam", "backend=te, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f},
     {"o1_adamw_clipped", "backend=msamp, opt_level=O1, small_layer_fallback=0", FP8_OPTIMIZER_ADAMW, 0.05f},
     {"o2_adam", "backend=msamp, opt_level=O2, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f},
-    {"o2_e4m3_adam_clipped", "backend=msamp, opt_level=O2, fp8_format=E4M3, small_layer_fallback=0",
-     FP8_OPTIMIZER_ADAM, 0.05f},
+    {"o2_e4m3_adam_clipped", "backend=msamp, opt_level=O2, fp8_format=E4M3, small_layer_fallback=0", FP8_OPTIMIZER_ADAM,
+     0.05f},
     {"o3_adam", "backend=msamp, opt_level=O3, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f},
 };
 
@@ -45,8 +47,7 @@ TEST_P(DataParallelLevels, EveryRankHoldsTheSameBitsAfterEveryStep) {
   const int n = std::get<1>(GetParam());
   Group g(n, c.recipe, c.kind, c.max_grad_norm);
   // set_comm started every rank from rank 0's model (each was built from its own seed).
-  for (int k = 1; k < n; ++k)
-    ASSERT_EQ(state_bytes(g.ranks[k], true), state_bytes(g.ranks[0], true)) << "rank " << k;
+  for (int k = 1; k < n; ++k) ASSERT_EQ(state_bytes(g.ranks[k], true), state_bytes(g.ranks[0], true)) << "rank " << k;
   const std::vector<unsigned char> initial = state_bytes(g.ranks[0], false);
   for (int step = 0; step < 3; ++step) {
     on_ranks(n, [&](int k) {
@@ -70,8 +71,8 @@ TEST_P(DataParallelLevels, EveryRankHoldsTheSameBitsAfterEveryStep) {
   EXPECT_NE(state_bytes(g.ranks[0], false), initial) << "the steps changed nothing";
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, DataParallelLevels, ::testing::Combine(::testing::ValuesIn(kLevels),
-                                                                         ::testing::Values(2, 3, 4)),
+INSTANTIATE_TEST_SUITE_P(Levels, DataParallelLevels,
+                         ::testing::Combine(::testing::ValuesIn(kLevels), ::testing::Values(2, 3, 4)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param).name) + "_" +
                                   std::to_string(std::get<1>(info.param)) + "ranks";
@@ -148,7 +149,8 @@ TEST(DataParallelFp32, AveragedGradientsEqualMicroBatchAccumulation) {
           worst = std::max(worst, std::fabs(got[e] - w));
           largest = std::max(largest, std::fabs(w));
         }
-        EXPECT_LT(worst, 4 * n * std::ldexp(largest, -24)) << "parameter " << i << ", rank " << k << ", " << n << " ranks";
+        EXPECT_LT(worst, 4 * n * std::ldexp(largest, -24))
+            << "parameter " << i << ", rank " << k << ", " << n << " ranks";
       }
     }
   }
@@ -224,7 +226,8 @@ TEST(DataParallelFp8, ExchangeMeetsItsBoundAndBeatsSummingInFp8) {
 // ---- the skip, checkpoints --------------------------------------------------------------------------
 
 TEST(DataParallelSkip, ANonFiniteGradientOnOneRankSkipsTheStepOnEveryRank) {
-  for (const char* recipe : {static_cast<const char*>(nullptr), "backend=msamp, opt_level=O2, small_layer_fallback=0"}) {
+  for (const char* recipe :
+       {static_cast<const char*>(nullptr), "backend=msamp, opt_level=O2, small_layer_fallback=0"}) {
     Group g(3, recipe);
     on_ranks(3, [&](int k) { train_step(g.ranks[k], 0, k); });
     // (The forward and backward update the scaling states; the skipped step changes no parameter.)
@@ -270,9 +273,8 @@ TEST_P(DataParallelCheckpoint, SavedByFourRanksLoadsIntoTwoAndOneAndTrainsOnBitI
 
   for (int n : {4, 2, 1}) {
     Group g(n, recipe);
-    on_ranks(n, [&](int k) {
-      EXPECT_OK(fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str()));
-    });
+    on_ranks(
+        n, [&](int k) { EXPECT_OK(fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str())); });
     for (int k = 0; k < n; ++k) EXPECT_EQ(state_bytes(g.ranks[k], false), saved) << n << " ranks, rank " << k;
     // The group trains on from the file as the group that saved did (at 4 ranks: the same data).
     for (int step = 1; step < 3 && n == 4; ++step) on_ranks(4, [&](int k) { train_step(g.ranks[k], step, k); });
@@ -323,40 +325,15 @@ INSTANTIATE_TEST_SUITE_P(Levels, DataParallelCheckpoint,
 // so the training state is 2 + 5/N bytes per weight (E4M3 weight and FP8 gradient whole).
 TEST(DataParallelZero, O3KeepsTwoPlusFiveOverNBytesPerWeight) {
   for (int n : {1, 2, 4}) {
-    std::vector<Rank> ranks;
-    for (int k = 0; k < n; ++k) ranks.emplace_back(FP8_DEVICE_CPU);
-    std::vector<fp8_context_t*> ctxs;
-    for (Rank& r : ranks) ctxs.push_back(r.ctx.get());
-    std::vector<fp8_comm_t*> comms(static_cast<size_t>(n));
-    FP8_ASSERT_OK(fp8_comm_create_local(comms.data(), ctxs.data(), n));
+    ZeroO3Footprint f;
+    ASSERT_NO_FATAL_FAILURE(zero_o3_footprint(std::vector<int32_t>(static_cast<size_t>(n), FP8_DEVICE_CPU), &f));
     for (int k = 0; k < n; ++k) {
-      Rank& r = ranks[k];
-      r.comm.reset(comms[k]);
-      r.model = make_model(r.ctx.get());
-      EXPECT_OK(fp8_model_add_linear(r.model.get(), "big", 1024, 1024, 0, nullptr));
-      fp8_tensor_t* w = nullptr;
-      EXPECT_OK(fp8_model_parameter_at(r.model.get(), 0, nullptr, &w, nullptr));
-      upload(w, randn(1024 * 1024, 5, 0.03f));
-      Recipe rec = make_recipe("backend=msamp, opt_level=O3");
-      EXPECT_OK(fp8_convert_model(r.model.get(), rec.get(), nullptr));
-    }
-    on_ranks(n, [&](int k) {
-      EXPECT_OK(fp8_model_set_comm(ranks[k].model.get(), ranks[k].comm.get()));
-      ranks[k].opt = make_optimizer(ranks[k].model.get(), FP8_OPTIMIZER_ADAM);
-    });
-    size_t masters_total = 0;
-    for (int k = 0; k < n; ++k) {
-      const fp8_optimizer_stats_t s = stats_of(ranks[k].opt.get());
-      const double per = static_cast<double>(s.training_bytes) / static_cast<double>(s.parameters);
+      const double per = f.bytes_per_weight[k];
       EXPECT_LE(per, 2.0 + 5.0 / n + 0.01) << n << " ranks, rank " << k;
       EXPECT_GE(per, 2.0 + 5.0 / n - 0.01) << n << " ranks, rank " << k;
-      void* data = nullptr;
-      size_t bytes = 0;
-      EXPECT_OK(fp8_model_flat_storage(ranks[k].model.get(), FP8_STORAGE_MASTERS, FP8_DTYPE_F16, &data, &bytes));
-      masters_total += bytes;
       std::printf("[ ZeRO O3  ] %d rank(s), rank %d: %.3f bytes of training state per weight\n", n, k, per);
     }
-    EXPECT_EQ(masters_total, size_t{1024 * 1024 * 2}) << "the ranks' master shares add up to the whole";
+    EXPECT_EQ(f.masters_total, size_t{1024 * 1024 * 2}) << "the ranks' master shares add up to the whole";
   }
 }
 
@@ -544,8 +521,7 @@ TEST(DataParallelMisuse, ARankThatLeavesMakesTheOthersFailInsteadOfWaiting) {
       return;
     }
     st[k] = fp8_optimizer_step(r.opt.get());
-    EXPECT_NE(std::string(fp8_last_error_message()).find("rank 2 left"), std::string::npos)
-        << fp8_last_error_message();
+    EXPECT_NE(std::string(fp8_last_error_message()).find("rank 2 left"), std::string::npos) << fp8_last_error_message();
   });
   EXPECT_EQ(st[0], FP8_ERR_NCCL);
   EXPECT_EQ(st[1], FP8_ERR_NCCL);
@@ -581,14 +557,12 @@ TEST(DataParallelMisuse, BadArguments) {
   EXPECT_REFUSED(fp8_comm_rank(nullptr, &rank), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_rank", "comm");
   EXPECT_REFUSED(fp8_comm_size(a.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_size", "size");
   for (double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()})
-    EXPECT_REFUSED(fp8_comm_set_timeout(a.get(), bad), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_set_timeout",
-                   "seconds = ");
+    EXPECT_REFUSED(fp8_comm_set_timeout(a.get(), bad), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_set_timeout", "seconds = ");
   double timeout = 0.0;
   EXPECT_OK(fp8_comm_get_timeout(a.get(), &timeout));
   EXPECT_EQ(timeout, FP8_DEFAULT_COMM_TIMEOUT_S);  // refusals changed nothing
   EXPECT_REFUSED(fp8_comm_set_timeout(nullptr, 1.0), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_set_timeout", "comm");
-  EXPECT_REFUSED(fp8_comm_get_timeout(a.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_get_timeout",
-                 "seconds");
+  EXPECT_REFUSED(fp8_comm_get_timeout(a.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_comm_get_timeout", "seconds");
   EXPECT_OK(fp8_comm_set_timeout(a.get(), 0.0));  // forever
   Model m = build_model(c0.get(), nullptr, 1);
   EXPECT_REFUSED(fp8_model_set_comm(m.get(), b.get()), FP8_ERR_INVALID_ARGUMENT, "fp8_model_set_comm",
