@@ -1,0 +1,397 @@
+//! The safe layer on the CPU reference backend: errors, recipes, tensors, models, the optimizer,
+//! checkpoints, per-layer and saved forwards, data parallelism on threads.
+
+use fp8::*;
+
+fn assert_send<T: Send>() {}
+fn assert_send_sync<T: Send + Sync>() {}
+
+#[test]
+fn thread_markers() {
+    // What fp8.h's threading contract allows (the negative cases are compile_fail doctests in
+    // src/lib.rs: tensors, models and optimizers are not Send, nothing is Sync).
+    assert_send::<Context>();
+    assert_send::<Recipe>();
+    assert_send::<Rank>();
+    assert_send_sync::<Error>();
+}
+
+#[test]
+fn errors_carry_status_and_message() {
+    let mut r = Recipe::new().unwrap();
+    let err = r.parse("no_such_key=1").unwrap_err();
+    assert_eq!(err.status(), Status::InvalidArgument);
+    assert_eq!(err.code(), sys::FP8_ERR_INVALID_ARGUMENT);
+    assert_eq!(err.status_name(), "FP8_ERR_INVALID_ARGUMENT");
+    assert!(err.message().contains("no_such_key"), "{err}");
+    assert!(err.to_string().starts_with("FP8_ERR_INVALID_ARGUMENT: "), "{err}");
+    // The message is this call's, not a later one's.
+    let ctx = Context::cpu().unwrap();
+    let err2 = Tensor::new(&ctx, DType::F32, &[1; 9]).unwrap_err();
+    assert_ne!(err2.message(), err.message());
+    assert!(err.message().contains("no_such_key"));
+    // The binding's own refusals.
+    let err3 = r.parse("margin=1\0").unwrap_err();
+    assert_eq!(err3.status(), Status::InvalidArgument);
+    assert!(err3.message().contains("NUL"));
+    assert_eq!(Status::from_code(0), None);
+    assert_eq!(Status::from_code(3), Some(Status::Shape));
+    assert_eq!(Status::from_code(99), Some(Status::Unknown(99)));
+    assert_eq!(Status::Unknown(99).name(), "FP8_ERR_UNKNOWN");
+}
+
+#[test]
+fn version_and_devices() {
+    assert_eq!(version_number(), sys::FP8_VERSION_NUMBER);
+    assert_eq!(version(), format!("{}.{}.{}", sys::FP8_VERSION_MAJOR, sys::FP8_VERSION_MINOR, sys::FP8_VERSION_PATCH));
+    let info = device_info(sys::FP8_DEVICE_CPU).unwrap();
+    assert_eq!(info.device, sys::FP8_DEVICE_CPU);
+    assert!(!info.name.is_empty());
+    assert!(device_count().unwrap() >= 0);
+    let ctx = Context::cpu().unwrap();
+    assert_eq!(ctx.device().unwrap(), sys::FP8_DEVICE_CPU);
+    assert!(ctx.stream().unwrap().is_null());
+    ctx.synchronize().unwrap();
+}
+
+#[test]
+fn recipes() {
+    let mut r = Recipe::new().unwrap();
+    assert_eq!(r.get(RecipeAttr::AmaxHistoryLen).unwrap(), 1024);
+    assert_eq!(r.get(RecipeAttr::Fp8Format).unwrap(), sys::FP8_FORMAT_HYBRID as i64);
+    r.parse("fp8_format=E4M3, margin=2, amax_compute_algo=max").unwrap();
+    assert_eq!(r.get(RecipeAttr::Margin).unwrap(), 2);
+    assert_eq!(r.dtype_for(Role::Backward).unwrap(), DType::E4M3);
+    r.set(RecipeAttr::Interval, 5).unwrap();
+    // Out of range: refused, unchanged.
+    let bounds = RecipeAttr::Margin.bounds().unwrap();
+    assert_eq!((bounds.min, bounds.max, bounds.default, bounds.key), (0, 32, 0, "margin"));
+    assert_eq!(r.set(RecipeAttr::Margin, 33).unwrap_err().status(), Status::InvalidArgument);
+    assert_eq!(r.get(RecipeAttr::Margin).unwrap(), 2);
+    // Text round trip.
+    let text = r.to_text().unwrap();
+    assert!(text.contains("margin=2") && text.contains("interval=5"), "{text}");
+    let back: Recipe = text.parse().unwrap();
+    for attr in RecipeAttr::ALL {
+        assert_eq!(back.get(attr).unwrap(), r.get(attr).unwrap(), "{attr:?}");
+    }
+    assert_eq!(r.to_string(), text);
+    // A clone is independent.
+    let mut c = r.clone();
+    c.set(RecipeAttr::Margin, 0).unwrap();
+    assert_eq!(r.get(RecipeAttr::Margin).unwrap(), 2);
+    // Moves to another thread (Send).
+    let r = std::thread::spawn(move || {
+        r.get(RecipeAttr::Margin).unwrap();
+        r
+    })
+    .join()
+    .unwrap();
+    assert_eq!(r.get(RecipeAttr::Margin).unwrap(), 2);
+}
+
+#[test]
+fn tensors() {
+    let ctx = Context::cpu().unwrap();
+    let data: Vec<f32> = (0..12).map(|i| i as f32 * 0.5).collect();
+    let mut t = Tensor::from_host(&ctx, DType::F32, &[3, 4], &data).unwrap();
+    assert_eq!(t.dtype().unwrap(), DType::F32);
+    assert_eq!(t.shape().unwrap(), vec![3, 4]);
+    assert_eq!(t.numel().unwrap(), 12);
+    assert_eq!(t.nbytes().unwrap(), 48);
+    assert_eq!(t.to_vec::<f32>().unwrap(), data);
+    // A host buffer of the wrong size is refused and left alone.
+    let mut short = [7.0f32; 11];
+    assert!(t.copy_to_host(&mut short).is_err());
+    assert_eq!(short, [7.0; 11]);
+    assert!(t.copy_from_host(&short).is_err());
+    assert_eq!(t.to_vec::<u8>().unwrap().len(), 48);
+    assert_eq!(t.to_vec::<f64>().unwrap().len(), 6); // 48 bytes hold 6 doubles
+    let e = Tensor::new(&ctx, DType::BF16, &[3]).unwrap();
+    assert_eq!(e.to_vec::<u32>().unwrap_err().status(), Status::InvalidArgument); // 6 bytes
+                                                                                  // 0-d and empty tensors.
+    assert_eq!(Tensor::new(&ctx, DType::F32, &[]).unwrap().numel().unwrap(), 1);
+    assert_eq!(Tensor::new(&ctx, DType::F32, &[0, 5]).unwrap().numel().unwrap(), 0);
+    // Wrapping host memory (CPU backend), checked against the buffer.
+    let mut buf = vec![1.0f32; 8];
+    {
+        let mut w = Tensor::wrap_host(&ctx, DType::F32, &[2, 4], &mut buf).unwrap();
+        w.copy_from_host(&[3.0f32; 8]).unwrap();
+    }
+    assert_eq!(buf, vec![3.0; 8]);
+    let mut small = vec![0.0f32; 3];
+    assert_eq!(Tensor::wrap_host(&ctx, DType::F32, &[2, 2], &mut small).unwrap_err().status(), Status::Shape);
+    // FP8 codes and scale_inv.
+    assert_eq!(encode(448.0, DType::E4M3), 0x7E);
+    assert_eq!(decode(0x7E, DType::E4M3), 448.0);
+    let mut q = Tensor::new(&ctx, DType::E4M3, &[4]).unwrap();
+    assert_eq!(q.scale_inv().unwrap(), 1.0);
+    q.set_scale_inv(0.5).unwrap();
+    assert_eq!(q.scale_inv().unwrap(), 0.5);
+    assert_eq!(t.scale_inv().unwrap_err().status(), Status::Dtype);
+}
+
+#[test]
+fn casts_and_scaling() {
+    let ctx = Context::cpu().unwrap();
+    let recipe = Recipe::new().unwrap();
+    let scaling = Scaling::new(&ctx, &recipe, Role::Forward).unwrap();
+    assert_eq!(scaling.dtype().unwrap(), DType::E4M3);
+    let x = Tensor::from_host(&ctx, DType::F32, &[2, 3], &[1.0f32, -2.0, 3.0, 0.5, 4.0, -6.0]).unwrap();
+    let mut q = Tensor::new(&ctx, DType::E4M3, &[2, 3]).unwrap();
+    let mut qt = Tensor::new(&ctx, DType::E4M3, &[3, 2]).unwrap();
+    ctx.quantize(&x, &mut q, Some(&mut qt), &scaling).unwrap();
+    assert_eq!(scaling.info().unwrap().amax, 6.0);
+    let mut back = Tensor::new(&ctx, DType::F32, &[2, 3]).unwrap();
+    ctx.dequantize(&q, &mut back).unwrap();
+    assert_eq!(back.to_vec::<f32>().unwrap(), vec![1.0, -2.0, 3.0, 0.5, 4.0, -6.0]);
+    ctx.scaling_update(&[&scaling], &recipe).unwrap();
+    let info = scaling.info().unwrap();
+    assert_eq!(info.scale, 448.0 / 6.0);
+    assert_eq!(info.update_count, 1);
+    assert_eq!(scaling.history().unwrap().len(), 1024);
+    // GEMM: D = A B^T in F32.
+    let a = Tensor::from_host(&ctx, DType::F32, &[1, 2], &[1.0f32, 2.0]).unwrap();
+    let b = Tensor::from_host(&ctx, DType::F32, &[2, 2], &[1.0f32, 0.0, 0.0, 1.0]).unwrap();
+    let mut d = Tensor::new(&ctx, DType::F32, &[1, 2]).unwrap();
+    ctx.gemm(&a, &b, None, &mut d, None, Some(&GemmOptions { alpha: 2.0, ..GemmOptions::default() })).unwrap();
+    assert_eq!(d.to_vec::<f32>().unwrap(), vec![2.0, 4.0]);
+    let mut y = Tensor::new(&ctx, DType::F32, &[1, 2]).unwrap();
+    ctx.activation_forward(
+        Activation::Relu,
+        &Tensor::from_host(&ctx, DType::F32, &[1, 2], &[-1.0f32, 2.0]).unwrap(),
+        &mut y,
+        None,
+    )
+    .unwrap();
+    assert_eq!(y.to_vec::<f32>().unwrap(), vec![0.0, 2.0]);
+}
+
+/// 16 -> 32 -> GELU -> 16, weights from a fixed pattern.
+fn small_model(ctx: &Context) -> Model<'_> {
+    let mut m = Model::new(ctx).unwrap();
+    assert_eq!(m.add_linear("fc1", 16, 32, true).unwrap(), 0);
+    assert_eq!(m.add_activation("act", Activation::Gelu).unwrap(), 1);
+    assert_eq!(m.add_linear("fc2", 32, 16, true).unwrap(), 2);
+    for p in m.parameters().unwrap() {
+        let n = p.value.numel().unwrap() as usize;
+        let v: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.02).collect();
+        p.value.copy_from_host(&v).unwrap();
+    }
+    m
+}
+
+fn batch(ctx: &Context, seed: usize) -> (Tensor<'_>, Tensor<'_>) {
+    let x: Vec<f32> = (0..8 * 16).map(|i| (((i + seed) * 31 % 17) as f32 - 8.0) * 0.1).collect();
+    let dy: Vec<f32> = (0..8 * 16).map(|i| (((i + seed) * 13 % 11) as f32 - 5.0) * 0.01).collect();
+    (
+        Tensor::from_host(ctx, DType::F32, &[8, 16], &x).unwrap(),
+        Tensor::from_host(ctx, DType::F32, &[8, 16], &dy).unwrap(),
+    )
+}
+
+fn values(m: &Model<'_>) -> Vec<Vec<f32>> {
+    m.parameters().unwrap().iter().map(|p| p.value.to_vec::<f32>().unwrap()).collect()
+}
+
+#[test]
+fn model_training_surface() {
+    let ctx = Context::cpu().unwrap();
+    let m = small_model(&ctx);
+    assert_eq!(m.layer_count().unwrap(), 3);
+    assert_eq!(m.find_layer("fc2").unwrap(), 2);
+    assert_eq!(m.layer_name(1).unwrap(), "act");
+    assert_eq!(m.find_layer("nope").unwrap_err().status(), Status::InvalidArgument);
+    let names: Vec<String> = m.parameters().unwrap().into_iter().map(|p| p.name).collect();
+    assert_eq!(names, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
+    let (w, g) = m.parameter("fc1.weight").unwrap();
+    assert_eq!(w.shape().unwrap(), vec![32, 16]);
+    assert_eq!(g.dtype().unwrap(), DType::F32);
+    m.write_parameter(1, &[0.25f32; 32]).unwrap();
+    assert_eq!(m.parameter("fc1.bias").unwrap().0.to_vec::<f32>().unwrap(), vec![0.25; 32]);
+
+    let recipe = Recipe::from_text("backend=te, small_layer_fallback=0").unwrap();
+    m.convert(&recipe).unwrap();
+    assert!(m.has_fp8_layers().unwrap());
+    assert_eq!(m.storage_level().unwrap(), 0);
+    let mut opt = Optimizer::new(&m, OptimizerKind::AdamW).unwrap().with(OptimAttr::Lr, 1e-2).unwrap();
+    opt.set(OptimAttr::MaxGradNorm, 1.0).unwrap();
+    assert_eq!(opt.get(OptimAttr::Lr).unwrap(), 1e-2);
+    assert_eq!(opt.set(OptimAttr::Momentum, 0.9).unwrap_err().status(), Status::InvalidArgument);
+
+    let before = values(&m);
+    let mut y = Tensor::new(&ctx, DType::F32, &[8, 16]).unwrap();
+    let mut dx = Tensor::new(&ctx, DType::F32, &[8, 16]).unwrap();
+    for step in 0..3 {
+        let (x, dy) = batch(&ctx, step);
+        let region = m.autocast().unwrap();
+        let pass = m.forward(&x, &mut y).unwrap();
+        region.end().unwrap();
+        pass.backward(&dy, Some(&mut dx)).unwrap();
+        assert!(g.to_vec::<f32>().unwrap().iter().any(|&v| v != 0.0));
+        opt.step().unwrap();
+        opt.zero_grad().unwrap();
+        assert!(g.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.0));
+    }
+    assert_ne!(values(&m), before);
+    let stats = opt.stats().unwrap();
+    assert_eq!((stats.steps, stats.skipped_steps, stats.opt_level), (3, 0, 0));
+    assert_eq!(stats.parameters, 16 * 32 + 32 + 32 * 16 + 16);
+    let report = m.layer_report(0).unwrap();
+    assert_eq!(report.kind, LayerKind::Linear);
+    assert!(report.converted);
+    assert_eq!(report.fprop, Precision::Fp8);
+    assert_eq!(report.fp8_calls, 3);
+    assert!(m.report().unwrap().contains("fc2"));
+    let input = m.scaling_info(0, ScalingSlot::Input).unwrap().unwrap();
+    assert!(input.update_count >= 3 && input.scale > 0.0);
+    assert!(m.scaling_info(1, ScalingSlot::Input).unwrap().is_none());
+
+    // A backward without a training forward is refused.
+    m.set_training(false).unwrap();
+    let (x, dy) = batch(&ctx, 9);
+    let pass = m.forward(&x, &mut y).unwrap();
+    assert_eq!(pass.backward(&dy, None).unwrap_err().status(), Status::InvalidState);
+    m.set_training(true).unwrap();
+}
+
+#[test]
+fn ms_amp_levels_store_fp8() {
+    let ctx = Context::cpu().unwrap();
+    let m = small_model(&ctx);
+    m.convert(&Recipe::from_text("backend=msamp, opt_level=O2, small_layer_fallback=0").unwrap()).unwrap();
+    assert_eq!(m.storage_level().unwrap(), 2);
+    let (w, g) = m.parameter("fc1.weight").unwrap();
+    assert_eq!(w.dtype().unwrap(), DType::F16);
+    assert_eq!(g.dtype().unwrap(), DType::E5M2);
+    let mut opt = Optimizer::new(&m, OptimizerKind::AdamW).unwrap();
+    let (x, dy) = batch(&ctx, 0);
+    let mut y = Tensor::new(&ctx, DType::F32, &[8, 16]).unwrap();
+    m.set_autowrap(true).unwrap();
+    m.forward(&x, &mut y).unwrap().backward(&dy, None).unwrap();
+    opt.step().unwrap();
+    let stats = opt.stats().unwrap();
+    assert_eq!(stats.opt_level, 2);
+    assert!(stats.training_bytes < stats.parameters * 16);
+}
+
+#[test]
+fn checkpoints_resume_exactly() {
+    let dir = std::env::temp_dir().join(format!("fp8-rust-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.ckpt");
+    let ctx = Context::cpu().unwrap();
+    let recipe = Recipe::from_text("backend=msamp, opt_level=O1, small_layer_fallback=0").unwrap();
+    let train = |m: &Model<'_>, opt: &mut Optimizer<'_>, steps: std::ops::Range<usize>| {
+        let mut y = Tensor::new(&ctx, DType::F32, &[8, 16]).unwrap();
+        for step in steps {
+            let (x, dy) = batch(&ctx, step);
+            m.autocast_begin().unwrap();
+            let pass = m.forward(&x, &mut y).unwrap();
+            m.autocast_end().unwrap();
+            pass.backward(&dy, None).unwrap();
+            opt.step().unwrap();
+            opt.zero_grad().unwrap();
+        }
+    };
+    // Train 2 steps, save, train 2 more: the reference.
+    let a = small_model(&ctx);
+    a.convert(&recipe).unwrap();
+    let mut opt_a = Optimizer::new(&a, OptimizerKind::Adam).unwrap();
+    train(&a, &mut opt_a, 0..2);
+    a.save_checkpoint(&path, Some(&opt_a), false).unwrap();
+    train(&a, &mut opt_a, 2..4);
+    // A fresh model built and converted the same way, loaded, trained the same 2 steps.
+    let saved_recipe = Recipe::from_checkpoint(&path).unwrap();
+    assert_eq!(saved_recipe.get(RecipeAttr::OptLevel).unwrap(), 1);
+    let b = small_model(&ctx);
+    b.convert(&saved_recipe).unwrap();
+    let mut opt_b = Optimizer::new(&b, OptimizerKind::Adam).unwrap();
+    b.load_checkpoint(&path, Some(&mut opt_b)).unwrap();
+    train(&b, &mut opt_b, 2..4);
+    let bytes = |m: &Model<'_>| -> Vec<Vec<u8>> {
+        m.parameters().unwrap().iter().map(|p| p.value.to_vec::<u8>().unwrap()).collect()
+    };
+    assert_eq!(bytes(&a), bytes(&b));
+    assert_eq!(opt_a.stats().unwrap().steps, opt_b.stats().unwrap().steps);
+    // A damaged file is refused, nothing changed.
+    std::fs::write(&path, b"not a checkpoint").unwrap();
+    let before = bytes(&b);
+    assert_eq!(b.load_checkpoint(&path, None).unwrap_err().status(), Status::Corrupt);
+    assert_eq!(bytes(&b), before);
+    assert_eq!(b.load_checkpoint(dir.join("missing"), None).unwrap_err().status(), Status::Io);
+    // safetensors round trip.
+    let st = dir.join("model.safetensors");
+    b.export_safetensors(&st).unwrap();
+    let c = small_model(&ctx);
+    c.convert(&saved_recipe).unwrap();
+    c.import_safetensors(&st).unwrap();
+    assert_eq!(bytes(&c), bytes(&b));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn per_layer_and_saved_forwards() {
+    let ctx = Context::cpu().unwrap();
+    let m = small_model(&ctx);
+    let (x, _) = batch(&ctx, 1);
+    let mut h = Tensor::new(&ctx, DType::F32, &[8, 32]).unwrap();
+    let dh = Tensor::from_host(&ctx, DType::F32, &[8, 32], &[0.01f32; 8 * 32]).unwrap();
+    // The convenience pair.
+    let pass = m.layer_forward(0, &x, &mut h).unwrap();
+    pass.backward(&dh, None).unwrap();
+    let g1 = m.parameter("fc1.weight").unwrap().1.to_vec::<f32>().unwrap();
+    m.zero_grad().unwrap();
+    // Two forwards in flight, differentiated in reverse order: the same gradient twice.
+    let mut h2 = Tensor::new(&ctx, DType::F32, &[8, 32]).unwrap();
+    let mut s1 = m.forward_saved(0, &x, &mut h).unwrap();
+    let mut s2 = m.forward_saved(0, &x, &mut h2).unwrap();
+    m.backward_saved(0, &mut s2, &dh, None, false).unwrap();
+    m.backward_saved(0, &mut s1, &dh, None, false).unwrap();
+    let g2 = m.parameter("fc1.weight").unwrap().1.to_vec::<f32>().unwrap();
+    for (a, b) in g1.iter().zip(&g2) {
+        assert!((2.0 * a - b).abs() <= 1e-6 * a.abs().max(1e-3), "{a} {b}");
+    }
+    // A second backward of one forward is refused.
+    assert_eq!(m.backward_saved(0, &mut s1, &dh, None, false).unwrap_err().status(), Status::InvalidState);
+}
+
+#[test]
+fn ranks_on_threads_stay_identical() {
+    let contexts = vec![Context::cpu().unwrap(), Context::cpu().unwrap()];
+    let mut ranks = Rank::local_group(contexts).unwrap();
+    assert_eq!(ranks.len(), 2);
+    let results: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter_mut()
+            .map(|rank| {
+                s.spawn(move || {
+                    let ctx = rank.context();
+                    assert_eq!(rank.comm().rank().unwrap(), rank.rank());
+                    assert_eq!(rank.comm().size().unwrap(), 2);
+                    let mut m = small_model(ctx);
+                    m.convert(&Recipe::from_text("backend=msamp, opt_level=O3, small_layer_fallback=0").unwrap())
+                        .unwrap();
+                    m.set_comm(Some(rank.comm())).unwrap();
+                    let mut opt = Optimizer::new(&m, OptimizerKind::AdamW).unwrap();
+                    let mut y = Tensor::new(ctx, DType::F32, &[8, 16]).unwrap();
+                    for step in 0..2 {
+                        // Each rank its own data.
+                        let (x, dy) = batch(ctx, 10 * step + rank.rank() as usize);
+                        let region = m.autocast().unwrap();
+                        let pass = m.forward(&x, &mut y).unwrap();
+                        region.end().unwrap();
+                        pass.backward(&dy, None).unwrap();
+                        opt.step().unwrap();
+                        opt.zero_grad().unwrap();
+                    }
+                    let out = m.parameters().unwrap().iter().map(|p| p.value.to_vec::<u8>().unwrap()).collect();
+                    drop(opt);
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(results[0], results[1]);
+}
