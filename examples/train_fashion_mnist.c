@@ -746,7 +746,7 @@ int main(int argc, char **argv) {
       if (fp8_device_query(gpus, &other) != FP8_OK || !other.fp8_gemm) break;
     }
   /* Defaults: on the CPU reference backend a smaller model and fewer epochs (the full set still). */
-  s.epochs = epochs ? atoi(epochs) : on_gpu ? 5 : 2;
+  s.epochs = epochs ? atoi(epochs) : on_gpu ? 5 : 1;
   s.batch = batch ? atoi(batch) : on_gpu ? 256 : 128;
   s.hidden = hidden ? atoi(hidden) : on_gpu ? 1024 : 128;
   if (s.epochs < 1 || s.batch < 1 || s.hidden < 1 || !(s.lr > 0)) {

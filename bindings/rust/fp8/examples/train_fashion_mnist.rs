@@ -672,7 +672,7 @@ fn main() {
         }
     }
     // Defaults: on the CPU reference backend a smaller model and fewer epochs (the full set still).
-    s.epochs = epochs.map_or(if on_gpu { 5 } else { 2 }, |v| leading_int(&v) as i32);
+    s.epochs = epochs.map_or(if on_gpu { 5 } else { 1 }, |v| leading_int(&v) as i32);
     s.batch = batch.map_or(if on_gpu { 256 } else { 128 }, |v| leading_int(&v) as i32);
     s.hidden = hidden.map_or(if on_gpu { 1024 } else { 128 }, |v| leading_int(&v) as i32);
     #[allow(clippy::neg_cmp_op_on_partial_ord)] // as the C example: a NaN lr is refused too
