@@ -1,0 +1,752 @@
+// The scaling rules of issue 14 (core/recipe_scaling_rule.hpp) and the CPU reference of fused amax +
+// quantize for each mode (backend/cpu_recipe_quantize.cpp): each rule against float64 arithmetic and
+// against an independent re-implementation written here (bit for bit), the edge cases, the
+// dequantisation error per mode, and the transposed copies. The reference is internal (hidden in
+// libfp8), so its source is compiled into this test.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu_recipe_quantize.hpp"
+#include "core/error.hpp"
+#include "core/format.hpp"
+#include "core/recipe_scaling_rule.hpp"
+#include "core/scale_desc.hpp"
+#include "core/scaling_rule.hpp"
+
+namespace {
+
+using fp8::ScaleGrid;
+using fp8::ScaleMode;
+
+constexpr ScaleMode kModes[] = {ScaleMode::kTensor, ScaleMode::kRow, ScaleMode::kBlock1x128, ScaleMode::kBlock128x128};
+constexpr float kInf = std::numeric_limits<float>::infinity();
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// ---- An independent re-implementation, in float64 where the rule allows ----------------------
+// The fp8 maximum, the scale (double quotient rounded once to float: for a quotient of two floats
+// this equals the float division, since 53 >= 2 * 24 + 2), frexp/ldexp for powers of two, and an
+// encoder that picks the nearest of the 256 decoded codes.
+
+double fp8_max(bool e5m2) {
+  return e5m2 ? 57344.0 : 448.0;
+}
+
+float ref_scale(double amax, bool e5m2, int margin, bool pow2) {
+  if (!(amax > 0.0) || std::isinf(amax)) return 1.0f;
+  float s = static_cast<float>(std::ldexp(fp8_max(e5m2), -margin) / amax);
+  if (std::isinf(s)) s = FLT_MAX;
+  if (s < std::ldexp(1.0f, -127)) s = std::ldexp(1.0f, -127);  // keeps 1 / s finite
+  if (pow2) {
+    int e = 0;
+    std::frexp(static_cast<double>(s), &e);  // s = m * 2^e, m in [0.5, 1)
+    s = static_cast<float>(std::ldexp(1.0, e - 1));
+  }
+  return s;
+}
+
+// Nearest-even encoder over the table of positive finite codes, saturating, NaN -> 0x7F.
+class RefEncoder {
+ public:
+  explicit RefEncoder(bool e5m2) : e5m2_(e5m2) {
+    for (int c = 0; c < 0x80; ++c) {
+      const double v = fp8::decode_fp8(static_cast<uint8_t>(c), e5m2);
+      if (std::isfinite(v)) values_.push_back(v);  // codes 0.. in increasing order
+    }
+  }
+  uint8_t operator()(float x) const {
+    if (std::isnan(x)) return 0x7F;
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+    const double a = std::fabs(static_cast<double>(x));
+    if (a >= values_.back()) return static_cast<uint8_t>(sign | (values_.size() - 1));
+    const size_t hi = static_cast<size_t>(std::upper_bound(values_.begin(), values_.end(), a) - values_.begin());
+    const size_t lo = hi - 1;  // values_[lo] <= a < values_[hi]
+    const double dlo = a - values_[lo], dhi = values_[hi] - a;
+    const size_t pick = dlo < dhi ? lo : dhi < dlo ? hi : (lo % 2 == 0 ? lo : hi);
+    return static_cast<uint8_t>(sign | pick);
+  }
+  bool e5m2() const { return e5m2_; }
+
+ private:
+  bool e5m2_;
+  std::vector<double> values_;
+};
+
+// One layout (the operand or its transposed copy) made by the reference or by the re-implementation.
+struct Layout {
+  std::vector<uint8_t> codes;
+  std::vector<float> scale_inv;  // dense grid: [grid_rows][grid_cols]
+  int64_t grid_rows = 0, grid_cols = 0;
+  int64_t nonfinite = 0;
+};
+
+// Re-implementation: tiles of th x tw over a [rows, cols] operand given element by element.
+Layout ref_layout(const std::function<float(int64_t, int64_t)>& at, int64_t rows, int64_t cols, ScaleMode mode,
+                  bool e5m2, int margin, bool pow2) {
+  int64_t th = 1, tw = 128;
+  if (mode == ScaleMode::kTensor) th = std::max<int64_t>(rows, 1), tw = std::max<int64_t>(cols, 1);
+  if (mode == ScaleMode::kRow) tw = std::max<int64_t>(cols, 1);
+  if (mode == ScaleMode::kBlock128x128) th = 128;
+  Layout out;
+  out.grid_rows = mode == ScaleMode::kTensor ? 1 : (rows + th - 1) / th;
+  out.grid_cols = mode == ScaleMode::kTensor ? 1 : (cols + tw - 1) / tw;
+  out.codes.assign(static_cast<size_t>(rows * cols), 0);
+  out.scale_inv.assign(static_cast<size_t>(out.grid_rows * out.grid_cols), 0.0f);
+  const RefEncoder enc(e5m2);
+  for (int64_t ti = 0; ti < out.grid_rows; ++ti)
+    for (int64_t tj = 0; tj < out.grid_cols; ++tj) {
+      const int64_t r0 = ti * th, r1 = std::min(rows, r0 + th), c0 = tj * tw, c1 = std::min(cols, c0 + tw);
+      double amax = 0.0;
+      bool nan = false;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) {
+          const double x = at(r, c);
+          if (std::isnan(x)) nan = true;
+          amax = std::max(amax, std::fabs(x));
+        }
+      if (nan || std::isinf(amax)) ++out.nonfinite;
+      const float s = nan ? 1.0f : ref_scale(amax, e5m2, margin, pow2);
+      out.scale_inv[static_cast<size_t>(ti * out.grid_cols + tj)] = static_cast<float>(1.0 / s);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) out.codes[static_cast<size_t>(r * cols + c)] = enc(at(r, c) * s);
+    }
+  return out;
+}
+
+// ---- Running the CPU reference ------------------------------------------------------------------
+
+struct Case {
+  ScaleMode mode = ScaleMode::kBlock1x128;
+  bool e5m2 = false;
+  int margin = 0;
+  bool pow2 = false;
+  fp8_dtype_t dtype = FP8_DTYPE_F32;
+  bool with_t = true;
+  int64_t ld_pad = 0;  // extra floats at the end of each grid row
+};
+
+// The input as the dtype stores it (F16/BF16 rounded from x), and the float values it widens to.
+struct Input {
+  std::vector<float> f32;
+  std::vector<uint16_t> half;
+  std::vector<float> values;
+};
+Input make_input(const std::vector<float>& x, fp8_dtype_t dt) {
+  Input in;
+  if (dt == FP8_DTYPE_F32) {
+    in.f32 = x;
+    in.values = x;
+    return in;
+  }
+  for (float v : x) {
+    const uint16_t h = dt == FP8_DTYPE_F16 ? fp8::float_to_f16(v) : fp8::float_to_bf16(v);
+    in.half.push_back(h);
+    in.values.push_back(dt == FP8_DTYPE_F16 ? fp8::f16_to_float(h) : fp8::bf16_to_float(h));
+  }
+  return in;
+}
+
+constexpr float kPadding = -12345.0f;  // grid padding: must stay untouched
+
+struct Result {
+  Layout out, out_t;
+};
+
+Result run_reference(const std::vector<float>& x, int64_t rows, int64_t cols, const Case& k) {
+  const Input in = make_input(x, k.dtype);
+  const ScaleGrid g = fp8::scale_grid(k.mode, rows, cols), gt = fp8::scale_grid(k.mode, cols, rows);
+  const int64_t ld = std::max<int64_t>(g.cols, 1) + k.ld_pad, ldt = std::max<int64_t>(gt.cols, 1) + k.ld_pad;
+  std::vector<float> grid(static_cast<size_t>(std::max<int64_t>(g.rows, 1) * ld), kPadding);
+  std::vector<float> grid_t(static_cast<size_t>(std::max<int64_t>(gt.rows, 1) * ldt), kPadding);
+  Result res;
+  res.out.codes.assign(static_cast<size_t>(rows * cols), 0xAA);
+  res.out_t.codes.assign(static_cast<size_t>(rows * cols), 0xAA);
+  fp8::RecipeQuantizeJob j{};
+  j.in = k.dtype == FP8_DTYPE_F32 ? static_cast<const void*>(in.f32.data()) : in.half.data();
+  j.in_dtype = k.dtype;
+  j.rows = rows;
+  j.cols = cols;
+  j.e5m2 = k.e5m2;
+  j.margin = k.margin;
+  j.pow2_scales = k.pow2;
+  j.out = res.out.codes.data();
+  j.out_scale_inv = {k.mode, grid.data(), g.rows, g.cols, ld};
+  if (k.with_t) {
+    j.out_t = res.out_t.codes.data();
+    j.out_t_scale_inv = {k.mode, grid_t.data(), gt.rows, gt.cols, ldt};
+  }
+  int64_t nonfinite = 0;
+  j.nonfinite_cells = &nonfinite;
+  fp8::cpu_recipe_quantize(j);
+  res.out.nonfinite = nonfinite;
+  // Dense copies of the grids; the padding must be untouched.
+  const auto dense = [](const std::vector<float>& gr, ScaleGrid shape, int64_t ldg, Layout& l) {
+    l.grid_rows = shape.rows;
+    l.grid_cols = shape.cols;
+    for (int64_t i = 0; i < shape.rows; ++i)
+      for (int64_t c = 0; c < ldg; ++c) {
+        const float v = gr[static_cast<size_t>(i * ldg + c)];
+        if (c < shape.cols)
+          l.scale_inv.push_back(v);
+        else
+          EXPECT_EQ(v, kPadding) << "grid padding written at row " << i << " col " << c;
+      }
+  };
+  dense(grid, g, ld, res.out);
+  if (k.with_t) dense(grid_t, gt, ldt, res.out_t);
+  return res;
+}
+
+Layout ref_of(const std::vector<float>& values, int64_t rows, int64_t cols, const Case& k, bool transposed) {
+  if (transposed)
+    return ref_layout([&](int64_t r, int64_t c) { return values[static_cast<size_t>(c * cols + r)]; }, cols, rows,
+                      k.mode, k.e5m2, k.margin, k.pow2);
+  return ref_layout([&](int64_t r, int64_t c) { return values[static_cast<size_t>(r * cols + c)]; }, rows, cols, k.mode,
+                    k.e5m2, k.margin, k.pow2);
+}
+
+void expect_same_layout(const Layout& got, const Layout& want, const std::string& what) {
+  ASSERT_EQ(got.grid_rows, want.grid_rows) << what;
+  ASSERT_EQ(got.grid_cols, want.grid_cols) << what;
+  ASSERT_EQ(got.scale_inv.size(), want.scale_inv.size()) << what;
+  for (size_t i = 0; i < want.scale_inv.size(); ++i)
+    ASSERT_EQ(bits(got.scale_inv[i]), bits(want.scale_inv[i]))
+        << what << ": scale_inv " << i << " is " << got.scale_inv[i] << ", want " << want.scale_inv[i];
+  ASSERT_EQ(got.codes.size(), want.codes.size()) << what;
+  for (size_t i = 0; i < want.codes.size(); ++i) ASSERT_EQ(got.codes[i], want.codes[i]) << what << ": code " << i;
+}
+
+// Values with a wide dynamic range: sign * [1, 2) * 2^[lo, hi], and a magnitude that varies by row
+// and by column block so that finer scales matter.
+std::vector<float> random_values(int64_t rows, int64_t cols, uint32_t seed, int lo = -14, int hi = 6) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(lo, hi), row_shift(-8, 8);
+  std::vector<int> shifts(static_cast<size_t>(rows + cols / 128 + 1));
+  for (int& s : shifts) s = row_shift(gen);
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float m = (gen() & 1u) ? -mant(gen) : mant(gen);
+      x[static_cast<size_t>(r * cols + c)] =
+          std::ldexp(m, expo(gen) + shifts[static_cast<size_t>(r)] + shifts[static_cast<size_t>(rows + c / 128)]);
+    }
+  return x;
+}
+
+std::string case_name(const Case& k, int64_t rows, int64_t cols) {
+  return std::string(fp8::scale_mode_name(k.mode)) + (k.e5m2 ? " E5M2" : " E4M3") + " margin " +
+         std::to_string(k.margin) + (k.pow2 ? " pow2" : "") + " dtype " + std::to_string(k.dtype) + " [" +
+         std::to_string(rows) + ", " + std::to_string(cols) + "]";
+}
+
+// ---- The rules ----------------------------------------------------------------------------------
+
+TEST(CurrentScaleRule, IsTheCorrectlyRoundedFloat64Quotient) {
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<double> mant(1.0, 2.0);
+  std::uniform_int_distribution<int> expo(-140, 127);
+  for (bool e5m2 : {false, true})
+    for (int margin : {0, 1, 5, 32})
+      for (int i = 0; i < 20000; ++i) {
+        const float a = static_cast<float>(std::ldexp(mant(gen), expo(gen)));
+        if (!(a > 0.0f) || std::isinf(a)) continue;
+        const float m = fp8::scaled_fp8_max(e5m2, margin);
+        ASSERT_EQ(static_cast<double>(m), std::ldexp(fp8_max(e5m2), -margin));
+        const float s = fp8::current_scale(a, m);
+        const double exact = static_cast<double>(m) / a;
+        if (exact > FLT_MAX) {
+          ASSERT_EQ(s, FLT_MAX) << a;
+          continue;
+        }
+        if (exact < std::ldexp(1.0, -127)) {
+          ASSERT_EQ(s, std::ldexp(1.0f, -127)) << a;
+          continue;
+        }
+        ASSERT_EQ(bits(s), bits(ref_scale(a, e5m2, margin, false))) << "amax " << a;
+        if (exact >= FLT_MIN) {
+          ASSERT_LE(std::fabs(s - exact), std::ldexp(exact, -24)) << "amax " << a;
+        }
+      }
+}
+
+TEST(CurrentScaleRule, ZeroNaNAndInfiniteAmaxGiveUnitScaleTinyAmaxGivesFltMax) {
+  const float m = fp8::scaled_fp8_max(false, 0);
+  EXPECT_EQ(fp8::current_scale(0.0f, m), 1.0f);
+  EXPECT_EQ(fp8::current_scale(kNaN, m), 1.0f);
+  EXPECT_EQ(fp8::current_scale(kInf, m), 1.0f);
+  EXPECT_EQ(fp8::current_scale(-1.0f, m), 1.0f);
+  EXPECT_TRUE(fp8::amax_is_nonfinite(kNaN));
+  EXPECT_TRUE(fp8::amax_is_nonfinite(kInf));
+  EXPECT_FALSE(fp8::amax_is_nonfinite(FLT_MAX));
+  EXPECT_FALSE(fp8::amax_is_nonfinite(0.0f));
+  // 448 / amax overflows below amax = 448 / FLT_MAX (about 1.3e-36).
+  EXPECT_EQ(fp8::current_scale(std::numeric_limits<float>::denorm_min(), m), FLT_MAX);
+  EXPECT_EQ(fp8::current_scale(1e-37f, m), FLT_MAX);
+  EXPECT_LT(fp8::current_scale(1e-35f, m), FLT_MAX);
+  EXPECT_EQ(fp8::recipe_scale(1e-40f, m, true), std::ldexp(1.0f, 127));
+  // The largest amax: a normal scale. With a large margin the quotient goes below 2^-127 (here
+  // 448 * 2^-32 / FLT_MAX is about 2^-151, which would round to 0): raised to 2^-127, whose inverse
+  // is finite.
+  EXPECT_EQ(fp8::current_scale(FLT_MAX, m), static_cast<float>(448.0 / FLT_MAX));
+  const float min_scale = std::ldexp(1.0f, -127);
+  for (bool pow2 : {false, true}) {
+    EXPECT_EQ(fp8::recipe_scale(FLT_MAX, fp8::scaled_fp8_max(false, 32), pow2), min_scale);
+    EXPECT_EQ(fp8::recipe_scale(std::ldexp(1.0f, 126), fp8::scaled_fp8_max(false, 10), pow2), min_scale);
+    EXPECT_EQ(fp8::recipe_scale_inv(fp8::recipe_scale(FLT_MAX, fp8::scaled_fp8_max(true, 32), pow2)),
+              std::ldexp(1.0f, 127));
+  }
+  // A subnormal quotient above 2^-127 stays (448 * 2^-135 = 1.75 * 2^-127), and rounds to 2^-127.
+  const float sub = fp8::current_scale(std::ldexp(1.0f, 103), fp8::scaled_fp8_max(false, 32));
+  EXPECT_EQ(sub, 1.75f * min_scale);
+  EXPECT_LT(sub, FLT_MIN);
+  EXPECT_EQ(fp8::recipe_scale(std::ldexp(1.0f, 103), fp8::scaled_fp8_max(false, 32), true), min_scale);
+  EXPECT_TRUE(std::isfinite(fp8::recipe_scale_inv(sub)));
+  for (int margin : {0, 16, 32})
+    for (bool pow2 : {false, true}) {
+      EXPECT_EQ(bits(fp8::recipe_scale(std::ldexp(1.0f, 103), fp8::scaled_fp8_max(false, margin), pow2)),
+                bits(ref_scale(std::ldexp(1.0, 103), false, margin, pow2)));
+      EXPECT_EQ(bits(fp8::recipe_scale(FLT_MAX, fp8::scaled_fp8_max(false, margin), pow2)),
+                bits(ref_scale(FLT_MAX, false, margin, pow2)));
+    }
+}
+
+TEST(PowerOfTwoScales, ExactPowersStayAndValuesJustBelowDropToTheNextPowerDown) {
+  for (int e = -149; e <= 127; ++e) {
+    const float p = std::ldexp(1.0f, e);
+    ASSERT_EQ(fp8::round_scale_pow2(p), p) << e;
+    const float below = std::nextafter(p, 0.0f);
+    if (below > 0.0f) {
+      ASSERT_EQ(fp8::round_scale_pow2(below), std::ldexp(1.0f, e - 1)) << e;
+    }
+    const float above = std::nextafter(p, kInf);
+    if (e > -149) {  // above 2^-149 is 2^-148; above 2^127 is still finite
+      ASSERT_EQ(fp8::round_scale_pow2(above), p) << e;
+    }
+  }
+  EXPECT_EQ(fp8::round_scale_pow2(FLT_MAX), std::ldexp(1.0f, 127));
+  EXPECT_EQ(fp8::round_scale_pow2(3.0f * std::ldexp(1.0f, -149)), std::ldexp(1.0f, -148));  // subnormal
+  EXPECT_EQ(fp8::round_scale_pow2(std::nextafter(FLT_MIN, 0.0f)), std::ldexp(1.0f, -127));
+  EXPECT_EQ(bits(fp8::round_scale_pow2(0.0f)), bits(0.0f));
+  EXPECT_EQ(fp8::round_scale_pow2(kInf), kInf);
+  EXPECT_TRUE(std::isnan(fp8::round_scale_pow2(kNaN)));
+  EXPECT_EQ(fp8::round_scale_pow2(-3.0f), -2.0f);
+}
+
+TEST(PowerOfTwoScales, MatchFrexpOnRandomScalesAndNeverExceedTheScale) {
+  std::mt19937 gen(11);
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t u = gen() & 0x7FFFFFFFu;
+    if (u >= 0x7F800000u || u == 0) continue;
+    float s;
+    std::memcpy(&s, &u, sizeof s);
+    const float p = fp8::round_scale_pow2(s);
+    int e = 0;
+    std::frexp(static_cast<double>(s), &e);
+    ASSERT_EQ(static_cast<double>(p), std::ldexp(1.0, e - 1)) << s;
+    ASSERT_LE(p, s);
+    ASSERT_GT(2.0 * p, static_cast<double>(s));
+  }
+}
+
+TEST(ScaleBlocks, EveryElementMapsIntoTheGridOfItsMode) {
+  for (ScaleMode mode : kModes)
+    for (int64_t rows : {1, 127, 128, 129, 300})
+      for (int64_t cols : {1, 100, 128, 257}) {
+        const ScaleGrid g = fp8::scale_grid(mode, rows, cols);
+        const fp8::ScaleBlock b = fp8::scale_block(mode, rows, cols);
+        std::vector<int> hits(static_cast<size_t>(g.rows * g.cols), 0);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t off = fp8::scale_offset(b, g.cols, r, c);
+            ASSERT_GE(off, 0);
+            ASSERT_LT(off, g.rows * g.cols) << fp8::scale_mode_name(mode);
+            ++hits[static_cast<size_t>(off)];
+          }
+        for (int h : hits) ASSERT_GT(h, 0) << fp8::scale_mode_name(mode) << ": a cell without elements";
+      }
+}
+
+// ---- The CPU reference, bit for bit against the re-implementation --------------------------------
+
+TEST(RecipeQuantize, EveryModeMatchesTheIndependentReimplementationBitForBit) {
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 1},     {3, 128},  {5, 300}, {130, 257},
+                                                {128, 128}, {257, 64}, {2, 1000}};
+  uint32_t seed = 1;
+  for (ScaleMode mode : kModes)
+    for (bool e5m2 : {false, true})
+      for (bool pow2 : {false, true})
+        for (fp8_dtype_t dt : {FP8_DTYPE_F32, FP8_DTYPE_BF16, FP8_DTYPE_F16})
+          for (auto [rows, cols] : shapes) {
+            Case k;
+            k.mode = mode;
+            k.e5m2 = e5m2;
+            k.pow2 = pow2;
+            k.dtype = dt;
+            k.margin = (seed % 3 == 0) ? 2 : 0;
+            k.ld_pad = seed % 2;
+            const std::vector<float> x =
+                random_values(rows, cols, seed++, dt == FP8_DTYPE_F16 ? -8 : -14, dt == FP8_DTYPE_F16 ? -2 : 4);
+            const Result got = run_reference(x, rows, cols, k);
+            const std::vector<float> values = make_input(x, dt).values;
+            const std::string name = case_name(k, rows, cols);
+            expect_same_layout(got.out, ref_of(values, rows, cols, k, false), name);
+            expect_same_layout(got.out_t, ref_of(values, rows, cols, k, true), name + " (transposed copy)");
+            ASSERT_EQ(got.out.nonfinite, 0) << name;
+          }
+}
+
+TEST(RecipeQuantize, HalfInputsQuantiseAsTheirExactlyWidenedFloats) {
+  for (fp8_dtype_t dt : {FP8_DTYPE_BF16, FP8_DTYPE_F16}) {
+    Case k;
+    k.mode = ScaleMode::kBlock1x128;
+    k.dtype = dt;
+    const std::vector<float> x = random_values(9, 200, 99, -8, -2);
+    const Result half = run_reference(x, 9, 200, k);
+    k.dtype = FP8_DTYPE_F32;
+    const Result wide = run_reference(make_input(x, dt).values, 9, 200, k);
+    expect_same_layout(half.out, wide.out, "half vs widened");
+    expect_same_layout(half.out_t, wide.out_t, "half vs widened (transposed)");
+  }
+}
+
+TEST(RecipeQuantize, AllZeroTileHasUnitScaleAndZeroCodes) {
+  std::vector<float> x = random_values(2, 384, 5);
+  for (int64_t c = 128; c < 256; ++c) x[static_cast<size_t>(384 + c)] = (c % 2) ? -0.0f : 0.0f;  // row 1, tile 1
+  Case k;
+  const Result r = run_reference(x, 2, 384, k);
+  ASSERT_EQ(r.out.grid_cols, 3);
+  EXPECT_EQ(r.out.scale_inv[3 + 1], 1.0f);
+  for (int64_t c = 128; c < 256; ++c) EXPECT_EQ(r.out.codes[static_cast<size_t>(384 + c)], (c % 2) ? 0x80 : 0x00);
+  EXPECT_EQ(r.out.nonfinite, 0);
+  // An all-zero tensor: every mode gives scale 1 everywhere.
+  for (ScaleMode mode : kModes) {
+    k.mode = mode;
+    const Result z = run_reference(std::vector<float>(200 * 3, 0.0f), 3, 200, k);
+    for (float si : z.out.scale_inv) EXPECT_EQ(si, 1.0f) << fp8::scale_mode_name(mode);
+    for (float si : z.out_t.scale_inv) EXPECT_EQ(si, 1.0f) << fp8::scale_mode_name(mode);
+  }
+}
+
+TEST(RecipeQuantize, NanOrInfInOneTileOnlyAffectsThatTilesScale) {
+  for (float bad : {kNaN, -kInf}) {
+    for (ScaleMode mode : {ScaleMode::kRow, ScaleMode::kBlock1x128, ScaleMode::kBlock128x128}) {
+      const int64_t rows = 260, cols = 300;
+      std::vector<float> x = random_values(rows, cols, 21);
+      const int64_t br = 140, bc = 200;  // in 1x128 tile (140, 1), 128x128 block (1, 1), row 140
+      x[static_cast<size_t>(br * cols + bc)] = bad;
+      Case k;
+      k.mode = mode;
+      const Result got = run_reference(x, rows, cols, k);
+      const std::string name = case_name(k, rows, cols) + (std::isnan(bad) ? " NaN" : " -inf");
+      expect_same_layout(got.out, ref_of(x, rows, cols, k, false), name);
+      expect_same_layout(got.out_t, ref_of(x, rows, cols, k, true), name + " (transposed copy)");
+      EXPECT_EQ(got.out.nonfinite, 1) << name;
+      // Same data without the bad value: only the bad cell's scale differs, and it is 1.
+      std::vector<float> clean = x;
+      clean[static_cast<size_t>(br * cols + bc)] = 0.0f;
+      const Result ok = run_reference(clean, rows, cols, k);
+      const fp8::ScaleBlock b = fp8::scale_block(mode, rows, cols);
+      const int64_t bad_cell = fp8::scale_offset(b, got.out.grid_cols, br, bc);
+      for (int64_t i = 0; i < static_cast<int64_t>(got.out.scale_inv.size()); ++i) {
+        if (i == bad_cell)
+          EXPECT_EQ(got.out.scale_inv[static_cast<size_t>(i)], 1.0f) << name;
+        else
+          EXPECT_EQ(bits(got.out.scale_inv[static_cast<size_t>(i)]), bits(ok.out.scale_inv[static_cast<size_t>(i)]))
+              << name << " cell " << i;
+      }
+      EXPECT_EQ(got.out.codes[static_cast<size_t>(br * cols + bc)], std::isnan(bad) ? 0x7F : 0xFE) << name;
+    }
+    // Per tensor: the whole tensor's scale is 1.
+    Case k;
+    k.mode = ScaleMode::kTensor;
+    std::vector<float> x = random_values(4, 50, 3);
+    x[17] = bad;
+    const Result got = run_reference(x, 4, 50, k);
+    EXPECT_EQ(got.out.scale_inv[0], 1.0f);
+    EXPECT_EQ(got.out_t.scale_inv[0], 1.0f);
+    EXPECT_EQ(got.out.nonfinite, 1);
+  }
+}
+
+TEST(RecipeQuantize, TinyAmaxTileGetsFltMaxScaleAndStillEncodesItsValues) {
+  std::vector<float> x = random_values(1, 256, 8);
+  for (int64_t c = 128; c < 256; ++c)
+    x[static_cast<size_t>(c)] = std::ldexp(static_cast<float>(c - 112), -140);  // subnormal
+  for (bool pow2 : {false, true}) {
+    Case k;
+    k.pow2 = pow2;
+    const Result r = run_reference(x, 1, 256, k);
+    expect_same_layout(r.out, ref_of(x, 1, 256, k, false), pow2 ? "tiny pow2" : "tiny");
+    const float scale = pow2 ? std::ldexp(1.0f, 127) : FLT_MAX;
+    EXPECT_EQ(bits(r.out.scale_inv[1]), bits(1.0f / scale));
+    for (int64_t c = 128; c < 256; ++c) {
+      const uint8_t q = r.out.codes[static_cast<size_t>(c)];
+      EXPECT_EQ(q, fp8::encode_fp8(x[static_cast<size_t>(c)] * scale, false));
+      EXPECT_NE(q, 0) << "a tiny value must not vanish: " << c;
+    }
+  }
+}
+
+TEST(RecipeQuantize, PartialLastTileUsesItsOwnAmax) {
+  // K = 300: tiles of 128, 128 and 44; the 44 last elements are small and get their own scale.
+  const int64_t rows = 130, cols = 300;
+  std::vector<float> x = random_values(rows, cols, 31, -2, 2);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 256; c < cols; ++c) x[static_cast<size_t>(r * cols + c)] *= 1.0f / 1024.0f;
+  for (ScaleMode mode : {ScaleMode::kBlock1x128, ScaleMode::kBlock128x128}) {
+    Case k;
+    k.mode = mode;
+    const Result res = run_reference(x, rows, cols, k);
+    const fp8::ScaleBlock b = fp8::scale_block(mode, rows, cols);
+    for (int64_t gi = 0; gi < res.out.grid_rows; ++gi) {
+      double amax = 0.0;
+      const int64_t r0 = gi * b.rows, r1 = std::min(rows, r0 + b.rows);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 256; c < cols; ++c)
+          amax = std::max(amax, std::fabs(double{x[static_cast<size_t>(r * cols + c)]}));
+      const float want = static_cast<float>(1.0 / ref_scale(amax, false, 0, false));
+      EXPECT_EQ(bits(res.out.scale_inv[static_cast<size_t>(gi * 3 + 2)]), bits(want)) << fp8::scale_mode_name(mode);
+    }
+    // Partial blocks along rows too (130 = 128 + 2) for 128x128.
+    EXPECT_EQ(res.out.grid_rows, mode == ScaleMode::kBlock128x128 ? 2 : rows);
+  }
+}
+
+TEST(RecipeQuantize, PowerOfTwoScalesKeepTheCellsAmaxAboveHalfTheFp8Max) {
+  for (ScaleMode mode : kModes) {
+    Case k;
+    k.mode = mode;
+    k.pow2 = true;
+    k.e5m2 = mode == ScaleMode::kRow;
+    const int64_t rows = 150, cols = 333;
+    const std::vector<float> x = random_values(rows, cols, 41);
+    const Result res = run_reference(x, rows, cols, k);
+    const fp8::ScaleBlock b = fp8::scale_block(mode, rows, cols);
+    std::vector<double> amax(res.out.scale_inv.size(), 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        double& a = amax[static_cast<size_t>(fp8::scale_offset(b, res.out.grid_cols, r, c))];
+        a = std::max(a, std::fabs(double{x[static_cast<size_t>(r * cols + c)]}));
+      }
+    for (size_t i = 0; i < amax.size(); ++i) {
+      const float si = res.out.scale_inv[i];
+      int e = 0;
+      ASSERT_EQ(std::frexp(si, &e), 0.5f) << "scale_inv " << si << " is not a power of two";
+      const double scaled = amax[i] / si;
+      ASSERT_LE(scaled, fp8_max(k.e5m2)) << fp8::scale_mode_name(mode);
+      ASSERT_GT(scaled, fp8_max(k.e5m2) / 2) << fp8::scale_mode_name(mode);
+    }
+  }
+}
+
+// |dequantised - x| <= |x| * (2^-(mant+1) + 2^-21) + (half the format's smallest step) * scale_inv * (1 + 2^-20):
+// the FP8 rounding, plus the float rounding of x * scale, of scale_inv and of the dequantising multiply.
+double error_bound(double x, bool e5m2, double scale_inv) {
+  const fp8::Fp8Spec s = fp8::fp8_spec(e5m2);
+  const double half_step = std::ldexp(1.0, 1 - s.bias - s.mant_bits - 1);
+  return std::fabs(x) * (std::ldexp(1.0, -(s.mant_bits + 1)) + std::ldexp(1.0, -21)) +
+         half_step * scale_inv * (1.0 + std::ldexp(1.0, -20));
+}
+
+// Checks the dequantised layout (the operand or its transposed copy, given by `at`) against the source.
+void expect_within_bounds(const Layout& l, int64_t rows, int64_t cols, ScaleMode mode, bool e5m2,
+                          const std::function<double(int64_t, int64_t)>& at, const std::string& name) {
+  const fp8::ScaleBlock b = fp8::scale_block(mode, rows, cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float si = l.scale_inv[static_cast<size_t>(fp8::scale_offset(b, l.grid_cols, r, c))];
+      const double dq = fp8::dequantize_fp8(l.codes[static_cast<size_t>(r * cols + c)], e5m2, si);
+      const double x = at(r, c);
+      ASSERT_LE(std::fabs(dq - x), error_bound(x, e5m2, si)) << name << " at (" << r << ", " << c << "): " << x;
+    }
+}
+
+TEST(RecipeQuantize, DequantisationErrorIsWithinTheBoundOfEachMode) {
+  const int64_t rows = 200, cols = 390;
+  const std::vector<float> x = random_values(rows, cols, 51);
+  for (ScaleMode mode : kModes)
+    for (bool e5m2 : {false, true})
+      for (bool pow2 : {false, true}) {
+        Case k;
+        k.mode = mode;
+        k.e5m2 = e5m2;
+        k.pow2 = pow2;
+        k.margin = pow2 ? 0 : 1;
+        const Result res = run_reference(x, rows, cols, k);
+        const std::string name = case_name(k, rows, cols);
+        expect_within_bounds(
+            res.out, rows, cols, mode, e5m2, [&](int64_t r, int64_t c) { return x[static_cast<size_t>(r * cols + c)]; },
+            name);
+        // Round trip through the transposed copy: dequantised, it is the source's transpose.
+        expect_within_bounds(
+            res.out_t, cols, rows, mode, e5m2,
+            [&](int64_t r, int64_t c) { return x[static_cast<size_t>(c * cols + r)]; }, name + " (transposed copy)");
+      }
+}
+
+TEST(RecipeQuantize, FinerScalesResolveSmallValuesThatPerTensorFlushes) {
+  // One large outlier in row 0's first tile; the small values elsewhere survive 1x128 scaling but
+  // underflow per tensor (E4M3's smallest step 2^-9 times 1e4 / 448 is far above 1e-3).
+  const int64_t rows = 4, cols = 256;
+  std::vector<float> x(static_cast<size_t>(rows * cols), 1e-3f);
+  x[0] = 1e4f;
+  Case k;
+  k.mode = ScaleMode::kTensor;
+  const Result tensor = run_reference(x, rows, cols, k);
+  k.mode = ScaleMode::kBlock1x128;
+  const Result block = run_reference(x, rows, cols, k);
+  EXPECT_EQ(tensor.out.codes[300], 0x00);
+  const float dq =
+      fp8::dequantize_fp8(block.out.codes[300], false, block.out.scale_inv[static_cast<size_t>(1 * 2 + 0)]);
+  EXPECT_NEAR(dq, 1e-3, 1e-3 / 16);
+}
+
+TEST(RecipeQuantize, TransposedCopyOf1x128IsQuantisedAlongItsOwnK) {
+  const int64_t rows = 300, cols = 200;
+  const std::vector<float> x = random_values(rows, cols, 61);
+  std::vector<float> xt(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) xt[static_cast<size_t>(c * rows + r)] = x[static_cast<size_t>(r * cols + c)];
+  for (ScaleMode mode : {ScaleMode::kRow, ScaleMode::kBlock1x128, ScaleMode::kBlock128x128, ScaleMode::kTensor}) {
+    Case k;
+    k.mode = mode;
+    const Result res = run_reference(x, rows, cols, k);
+    Case kt = k;
+    kt.with_t = false;
+    const Result direct = run_reference(xt, cols, rows, kt);
+    expect_same_layout(res.out_t, direct.out,
+                       std::string(fp8::scale_mode_name(mode)) + ": copy vs quantised transpose");
+    const ScaleGrid gt = fp8::scale_grid(mode, cols, rows);
+    EXPECT_EQ(res.out_t.grid_rows, gt.rows);
+    EXPECT_EQ(res.out_t.grid_cols, gt.cols);
+  }
+  // 1x128: the copy's scales are per 128 source rows of one column, so they differ from transposing.
+  Case k;
+  const Result res = run_reference(x, rows, cols, k);
+  EXPECT_EQ(res.out_t.grid_rows, cols);
+  EXPECT_EQ(res.out_t.grid_cols, 3);
+  bool some_code_differs = false;
+  for (int64_t r = 0; r < rows && !some_code_differs; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      if (res.out_t.codes[static_cast<size_t>(c * rows + r)] != res.out.codes[static_cast<size_t>(r * cols + c)]) {
+        some_code_differs = true;
+        break;
+      }
+  EXPECT_TRUE(some_code_differs);
+}
+
+TEST(RecipeQuantize, TransposeOf128x128IsTheTransposedCodesAndScales) {
+  const int64_t rows = 300, cols = 260;
+  for (bool pow2 : {false, true}) {
+    Case k;
+    k.mode = ScaleMode::kBlock128x128;
+    k.pow2 = pow2;
+    const Result res = run_reference(random_values(rows, cols, 71), rows, cols, k);
+    ASSERT_EQ(res.out_t.grid_rows, res.out.grid_cols);
+    ASSERT_EQ(res.out_t.grid_cols, res.out.grid_rows);
+    for (int64_t i = 0; i < res.out.grid_rows; ++i)
+      for (int64_t j = 0; j < res.out.grid_cols; ++j)
+        ASSERT_EQ(bits(res.out_t.scale_inv[static_cast<size_t>(j * res.out_t.grid_cols + i)]),
+                  bits(res.out.scale_inv[static_cast<size_t>(i * res.out.grid_cols + j)]));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        ASSERT_EQ(res.out_t.codes[static_cast<size_t>(c * rows + r)], res.out.codes[static_cast<size_t>(r * cols + c)]);
+  }
+}
+
+TEST(RecipeQuantize, RowwiseTransposedCopyHasOneScalePerSourceColumn) {
+  const int64_t rows = 40, cols = 70;
+  const std::vector<float> x = random_values(rows, cols, 81);
+  Case k;
+  k.mode = ScaleMode::kRow;
+  const Result res = run_reference(x, rows, cols, k);
+  ASSERT_EQ(res.out_t.grid_rows, cols);
+  ASSERT_EQ(res.out_t.grid_cols, 1);
+  for (int64_t c = 0; c < cols; ++c) {
+    double amax = 0.0;
+    for (int64_t r = 0; r < rows; ++r) amax = std::max(amax, std::fabs(double{x[static_cast<size_t>(r * cols + c)]}));
+    EXPECT_EQ(bits(res.out_t.scale_inv[static_cast<size_t>(c)]),
+              bits(static_cast<float>(1.0 / ref_scale(amax, false, 0, false))));
+  }
+}
+
+TEST(RecipeQuantize, EmptyOperandWritesOnlyThePerTensorScale) {
+  for (ScaleMode mode : kModes) {
+    Case k;
+    k.mode = mode;
+    const Result res = run_reference({}, 0, 128, k);
+    if (mode == ScaleMode::kTensor) {
+      ASSERT_EQ(res.out.scale_inv.size(), 1u);
+      EXPECT_EQ(res.out.scale_inv[0], 1.0f);
+    } else {
+      EXPECT_EQ(res.out.grid_rows * res.out.grid_cols,
+                fp8::scale_grid(mode, 0, 128).rows * fp8::scale_grid(mode, 0, 128).cols);
+    }
+  }
+}
+
+// ---- Misuse ---------------------------------------------------------------------------------------
+
+void expect_status(const std::function<void()>& call, fp8_status_t status, const std::string& word) {
+  try {
+    call();
+    ADD_FAILURE() << "no error, expected " << fp8_status_string(status);
+  } catch (const fp8::Error& e) {
+    EXPECT_EQ(e.status(), status) << e.what();
+    EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << "no \"" << word << "\" in: " << e.what();
+  }
+}
+
+TEST(RecipeQuantize, RefusesWrongGridsModesDtypesAndMargins) {
+  std::vector<float> in(4 * 256, 1.0f), grid(8), grid_t(256);
+  std::vector<uint8_t> out(in.size()), out_t(in.size());
+  const auto job = [&] {
+    fp8::RecipeQuantizeJob j{};
+    j.in = in.data();
+    j.in_dtype = FP8_DTYPE_F32;
+    j.rows = 4;
+    j.cols = 256;
+    j.out = out.data();
+    j.out_scale_inv = {ScaleMode::kBlock1x128, grid.data(), 4, 2, 2};
+    j.out_t = out_t.data();
+    j.out_t_scale_inv = {ScaleMode::kBlock1x128, grid_t.data(), 256, 1, 1};
+    return j;
+  };
+  EXPECT_NO_THROW(fp8::cpu_recipe_quantize(job()));
+  auto j = job();
+  j.out_scale_inv.cols = 1;
+  expect_status([&] { fp8::cpu_recipe_quantize(j); }, FP8_ERR_SHAPE, "out_scale_inv");
+  j = job();
+  j.out_t_scale_inv.rows = 4;
+  expect_status([&] { fp8::cpu_recipe_quantize(j); }, FP8_ERR_SHAPE, "out_t_scale_inv");
+  j = job();
+  j.out_t_scale_inv = {ScaleMode::kRow, grid_t.data(), 256, 1, 1};
+  expect_status([&] { fp8::cpu_recipe_quantize(j); }, FP8_ERR_INVALID_ARGUMENT, "keeps the mode");
+  j = job();
+  j.in_dtype = FP8_DTYPE_E4M3;
+  expect_status([&] { fp8::cpu_recipe_quantize(j); }, FP8_ERR_DTYPE, "F32");
+  j = job();
+  j.margin = 33;
+  expect_status([&] { fp8::cpu_recipe_quantize(j); }, FP8_ERR_INVALID_ARGUMENT, "margin");
+  j = job();
+  j.out = nullptr;
+  expect_status([&] { fp8::cpu_recipe_quantize(j); }, FP8_ERR_INVALID_ARGUMENT, "out");
+}
+
+}  // namespace
