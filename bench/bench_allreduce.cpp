@@ -73,6 +73,7 @@ constexpr int kWire[kPaths] = {1, 4, 2, 1, 1};  // bytes per element on the wire
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 using fp8bench::die;
+using fp8bench::event_ms;
 using fp8bench::SpinBarrier;
 using fp8bench::this_rank;
 #define RCHECK_NCCL(call)                                                                 \
@@ -242,12 +243,7 @@ void time_path(Shared& s, int k, int lg, int path, cudaStream_t st, cudaEvent_t 
     if (prepare) prepare();
     RCHECK_CUDA(cudaStreamSynchronize(st));
     s.barrier->wait();
-    RCHECK_CUDA(cudaEventRecord(a, st));
-    op();
-    RCHECK_CUDA(cudaEventRecord(b, st));
-    RCHECK_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    RCHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+    const float t = event_ms(st, a, b, op);
     if (it >= kWarm) s.ms[static_cast<size_t>(k)][it - kWarm] = t;
   }
   ncclResult_t async = ncclSuccess;

@@ -38,6 +38,8 @@
 
 namespace {
 
+using fp8bench::event_ms;
+
 fp8_context_t* ctx = nullptr;
 cudaStream_t stream = nullptr;
 FILE* json = nullptr;
@@ -65,19 +67,6 @@ void convert(fp8_model_t* m, const char* recipe) {
   RCHECK_FP8(fp8_convert_model(m, r, nullptr));
   fp8_recipe_destroy(r);
   RCHECK_FP8(fp8_model_set_autowrap(m, 1));
-}
-
-// The time in ms between events a and b recorded on `stream` before and after what `queue` queues
-// there (waits for b). A failure ends the process at once, as in convert.
-template <class Queue>
-float event_ms(cudaStream_t stream, cudaEvent_t a, cudaEvent_t b, const Queue& queue) {
-  RCHECK_CUDA(cudaEventRecord(a, stream));
-  queue();
-  RCHECK_CUDA(cudaEventRecord(b, stream));
-  RCHECK_CUDA(cudaEventSynchronize(b));
-  float t = 0;
-  RCHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-  return t;
 }
 
 // Linear k -> n with bias at O2, data-parallel over a one-rank NCCL communicator when `dp`, with

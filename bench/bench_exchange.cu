@@ -189,7 +189,7 @@ int main() {
   uint8_t* big; CK(cudaMalloc(&big, 64 * S));  // pieces up to 64 ranks... only as many as used
   CK(cudaMemset(big, 0x3A, 64 * S));
   { std::vector<uint8_t> r(S); for (auto& b : r) { b = rng() & 0xFF; if ((b & 0x7F) >= 0x7C) b = 0x21; } for (int k = 0; k < 64; ++k) CK(cudaMemcpy(big + k * S, r.data(), S, cudaMemcpyHostToDevice)); }
-  float* mean; CK(cudaMalloc(&mean, S * 4));
+  float* floats; CK(cudaMalloc(&floats, S * 4));
   float* other; CK(cudaMalloc(&other, S * 4));
   uint8_t* codes; CK(cudaMalloc(&codes, S));
   std::vector<OptimChunk> ch; for (int64_t o = 0; o < S; o += kOptimChunk) ch.push_back({static_cast<int32_t>((o / kOptimChunk) % 64), (int32_t)kOptimChunk, o});
@@ -198,7 +198,7 @@ int main() {
   { std::vector<GradScales> s(64 * 64, GradScales{1e-3f, 0, 0, 0}); CK(cudaMemcpy(dss, s.data(), s.size() * sizeof(GradScales), cudaMemcpyHostToDevice)); }
   uint32_t* da; CK(cudaMalloc(&da, 64 * 4)); CK(cudaMemset(da, 0, 256));
   GradScales* dg; CK(cudaMalloc(&dg, 64 * sizeof(GradScales)));
-  const float copy_ms = timeit([&] { cudaMemcpyAsync(other, mean, S * 4, cudaMemcpyDeviceToDevice); });
+  const float copy_ms = timeit([&] { cudaMemcpyAsync(other, floats, S * 4, cudaMemcpyDeviceToDevice); });
   const double copy_gbs = 2.0 * S * 4 / copy_ms / 1e6;
   printf("correctness: %d failures\n", failures);
   if (getenv("NOTIME")) return failures ? 1 : 0;
@@ -219,8 +219,8 @@ int main() {
   {
     kernels::LaunchLimits lim{0, 132};
     cudaDeviceGetAttribute(&lim.sm_count, cudaDevAttrMultiProcessorCount, 0);
-    CK(cudaMemset(mean, 0x3F, S * 4));
-    const float ms = timeit([&] { kernels::divide({mean, S, 3.0f}, lim, nullptr); });
+    CK(cudaMemset(floats, 0x3F, S * 4));
+    const float ms = timeit([&] { kernels::divide({floats, S, 3.0f}, lim, nullptr); });
     const double gbs = 8.0 * S / ms / 1e6;
     printf("divide by 3 (8 B/elem)                   %9.3f %9.0f %8.0f%%\n", ms, gbs, 100 * gbs / copy_gbs);
   }

@@ -37,31 +37,6 @@
 
 namespace fp8bench {
 
-// Median time in ms of `fn` over `reps` runs, each timed with CUDA events on `stream`. With
-// batch > 1, each timed region queues `batch` calls back to back and the time is per call: the
-// GPU's throughput without the host's launch latency between an event and the kernel.
-double median_ms(cudaStream_t stream, const std::function<void(int)>& fn, int batch = 1, int warmup = 10,
-                 int reps = 50) {
-  for (int i = 0; i < warmup; ++i) fn(i);
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    CHECK_CUDA(cudaEventRecord(a, stream));
-    for (int k = 0; k < batch; ++k) fn(i * batch + k);
-    CHECK_CUDA(cudaEventRecord(b, stream));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t / batch);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 // A rows x cols tensor of `dt` on ctx.
 inline fp8_tensor_t* matrix(fp8_context_t* ctx, fp8_dtype_t dt, int64_t rows, int64_t cols) {
   fp8_tensor_t* t = nullptr;
@@ -141,3 +116,42 @@ class SpinBarrier {
     const cudaError_t e_ = (call);                                               \
     if (e_ != cudaSuccess) fp8bench::die(#call, "CUDA", cudaGetErrorString(e_)); \
   } while (0)
+
+namespace fp8bench {
+
+// The time in ms between events a and b recorded on `stream` before and after what `queue` queues
+// there (waits for b). A failure ends the process at once (die).
+template <class Queue>
+float event_ms(cudaStream_t stream, cudaEvent_t a, cudaEvent_t b, const Queue& queue) {
+  RCHECK_CUDA(cudaEventRecord(a, stream));
+  queue();
+  RCHECK_CUDA(cudaEventRecord(b, stream));
+  RCHECK_CUDA(cudaEventSynchronize(b));
+  float t = 0;
+  RCHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+  return t;
+}
+
+// Median time in ms of `fn` over `reps` runs, each timed with CUDA events on `stream`. With
+// batch > 1, each timed region queues `batch` calls back to back and the time is per call: the
+// GPU's throughput without the host's launch latency between an event and the kernel.
+inline double median_ms(cudaStream_t stream, const std::function<void(int)>& fn, int batch = 1, int warmup = 10,
+                        int reps = 50) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  cudaEvent_t a, b;
+  RCHECK_CUDA(cudaEventCreate(&a));
+  RCHECK_CUDA(cudaEventCreate(&b));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i)
+    ms.push_back(event_ms(stream, a, b,
+                          [&] {
+                            for (int k = 0; k < batch; ++k) fn(i * batch + k);
+                          }) /
+                 batch);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace fp8bench
