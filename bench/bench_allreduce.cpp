@@ -4,8 +4,8 @@
 //  - libfp8: one Linear "fc" (no bias, rows x cols = count) converted with "backend=msamp,
 //    opt_level=O2, small_layer_fallback=0" (HYBRID: E5M2 gradients), data-parallel over a borrowed
 //    NCCL communicator (fp8_comm_wrap_nccl); rank k's gradient is fp8_model_accumulate_grad of
-//    N(0, (1e-3 (1 + k))^2) values; timed: fp8_model_sync_grads alone (all-gather of the scales,
-//    all-to-all of the codes, FP32 sums, amax agreement, requantisation, all-gather);
+//    N(0, (1e-3 (1 + k))^2) values; timed: fp8_model_sync_grads alone (in slices: all-to-all of the
+//    codes with the scales, FP32 sums and requantisation on a second stream, all-gather);
 //  - NCCL fp32 and bf16 all-reduce (sum, then / N);
 //  - NCCL's native FP8 all-reduce (ncclFloat8e5m2, ncclFloat8e4m3; sum): every rank encodes with
 //    one scale agreed beforehand, fp8_max / (N * max over the ranks of amax), which leaves room for
@@ -21,8 +21,8 @@
 // Errors (at 2^20 and 2^24): relative L2 error ||result - ref|| / ||ref||, ref = the float64 mean
 // over the ranks of the inputs above. Two are shown per path: (a) "wire", the path's own result
 // (what the all-reduce delivered, decoded and divided by N), and (b) "stored E5M2", that result
-// requantised as an E5M2 gradient (scale = 57344 / amax(result), round to nearest even: libfp8's
-// rule for an averaged FP8 gradient). (b) is what matters for training at MS-AMP O1..O3: there the
+// requantised as an E5M2 gradient (scale = 57344 / amax(result), round to nearest even: an
+// FP8 gradient requantised with its own amax). (b) is what matters for training at MS-AMP O1..O3: there the
 // averaged gradient is stored in FP8 whatever the wire carried, so an fp32 or bf16 all-reduce's
 // precision ends in one more E5M2 rounding, and that stored gradient is what the optimizer sees.
 // libfp8's exchange already ends in that one rounding, so its (a) and (b) are both its decoded
@@ -30,13 +30,13 @@
 //
 // Checks (exit status 1 when one fails; PASS/FAIL lines): at every size, every rank ends with rank
 // 0's codes and scale_inv; at 2^20 and 2^24, the codes and scale are those of the documented rule
-// (core/exchange_rule.hpp: the FP32 sum in rank order / N, the amax of the mean, scale = 57344 /
-// amax, evaluated on the host; a group of one rank keeps its gradient as it is), and libfp8's
+// (core/exchange_rule.hpp: the FP32 sum in rank order / N, scale = 57344 / the mean of the senders'
+// amaxes, evaluated on the host; a group of one rank keeps its gradient as it is), and libfp8's
 // stored-E5M2 error is below 0.1 (E5M2 has 2 mantissa bits: one rounding gives about 0.05).
 // NCCL_NVLS_ENABLE is set to 0 unless already set (NVLink multicast off).
 //
-// Usage: bench_allreduce [out.json]   (default bench_allreduce.json; ALLREDUCE_MAX_LOG2=20..28 stops
-//        at 2^that many elements, default 28)
+// Usage: bench_allreduce [out.json]   (default bench_allreduce.json; ALLREDUCE_MIN_LOG2 and
+//        ALLREDUCE_MAX_LOG2 = 20..28 bound the sizes, default 20 and 28)
 #include <nccl.h>
 
 #include <algorithm>
@@ -134,13 +134,12 @@ void errors(const Shared& s, const std::vector<float>& result, double& wire, dou
     e2 += d * d;
     amax = std::max(amax, fp8::abs_bits(result[i]));
   }
-  // Requantised as an averaged E5M2 gradient is (core/exchange_rule.hpp, cpu_grad_requantize).
-  fp8::GradScales g{};
-  fp8::exchange_finish(g, amax, true);
-  const float scale = fp8::exchange_scale(amax, true);
+  // Requantised as an E5M2 gradient with the result's own amax (scale = 57344 / amax).
+  const float scale = fp8::exchange_scale(fp8::bits_float(amax), true);
+  const float scale_inv = 1.0f / scale;
   double q2 = 0;
   for (size_t i = 0; i < result.size(); ++i) {
-    const float q = fp8::dequantize_rn(fp8::encode_fp8_rn(fp8::mul_rn(result[i], scale), true), true, g.scale_inv);
+    const float q = fp8::dequantize_rn(fp8::encode_fp8_rn(fp8::mul_rn(result[i], scale), true), true, scale_inv);
     const double d = static_cast<double>(q) - s.ref[i];
     q2 += d * d;
   }
@@ -182,19 +181,24 @@ double check_libfp8(Shared& s, int lg) {
   float want_scale_inv = s.in_scale_inv[0];
   if (n > 1) {
     std::vector<fp8::GradScales> senders(static_cast<size_t>(n), fp8::GradScales{});
-    for (int k = 0; k < n; ++k) senders[static_cast<size_t>(k)].scale_inv = s.in_scale_inv[static_cast<size_t>(k)];
-    std::vector<float> mean(count);
+    // Each sender's amax: its largest decoded |value| (what accumulate_grad records).
+    for (int k = 0; k < n; ++k) {
+      fp8::GradScales& g = senders[static_cast<size_t>(k)];
+      g.scale_inv = s.in_scale_inv[static_cast<size_t>(k)];
+      uint32_t top = 0;
+      for (size_t i = 0; i < count; ++i) top = std::max(top, fp8::abs_bits(input(s, k, i)));
+      g.amax = fp8::bits_float(top);
+    }
+    const float bound = fp8::exchange_bound(senders.data(), n, 1, 0);
+    fp8::GradScales fin{};
+    fp8::exchange_finish(fin, bound, true);
+    const float scale = fp8::exchange_scale(bound, true);
     std::vector<uint8_t> column(static_cast<size_t>(n));
-    uint32_t amax = 0;
     for (size_t i = 0; i < count; ++i) {
       for (int k = 0; k < n; ++k) column[static_cast<size_t>(k)] = s.in_codes[static_cast<size_t>(k)][i];
-      mean[i] = fp8::exchange_mean(column.data(), 1, n, 0, senders.data(), 1, 0, true);
-      amax = std::max(amax, fp8::abs_bits(mean[i]));
+      const float mean = fp8::exchange_mean(column.data(), 1, n, 0, senders.data(), 1, 0, true);
+      want[i] = fp8::encode_fp8_rn(fp8::mul_rn(mean, scale), true);
     }
-    fp8::GradScales fin{};
-    fp8::exchange_finish(fin, amax, true);
-    const float scale = fp8::exchange_scale(amax, true);
-    for (size_t i = 0; i < count; ++i) want[i] = fp8::encode_fp8_rn(fp8::mul_rn(mean[i], scale), true);
     want_scale_inv = fin.scale_inv;
   }
   int64_t off_rule = 0;
@@ -473,16 +477,18 @@ int main(int argc, char** argv) {
   fp8bench::die_program = "bench_allreduce";  // (its failures name the program)
   setenv("NCCL_NVLS_ENABLE", "0", 0);         // NVLink multicast off (before any NCCL call)
   const char* json_path = argc > 1 ? argv[1] : "bench_allreduce.json";
-  int max_lg = 28;
-  if (const char* e = std::getenv("ALLREDUCE_MAX_LOG2")) {
-    char* end = nullptr;
-    const long v = std::strtol(e, &end, 10);
-    if (*e == '\0' || *end != '\0' || v < 20 || v > 28) {
-      std::fprintf(stderr, "bench_allreduce: ALLREDUCE_MAX_LOG2=%s; expected 20..28\n", e);
-      return 2;
+  int bounds[2] = {20, 28};
+  const char* names[2] = {"ALLREDUCE_MIN_LOG2", "ALLREDUCE_MAX_LOG2"};
+  for (int b = 0; b < 2; ++b)
+    if (const char* e = std::getenv(names[b])) {
+      char* end = nullptr;
+      const long v = std::strtol(e, &end, 10);
+      if (*e == '\0' || *end != '\0' || v < 20 || v > 28) {
+        std::fprintf(stderr, "bench_allreduce: %s=%s; expected 20..28\n", names[b], e);
+        return 2;
+      }
+      bounds[b] = static_cast<int>(v);
     }
-    max_lg = static_cast<int>(v);
-  }
   int n = 0;
   const cudaError_t device_error = cudaGetDeviceCount(&n);
   if (device_error != cudaSuccess || n < 1) {
@@ -500,7 +506,7 @@ int main(int argc, char** argv) {
   Shared s;
   s.n = n;
   for (int lg : kLog2)
-    if (lg <= max_lg) s.sizes.push_back(lg);
+    if (lg >= bounds[0] && lg <= bounds[1]) s.sizes.push_back(lg);
   s.ctxs.resize(static_cast<size_t>(n));
   for (int k = 0; k < n; ++k) {
     RCHECK_FP8(fp8_context_create(&s.ctxs[static_cast<size_t>(k)], k));

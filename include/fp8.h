@@ -1138,12 +1138,20 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    it is: it is its own mean.)
  *  - FP8 gradients (the Linear weights' at O1..O3) travel as their own FP8 codes, 1 byte per
  *    element each way: each bucket's FP8 gradient storage is padded to N equal pieces and rank k
- *    owns piece k; it receives every rank's codes of its piece with each sender's per-tensor scale,
- *    decodes them and sums them in FP32 in rank order (rank 0 first), divides by the number of
- *    ranks, and the ranks agree on each tensor's amax of that mean (one small max all-reduce); each
- *    rank requantises its piece with scale = fp8_max / amax and the pieces are all-gathered. So the result has one FP8 rounding, at
- *    the end: never a sum of FP8 partial sums (MS-AMP's and NCCL's own FP8 reductions round every
- *    partial sum to FP8). Every rank ends with the same codes and scales.
+ *    owns piece k; it receives every rank's codes of its piece with each sender's per-tensor
+ *    scale_inv and amax, decodes them and sums them in FP32 in rank order (rank 0 first), divides
+ *    by the number of ranks, and requantises with scale = fp8_max / bound, where bound is the mean
+ *    of the senders' amaxes (summed in float64, rounded to FP32): a bound on |mean| every rank knows
+ *    before any mean is computed, so nothing is agreed in between. The pieces are then
+ *    all-gathered; the tensor's amax becomes the bound. So the result has one FP8 rounding, at the
+ *    end: never a sum of FP8 partial sums (MS-AMP's and NCCL's own FP8 reductions round every
+ *    partial sum to FP8). Every rank ends with the same codes and scales. A piece travels in slices
+ *    of at most 16 MiB (the environment variable FP8_EXCHANGE_SLICE_BYTES, read when the storage
+ *    layout changes, sets another size: a whole number of bytes >= 256, else the exchange fails
+ *    with FP8_ERR_INVALID_ARGUMENT on every rank; the ranks use the largest of theirs): one slice's sums run
+ *    on a second stream while the next slice's codes travel. The exchange's buffers take
+ *    2 N min(piece, slice) bytes for the codes received, and 16 N + 4 bytes per parameter for
+ *    the scales.
  *  - fp8_model_set_comm and fp8_optimizer_create start every rank from rank 0's model: its
  *    parameters (values, O3's masters and scales), gradients and scaling states are broadcast.
  *    fp8_model_set_comm lays the storage out again (in buckets, padded as above), so data

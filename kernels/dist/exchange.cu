@@ -1,13 +1,11 @@
-// The FP8 gradient exchange's local halves on the GPU (core/exchange_rule.hpp), bit for bit the CPU
-// reference (src/backend/cpu_exchange.cpp). One kernel, two passes over the senders' codes:
-//   grad_reduce: one block per chunk; the senders' scale_inv are staged in shared memory, each thread
-//     reads its elements' codes from every sender's piece (4-byte loads), sums them in rank order,
-//     divides, and the block max-accumulates amax(mean);
-//   grad_requantize: the same means again, once the ranks agreed on amax, encoded with the agreed
-//     scale (4-byte code stores), then a few blocks more for exchange_finish of every tensor.
-// Recomputing the means reads N bytes per element where storing and reloading them would move 8.
+// The FP8 gradient exchange's local pass on the GPU (core/exchange_rule.hpp), bit for bit the CPU
+// reference (src/backend/cpu_exchange.cpp):
+//   exchange_bounds (a bucket's first slice): one thread per tensor, its bound and exchange_finish;
+//   exchange_kernel: one block per chunk; the senders' scale_inv are staged in shared memory, each
+//     thread reads its elements' codes from every sender's piece (4-byte loads), sums them in rank
+//     order, divides, and encodes with the bound's scale (4-byte code stores): N + 1 bytes per element.
 //   divide: a grid-stride pass, 4 elements per 16-byte access.
-// In the chunk kernels thread t takes the 4 consecutive elements at 4 * (t + kThreads * g) of its
+// In the chunk kernel thread t takes the 4 consecutive elements at 4 * (t + kThreads * g) of its
 // chunk for g = 0..3, so that each warp's loads and stores are contiguous: 16-byte stores at a
 // 64-byte stride per thread instead reach 1.34 TB/s on an H100, contiguous ones 3.2 TB/s.
 // Codes that are not 4-byte aligned (pieces, piece_bytes or the output) and a chunk's last partial
@@ -88,17 +86,20 @@ __device__ __forceinline__ void add_codes(float (&sum)[kGroups][4], const uint32
   }
 }
 
-// grad_reduce (REQUANTIZE false): one block per chunk max-accumulates amax(mean) of its elements.
-// grad_requantize (REQUANTIZE true): blocks [0, chunk_count) compute the same means again and store
-// their codes; the blocks after them run exchange_finish for kThreads tensors each.
-template <bool E5M2, bool REQUANTIZE>
+// Every tensor's bound and final scales (the job's `scales`), one thread each.
+template <bool E5M2>
+__global__ void __launch_bounds__(kThreads) exchange_bounds(GradExchangeJob j) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (t >= j.tensor_count) return;
+  const float bound = exchange_bound(j.sender_scales, j.nranks, j.tensor_count, static_cast<int32_t>(t));
+  j.bounds[t] = bound;
+  exchange_finish(j.scales[t], bound, E5M2);
+}
+
+// One block per chunk: the means of its elements, encoded with the scale of their tensor's bound.
+template <bool E5M2>
 __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
     exchange_kernel(GradExchangeJob j, bool codes_aligned, bool out_aligned) {
-  if (REQUANTIZE && blockIdx.x >= j.chunk_count) {
-    const int64_t t = (blockIdx.x - j.chunk_count) * static_cast<int64_t>(kThreads) + threadIdx.x;
-    if (t < j.tensor_count) exchange_finish(j.scales[t], j.amax[t], E5M2);
-    return;
-  }
   __shared__ float scale_inv[kScaleBatch];
   const OptimChunk ch = j.chunks[blockIdx.x];
   // Groups wholly inside the chunk: a prefix of the thread's groups (all of them but at a tensor's end).
@@ -141,8 +142,7 @@ __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
       }
     }
   }
-  uint32_t top = 0;
-  const float scale = REQUANTIZE ? exchange_scale(j.amax[ch.tensor], E5M2) : 0.0f;
+  const float scale = exchange_scale(j.bounds[ch.tensor], E5M2);
   // Dividing by a power of two is multiplying by its inverse, bit for bit (both round the same
   // quotient once), and far cheaper than a correctly rounded division.
   const float n = static_cast<float>(j.nranks);
@@ -156,10 +156,7 @@ __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
       float m[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) m[e] = pow2 ? mul_rn(sum[g][e], inv) : div_rn(sum[g][e], n);
-      if (!REQUANTIZE) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) top = max(top, abs_bits(m[e]));
-      } else if (out_vec) {
+      if (out_vec) {
         *reinterpret_cast<uint32_t*>(j.codes + i) =
             cast4<E5M2>(mul_rn(m[0], scale), mul_rn(m[1], scale), mul_rn(m[2], scale), mul_rn(m[3], scale));
       } else {
@@ -170,14 +167,10 @@ __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
       for (int64_t x = i; x < ch.offset + ch.len && x < i + 4; ++x) {
         const float m =
             exchange_mean(j.pieces, j.piece_bytes, j.nranks, x, j.sender_scales, j.tensor_count, ch.tensor, E5M2);
-        if (REQUANTIZE)
-          j.codes[x] = encode_fp8_rn(mul_rn(m, scale), E5M2);
-        else
-          top = max(top, abs_bits(m));
+        j.codes[x] = encode_fp8_rn(mul_rn(m, scale), E5M2);
       }
     }
   }
-  if (!REQUANTIZE) block_max_accumulate(top, j.amax + ch.tensor);
 }
 
 __global__ void __launch_bounds__(kThreads) divide_kernel(float* x, int64_t n, float divisor, bool aligned) {
@@ -195,29 +188,21 @@ __global__ void __launch_bounds__(kThreads) divide_kernel(float* x, int64_t n, f
   for (int64_t i = n_vec * 4 + tid; i < n; i += stride) x[i] = div_rn(x[i], divisor);
 }
 
-// Blocks: one per chunk, and for grad_requantize those of exchange_finish after them.
-template <bool REQUANTIZE>
-void launch_exchange(const GradExchangeJob& j, cudaStream_t stream, const char* what) {
-  const int64_t chunks = j.chunk_count > 0 && j.nranks > 0 ? j.chunk_count : 0;
-  const int64_t blocks = chunks + (REQUANTIZE ? (j.tensor_count + kThreads - 1) / kThreads : 0);
-  if (blocks <= 0) return;
-  GradExchangeJob job = j;
-  job.chunk_count = chunks;
-  const bool codes_aligned = (reinterpret_cast<uintptr_t>(j.pieces) & 3u) == 0 && j.piece_bytes % 4 == 0;
-  const bool out_aligned = REQUANTIZE && (reinterpret_cast<uintptr_t>(j.codes) & 3u) == 0;
-  auto* kernel = j.e5m2 ? exchange_kernel<true, REQUANTIZE> : exchange_kernel<false, REQUANTIZE>;
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(job, codes_aligned, out_aligned);
-  cuda_check(cudaGetLastError(), what);
-}
-
 }  // namespace
 
-void grad_reduce(const GradExchangeJob& j, cudaStream_t stream) {
-  launch_exchange<false>(j, stream, "gradient exchange reduce kernel launch");
-}
-
-void grad_requantize(const GradExchangeJob& j, cudaStream_t stream) {
-  launch_exchange<true>(j, stream, "gradient exchange requantize kernel launch");
+void grad_exchange(const GradExchangeJob& j, cudaStream_t stream) {
+  if (j.nranks <= 0) return;
+  if (j.scales && j.tensor_count > 0) {
+    const auto blocks = static_cast<unsigned>((j.tensor_count + kThreads - 1) / kThreads);
+    (j.e5m2 ? exchange_bounds<true> : exchange_bounds<false>)<<<blocks, kThreads, 0, stream>>>(j);
+    cuda_check(cudaGetLastError(), "gradient exchange bounds kernel launch");
+  }
+  if (j.chunk_count <= 0) return;
+  const bool codes_aligned = (reinterpret_cast<uintptr_t>(j.pieces) & 3u) == 0 && j.piece_bytes % 4 == 0;
+  const bool out_aligned = (reinterpret_cast<uintptr_t>(j.codes) & 3u) == 0;
+  (j.e5m2 ? exchange_kernel<true> : exchange_kernel<false>)<<<static_cast<unsigned>(j.chunk_count), kThreads, 0,
+                                                                stream>>>(j, codes_aligned, out_aligned);
+  cuda_check(cudaGetLastError(), "gradient exchange kernel launch");
 }
 
 void divide(const DivideJob& j, const LaunchLimits& lim, cudaStream_t stream) {

@@ -54,6 +54,13 @@ class Backend {
   virtual void begin_side() {}
   virtual void end_side() {}
   virtual void join_side() {}
+  // Inside the communication stream's scope, a second stream (the lane) for kernels that run beside
+  // the next transfers: begin_lane() orders the lane after what the communication stream has so far
+  // and makes stream() the lane; end_lane() makes it the communication stream again. join_lane()
+  // makes the communication stream wait for everything the lane has so far, as end_side() does.
+  virtual void begin_lane() {}
+  virtual void end_lane() {}
+  virtual void join_lane() {}
 
   virtual void quantize(const QuantizeJob& job) = 0;
   virtual void dequantize(const DequantizeJob& job) = 0;
@@ -74,9 +81,8 @@ class Backend {
   virtual void optimizer_update(const OptimizerStepJob& job) = 0;
   virtual void optimizer_promote(const OptimizerStepJob& job) = 0;
   virtual void grad_accumulate(const GradAccumulateJob& job) = 0;
-  // The FP8 gradient exchange's local halves (core/exchange_rule.hpp) and the FP32 gradients' mean.
-  virtual void grad_reduce(const GradExchangeJob& job) = 0;
-  virtual void grad_requantize(const GradExchangeJob& job) = 0;
+  // The FP8 gradient exchange's local pass (core/exchange_rule.hpp) and the FP32 gradients' mean.
+  virtual void grad_exchange(const GradExchangeJob& job) = 0;
   virtual void divide(const DivideJob& job) = 0;
   // `height` rows of `width` bytes from src (rows `spitch` bytes apart) to dst (`dpitch` apart):
   // how one slot of every scaling state is gathered and scattered (asynchronously on the GPU).
@@ -105,8 +111,7 @@ void cpu_optimizer_norm(const OptimizerStepJob& job);
 void cpu_optimizer_update(const OptimizerStepJob& job);
 void cpu_optimizer_promote(const OptimizerStepJob& job);
 void cpu_grad_accumulate(const GradAccumulateJob& job);
-void cpu_grad_reduce(const GradExchangeJob& job);
-void cpu_grad_requantize(const GradExchangeJob& job);
+void cpu_grad_exchange(const GradExchangeJob& job);
 // Throws FP8_ERR_NO_DEVICE / FP8_ERR_UNSUPPORTED when `device` cannot run libfp8.
 std::unique_ptr<Backend> make_cuda_backend(int32_t device);
 

@@ -299,8 +299,7 @@ class CpuBackend final : public Backend {
   void optimizer_update(const OptimizerStepJob& j) override { cpu_optimizer_update(j); }
   void optimizer_promote(const OptimizerStepJob& j) override { cpu_optimizer_promote(j); }
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
-  void grad_reduce(const GradExchangeJob& j) override { cpu_grad_reduce(j); }
-  void grad_requantize(const GradExchangeJob& j) override { cpu_grad_requantize(j); }
+  void grad_exchange(const GradExchangeJob& j) override { cpu_grad_exchange(j); }
   void divide(const DivideJob& j) override {
     for (int64_t i = 0; i < j.n; ++i) {
       const float q = j.x[i] / j.divisor;

@@ -15,23 +15,18 @@ float mean_at(const GradExchangeJob& j, int64_t i, int32_t tensor) {
 
 }  // namespace
 
-void cpu_grad_reduce(const GradExchangeJob& j) {
+void cpu_grad_exchange(const GradExchangeJob& j) {
+  if (j.scales)
+    for (int32_t t = 0; t < j.tensor_count; ++t) {
+      j.bounds[t] = exchange_bound(j.sender_scales, j.nranks, j.tensor_count, t);
+      exchange_finish(j.scales[t], j.bounds[t], j.e5m2);
+    }
   for (int64_t c = 0; c < j.chunk_count; ++c) {
     const OptimChunk& ch = j.chunks[c];
-    uint32_t top = 0;
-    for (int64_t i = ch.offset; i < ch.offset + ch.len; ++i) top = std::max(top, abs_bits(mean_at(j, i, ch.tensor)));
-    j.amax[ch.tensor] = std::max(j.amax[ch.tensor], top);
-  }
-}
-
-void cpu_grad_requantize(const GradExchangeJob& j) {
-  for (int64_t c = 0; c < j.chunk_count; ++c) {
-    const OptimChunk& ch = j.chunks[c];
-    const float scale = exchange_scale(j.amax[ch.tensor], j.e5m2);
+    const float scale = exchange_scale(j.bounds[ch.tensor], j.e5m2);
     for (int64_t i = ch.offset; i < ch.offset + ch.len; ++i)
       j.codes[i] = encode_fp8_rn(mul_rn(mean_at(j, i, ch.tensor), scale), j.e5m2);
   }
-  for (int32_t t = 0; t < j.tensor_count; ++t) exchange_finish(j.scales[t], j.amax[t], j.e5m2);
 }
 
 }  // namespace fp8

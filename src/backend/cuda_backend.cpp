@@ -44,12 +44,13 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     DeviceScope scope(limits_.device, std::nothrow);
-    if (side_) {
-      cudaStreamSynchronize(side_);
-      cudaStreamDestroy(side_);
-      cudaEventDestroy(forked_);
-      cudaEventDestroy(side_done_);
-    }
+    for (Fork* f : {&lane_, &side_})
+      if (f->stream) {
+        cudaStreamSynchronize(f->stream);
+        cudaStreamDestroy(f->stream);
+        cudaEventDestroy(f->forked);
+        cudaEventDestroy(f->done);
+      }
     gemm_.reset();
     cudaFree(scratch_);
   }
@@ -136,43 +137,51 @@ class CudaBackend final : public Backend {
   void begin_side() override {
     if (in_side_) fail(FP8_ERR_INTERNAL, "the communication stream's scope does not nest");
     DeviceScope scope(limits_.device);
-    if (!side_) {
-      // Non-blocking, so that it never waits for the legacy default stream; the highest priority,
-      // so that its kernels get SMs while the backward's GEMMs run.
-      int least = 0, greatest = 0;
-      cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-      cudaStream_t side = nullptr;
-      cuda_check(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, greatest),
-                 "creating the communication stream");
-      cudaEvent_t a = nullptr, b = nullptr;
-      cudaError_t err = cudaEventCreateWithFlags(&a, cudaEventDisableTiming);
-      if (err == cudaSuccess) err = cudaEventCreateWithFlags(&b, cudaEventDisableTiming);
-      if (err != cudaSuccess) {
-        if (a) cudaEventDestroy(a);
-        cudaStreamDestroy(side);
-        cuda_check(err, "creating the communication stream's events");
-      }
-      side_ = side, forked_ = a, side_done_ = b;
-    }
-    cuda_check(cudaEventRecord(forked_, stream_), "cudaEventRecord (fork to the communication stream)");
-    cuda_check(cudaStreamWaitEvent(side_, forked_, 0), "cudaStreamWaitEvent (fork to the communication stream)");
+    fork(side_, stream_, "the communication stream");
     main_ = stream_;
-    stream_ = side_;
+    stream_ = side_.stream;
     in_side_ = true;
   }
   void end_side() override {
     if (!in_side_) return;
+    // The scope closes whatever fails below; the communication stream's end then covers the lane.
+    const bool lane_open = in_lane_;
+    in_lane_ = in_side_ = false;
     stream_ = main_;
-    in_side_ = false;
     side_queued_ = true;
     DeviceScope scope(limits_.device);
-    cuda_check(cudaEventRecord(side_done_, side_), "cudaEventRecord (the communication stream's work)");
+    cudaError_t err = lane_open ? cudaEventRecord(lane_.done, lane_.stream) : cudaSuccess;
+    if (err == cudaSuccess && (lane_open || lane_queued_)) err = cudaStreamWaitEvent(side_.stream, lane_.done, 0);
+    lane_queued_ = false;
+    if (err == cudaSuccess) err = cudaEventRecord(side_.done, side_.stream);
+    cuda_check(err, "closing the communication stream's scope");
   }
   void join_side() override {
     if (in_side_ || !side_queued_) return;
     DeviceScope scope(limits_.device);
-    cuda_check(cudaStreamWaitEvent(stream_, side_done_, 0), "cudaStreamWaitEvent (join the communication stream)");
+    cuda_check(cudaStreamWaitEvent(stream_, side_.done, 0), "cudaStreamWaitEvent (join the communication stream)");
     side_queued_ = false;
+  }
+  void begin_lane() override {
+    if (!in_side_ || in_lane_) fail(FP8_ERR_INTERNAL, "the lane opens once inside the communication stream's scope");
+    DeviceScope scope(limits_.device);
+    fork(lane_, side_.stream, "the communication stream's lane");
+    stream_ = lane_.stream;
+    in_lane_ = true;
+  }
+  void end_lane() override {
+    if (!in_lane_) return;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaEventRecord(lane_.done, lane_.stream), "cudaEventRecord (the lane's work)");
+    stream_ = side_.stream;
+    in_lane_ = false;
+    lane_queued_ = true;
+  }
+  void join_lane() override {
+    if (!in_side_ || in_lane_ || !lane_queued_) return;
+    DeviceScope scope(limits_.device);
+    cuda_check(cudaStreamWaitEvent(side_.stream, lane_.done, 0), "cudaStreamWaitEvent (join the lane)");
+    lane_queued_ = false;
   }
   void synchronize() override {
     DeviceScope scope(limits_.device);
@@ -221,13 +230,9 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::grad_accumulate(job, limits_, stream_);
   }
-  void grad_reduce(const GradExchangeJob& job) override {
+  void grad_exchange(const GradExchangeJob& job) override {
     DeviceScope scope(limits_.device);
-    kernels::grad_reduce(job, stream_);
-  }
-  void grad_requantize(const GradExchangeJob& job) override {
-    DeviceScope scope(limits_.device);
-    kernels::grad_requantize(job, stream_);
+    kernels::grad_exchange(job, stream_);
   }
   void divide(const DivideJob& job) override {
     DeviceScope scope(limits_.device);
@@ -320,10 +325,36 @@ class CudaBackend final : public Backend {
 
   kernels::LaunchLimits limits_{};
   cudaStream_t stream_ = nullptr;
-  // The communication stream (begin_side), made at first use; main_ is the stream while it is in use.
-  cudaStream_t side_ = nullptr, main_ = nullptr;
-  cudaEvent_t forked_ = nullptr, side_done_ = nullptr;
-  bool in_side_ = false, side_queued_ = false;
+  // A stream beside another: made at first use, non-blocking (it never waits for the legacy default
+  // stream) and of the highest priority (its kernels get SMs while the backward's GEMMs run).
+  struct Fork {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t forked = nullptr, done = nullptr;
+  };
+  // Makes f if needed and orders it after what `from` has so far.
+  static void fork(Fork& f, cudaStream_t from, const char* what) {
+    if (!f.stream) {
+      int least = 0, greatest = 0;
+      cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+      Fork made;
+      cuda_check(cudaStreamCreateWithPriority(&made.stream, cudaStreamNonBlocking, greatest), what);
+      cudaError_t err = cudaEventCreateWithFlags(&made.forked, cudaEventDisableTiming);
+      if (err == cudaSuccess) err = cudaEventCreateWithFlags(&made.done, cudaEventDisableTiming);
+      if (err != cudaSuccess) {
+        if (made.forked) cudaEventDestroy(made.forked);
+        cudaStreamDestroy(made.stream);
+        cuda_check(err, what);
+      }
+      f = made;
+    }
+    cuda_check(cudaEventRecord(f.forked, from), "cudaEventRecord (fork)");
+    cuda_check(cudaStreamWaitEvent(f.stream, f.forked, 0), "cudaStreamWaitEvent (fork)");
+  }
+  // The communication stream (begin_side) and its lane (begin_lane); main_ is the stream while the
+  // communication stream is in use.
+  Fork side_, lane_;
+  cudaStream_t main_ = nullptr;
+  bool in_side_ = false, side_queued_ = false, in_lane_ = false, lane_queued_ = false;
   std::unique_ptr<CublasLtGemm> gemm_;
   // Scratch for reductions in several passes (the norm backward's partial column sums, which set its
   // size: see kMaxNormBackwardDim): 16 MiB, allocated once so that no call allocates.

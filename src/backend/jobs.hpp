@@ -204,17 +204,14 @@ struct OptimizerStepJob {
   OptimElementArgs* args;   // device memory: element_args(*hyper), written by the step's finish
 };
 
-// FP8 gradient exchange at the receiver (core/exchange_rule.hpp), over this rank's shard of the FP8
-// gradient arena: every sender's codes of it with each sender's per-tensor scales. Chunk offsets are
-// element offsets in the shard. Two passes over the same inputs, because the ranks agree on the
-// mean's amax between them; each pass computes exchange_mean afresh (the same bits each time), which
-// costs fewer bytes than keeping the FP32 means (4 per element, written and read again):
-//   grad_reduce: amax[tensor] = max(amax[tensor], abs bits of exchange_mean(i)) over the chunks'
-//     elements (the caller zeroes amax first);
-//   grad_requantize: codes[i] = encode(exchange_mean(i) * exchange_scale(amax[tensor])), and
-//     exchange_finish(scales[t], amax[t]) for every tensor t (each rank sets all of them alike).
+// FP8 gradient exchange at the receiver (core/exchange_rule.hpp), over a slice of this rank's shard
+// of the FP8 gradient arena: every sender's codes of the slice with every sender's per-tensor scales.
+// Chunk offsets are element offsets in the slice. One pass:
+//   with `scales` (a bucket's first slice): bounds[t] = exchange_bound(t) and
+//     exchange_finish(scales[t], bounds[t]) for every tensor t, first (each rank sets all alike);
+//   codes[i] = encode(exchange_mean(i) * exchange_scale(bounds[tensor])).
 struct GradExchangeJob {
-  const uint8_t* pieces;  // nranks pieces of piece_bytes: sender k's codes of this shard at k * piece_bytes
+  const uint8_t* pieces;  // nranks pieces of piece_bytes: sender k's codes of this slice at k * piece_bytes
   int32_t nranks;
   int64_t piece_bytes;
   const GradScales* sender_scales;  // [nranks][tensor_count]: every sender's scales, in rank order
@@ -222,9 +219,9 @@ struct GradExchangeJob {
   const OptimChunk* chunks;  // device memory
   int64_t chunk_count;
   bool e5m2;
-  uint32_t* amax;      // tensor_count: accumulated by grad_reduce, agreed, read by grad_requantize
-  uint8_t* codes;      // grad_requantize: this rank's shard of the gradient arena
-  GradScales* scales;  // grad_requantize: tensor_count
+  float* bounds;       // tensor_count: written with `scales`, read by every slice of the bucket
+  uint8_t* codes;      // this rank's codes of the slice
+  GradScales* scales;  // tensor_count, or nullptr: the bucket's bounds are already in `bounds`
 };
 
 // x[i] = x[i] / divisor (round to nearest): the mean of an FP32 gradient sum over the ranks.

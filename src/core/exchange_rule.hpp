@@ -1,10 +1,16 @@
 // The numerics of the FP8 gradient exchange (fp8.h, "Data parallelism"), shared by the CPU reference
 // (src/backend/cpu_exchange.cpp) and the CUDA kernels (kernels/dist/exchange.cu), which follow it bit
 // for bit. Each rank owns one shard (an element range) of the FP8 gradient arena; it receives every
-// rank's codes of that shard with each sender's per-tensor scale_inv, and there:
+// rank's codes of that shard with each sender's per-tensor scales (scale_inv and amax), and there:
 //   mean = (sum over senders k = 0, 1, ..., N-1 of decode_k) / N, in FP32, one rounding per add;
-// the ranks then agree on each tensor's amax of the mean (a max all-reduce of its bits), requantise
-// their shard with scale = fp8_max / amax, and all-gather the codes. Never a sum of FP8 partial sums.
+//   scale = fp8_max / bound, bound = the mean of the senders' amaxes (exchange_bound),
+// encodes its shard in one pass, and the shards are all-gathered. The bound is known to every rank
+// before any mean is computed (the senders' scales travel with the codes), so the ranks never agree
+// on anything in between: no amax pass, no small all-reduce between the transfers. |mean| <= bound
+// (each sender's amax is its largest decoded |value|, and rounded sums are monotonic), so nothing
+// saturates beyond one rounding; the scale is at most a factor N coarser than the mean's own amax
+// would give, which costs range at the bottom (subnormals), not precision: an E5M2/E4M3 rounding is
+// relative. Never a sum of FP8 partial sums.
 #pragma once
 
 #include "core/optim_rule.hpp"
@@ -25,21 +31,31 @@ FP8_OPTIM_FN float exchange_mean(const uint8_t* pieces, int64_t piece_bytes, int
   return mean != mean ? bits_float(0x7FFFFFFFu) : mean;
 }
 
-// The scale of a tensor's averaged gradient from its agreed amax (as bits): fp8_max / amax, 1 for an
-// all-zero tensor, FLT_MAX at most, NaN for a non-finite amax (the gradient stays poisoned, so every
-// rank skips the step alike).
-FP8_HD float exchange_scale(uint32_t amax_bits, bool e5m2) {
-  const float amax = bits_float(amax_bits);
-  if (!(amax - amax == 0.0f)) return bits_float(0x7FFFFFFFu);
-  if (!(amax > 0.0f)) return 1.0f;
-  const float s = fp8_spec(e5m2).max_value / amax;
+// The bound on a tensor's |mean|: the senders' amaxes summed in rank order in float64, divided by N,
+// rounded to FP32 (a bound up to that last rounding, which the encoding's own rounding absorbs). A
+// non-finite amax of any sender gives a non-finite bound.
+FP8_HD float exchange_bound(const GradScales* sender_scales, int32_t nranks, int32_t tensor_count, int32_t tensor) {
+  double sum = 0.0;
+  for (int32_t k = 0; k < nranks; ++k)
+    sum += static_cast<double>(sender_scales[static_cast<int64_t>(k) * tensor_count + tensor].amax);
+  return static_cast<float>(sum / static_cast<double>(nranks));
+}
+
+// The scale of a tensor's averaged gradient from its bound: fp8_max / bound, 1 for an all-zero
+// tensor, FLT_MAX at most, NaN for a non-finite bound (the gradient stays poisoned, so every rank
+// skips the step alike).
+FP8_HD float exchange_scale(float bound, bool e5m2) {
+  if (!(bound - bound == 0.0f)) return bits_float(0x7FFFFFFFu);
+  if (!(bound > 0.0f)) return 1.0f;
+  const float s = fp8_spec(e5m2).max_value / bound;
   return s > FLT_MAX ? FLT_MAX : s;
 }
 
-// Every tensor's scales after the exchange, identical on every rank: ready for accumulation or a step.
-FP8_HD void exchange_finish(GradScales& g, uint32_t amax_bits, bool e5m2) {
-  g.scale_inv = 1.0f / exchange_scale(amax_bits, e5m2);
-  g.amax = bits_float(amax_bits);
+// Every tensor's scales after the exchange, identical on every rank: ready for a step. The amax
+// kept is the bound (what the step's bounds on its writes start from, as after an accumulation).
+FP8_HD void exchange_finish(GradScales& g, float bound, bool e5m2) {
+  g.scale_inv = 1.0f / exchange_scale(bound, e5m2);
+  g.amax = bound;
   g.add_amax = 0.0f;
   g.next_amax_code = 0;
 }

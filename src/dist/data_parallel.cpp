@@ -1,6 +1,7 @@
 #include "dist/data_parallel.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -110,15 +111,25 @@ void broadcast_model(Transport& t, fp8_model& m) {
 
 struct ModelComm::Plan {
   uint64_t generation = ~uint64_t{0};
-  // The gradient arenas (FP8, FP32) and, per bucket, its chunks of this rank's FP8 piece: entries
-  // [chunk_begin[b], chunk_begin[b + 1]) of `chunks`, each naming its tensor from the bucket's first.
+  // The gradient arenas (FP8, FP32).
   uint8_t* codes = nullptr;
   bool e5m2 = false;
   float* f32 = nullptr;
-  std::vector<int64_t> chunk_begin;
-  // Shared by the buckets, which run one after another on the communication stream: sized by the
-  // largest piece. sender_scales holds bucket b's senders at [nranks * first, nranks * last).
-  nn::Arena recv, sender_scales, amax, chunks;
+  // Each bucket's piece travels in slices (entries [slice_begin[b], slice_begin[b + 1]) of
+  // `slices`), so that one slice's pass runs while the next one's codes travel; each slice's
+  // chunks are entries [chunk_begin, chunk_begin + chunk_count) of `chunks`.
+  struct Slice {
+    size_t at, bytes;  // within the piece
+    int64_t chunk_begin, chunk_count;
+  };
+  std::vector<int64_t> slice_begin;
+  std::vector<Slice> slices;
+  // The senders' codes of a slice, in two halves that alternate (the pass reads one while the next
+  // slice arrives in the other); sender_scales holds bucket b's senders at [nranks * first, nranks *
+  // last), bounds bucket b's at [first, last).
+  nn::Arena recv, sender_scales, bounds, chunks;
+  size_t recv_half = 0;
+  uint32_t turn = 0;  // the half the next slice arrives in
   // The scaling states' amaxes, gathered.
   nn::Arena amaxes;
   size_t amax_count = 0;
@@ -178,7 +189,36 @@ void reduce_amax(Transport& t, fp8_model& m, const std::vector<fp8_scaling*>& st
 
 namespace {
 
-void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
+// The largest slice of a piece: FP8_EXCHANGE_SLICE_BYTES (fp8.h), or kDefaultSliceBytes.
+constexpr size_t kDefaultSliceBytes = size_t{16} << 20;
+
+uint64_t slice_bytes_asked() {
+  const char* env = std::getenv("FP8_EXCHANGE_SLICE_BYTES");
+  if (!env) return kDefaultSliceBytes;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(env, &end, 10);
+  if (end == env || *end != '\0' || v < nn::kSliceAlign)
+    fail(FP8_ERR_INVALID_ARGUMENT, "FP8_EXCHANGE_SLICE_BYTES is '", env, "'; expected a whole number of bytes >= ",
+         nn::kSliceAlign);
+  return v;
+}
+
+// Collective: the largest of the ranks' slice sizes (so that they cut the same slices), rounded
+// down to kSliceAlign.
+size_t agreed_slice_bytes(Transport& t, const std::shared_ptr<Backend>& be) {
+  uint64_t mine = 0;
+  all_or_none(t, be, "FP8_EXCHANGE_SLICE_BYTES", [&] { mine = slice_bytes_asked(); }, [] {});
+  const auto all = gather_host(t, be, &mine, sizeof mine);
+  uint64_t most = 0;
+  for (int32_t k = 0; k < t.size(); ++k) {
+    uint64_t v;
+    std::memcpy(&v, all.data() + static_cast<size_t>(k) * sizeof v, sizeof v);
+    most = std::max(most, v);
+  }
+  return static_cast<size_t>(most) / nn::kSliceAlign * nn::kSliceAlign;
+}
+
+void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan, size_t most) {
   nn::ParamStore& store = *m.store;
   const auto n = static_cast<size_t>(t.size());
   const auto r = static_cast<size_t>(t.rank());
@@ -196,26 +236,36 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan) {
   std::vector<OptimChunk> chunks;
   size_t largest = 0;
   for (const nn::Bucket& b : store.buckets()) {
-    fresh.chunk_begin.push_back(static_cast<int64_t>(chunks.size()));
+    fresh.slice_begin.push_back(static_cast<int64_t>(fresh.slices.size()));
     const size_t piece = b.piece(t.size());
-    largest = std::max(largest, piece);
-    // This rank's piece [lo, hi) of the bucket, in chunks of one tensor each.
-    const size_t lo = b.fp8_at + r * piece, hi = lo + piece;
-    for (int32_t i = b.first; i < b.last; ++i) {
-      const fp8_tensor& g = *params[static_cast<size_t>(i)]->grad;
-      if (g.dtype != d8 || !fresh.codes) continue;
-      const size_t begin = static_cast<size_t>(static_cast<char*>(g.data) - static_cast<char*>(data));
-      const size_t from = std::max(begin, lo), to = std::min(begin + static_cast<size_t>(g.numel), hi);
-      for (size_t at = from; at < to; at += static_cast<size_t>(kOptimChunk))
-        chunks.push_back(
-            {i - b.first, static_cast<int32_t>(std::min<size_t>(kOptimChunk, to - at)), static_cast<int64_t>(at - lo)});
+    if (!piece || !fresh.codes) continue;
+    // Equal slices (multiples of kSliceAlign) of at most `most` bytes.
+    const size_t count = (piece + most - 1) / most;
+    const size_t step = (piece / count + nn::kSliceAlign - 1) / nn::kSliceAlign * nn::kSliceAlign;
+    for (size_t s_at = 0; s_at < piece; s_at += step) {
+      ModelComm::Plan::Slice sl{s_at, std::min(step, piece - s_at), static_cast<int64_t>(chunks.size()), 0};
+      largest = std::max(largest, sl.bytes);
+      // This rank's slice [lo, hi) of the bucket, in chunks of one tensor each, offsets from lo.
+      const size_t lo = b.fp8_at + r * piece + s_at, hi = lo + sl.bytes;
+      for (int32_t i = b.first; i < b.last; ++i) {
+        const fp8_tensor& g = *params[static_cast<size_t>(i)]->grad;
+        if (g.dtype != d8) continue;
+        const size_t begin = static_cast<size_t>(static_cast<char*>(g.data) - static_cast<char*>(data));
+        const size_t from = std::max(begin, lo), to = std::min(begin + static_cast<size_t>(g.numel), hi);
+        for (size_t at = from; at < to; at += static_cast<size_t>(kOptimChunk))
+          chunks.push_back({i - b.first, static_cast<int32_t>(std::min<size_t>(kOptimChunk, to - at)),
+                            static_cast<int64_t>(at - lo)});
+      }
+      sl.chunk_count = static_cast<int64_t>(chunks.size()) - sl.chunk_begin;
+      fresh.slices.push_back(sl);
     }
   }
-  fresh.chunk_begin.push_back(static_cast<int64_t>(chunks.size()));
+  fresh.slice_begin.push_back(static_cast<int64_t>(fresh.slices.size()));
   if (fresh.codes) {
-    fresh.recv = nn::Arena(m.backend, n * largest);
+    fresh.recv_half = (n * largest + nn::kSliceAlign - 1) / nn::kSliceAlign * nn::kSliceAlign;
+    fresh.recv = nn::Arena(m.backend, 2 * fresh.recv_half);
     fresh.sender_scales = nn::Arena(m.backend, n * params.size() * sizeof(GradScales));
-    fresh.amax = nn::Arena(m.backend, params.size() * sizeof(uint32_t));
+    fresh.bounds = nn::Arena(m.backend, params.size() * sizeof(float));
     fresh.chunks = nn::Arena(m.backend, chunks.size() * sizeof(OptimChunk));
     if (!chunks.empty())
       m.backend->copy_from_host(fresh.chunks.data(), chunks.data(), chunks.size() * sizeof(OptimChunk));
@@ -239,74 +289,123 @@ ModelComm& progress(fp8_model& m) {
   return c;
 }
 
-// Collective: bucket k's exchange, up to `goal` (kOwnPieces or kWhole), on the communication stream.
-void exchange_bucket(fp8_model& m, size_t k, uint8_t goal) {
-  ModelComm& c = *m.comm;
-  Transport& t = *c.transport;
-  if (c.exchanged[k] >= goal) return;
-  // One rank averages nothing: its gradients are the mean as they are (requantising would only
-  // round them again).
-  if (t.size() == 1) {
-    c.exchanged[k] = goal;
-    return;
+// The exchanges of one call, pipelined on the communication stream and its lane: slice after slice
+// (of one bucket or of consecutive ones), the all-to-all of slice s + 1 travels while the lane
+// computes slice s; slice s's all-gather follows once both are done. Everything is queued by finish().
+class Exchanges {
+ public:
+  explicit Exchanges(fp8_model& m) : m_(m), t_(*m.comm->transport), be_(*m.backend) {}
+  Exchanges(const Exchanges&) = delete;
+  Exchanges& operator=(const Exchanges&) = delete;
+  ~Exchanges() {
+    if (!open_) return;
+    try {
+      be_.end_side();  // (after a failure: what was queued still runs, and is waited for)
+    } catch (...) {  // (the failure being reported says more)
+    }
   }
-  t.check();
-  Backend& be = *m.backend;
-  ModelComm::Plan& plan = plan_of(m);
-  if (plan.generation != m.store->generation())  // (the same on every rank: agreed before any exchange)
-    all_or_none(
-        t, m.backend, "the gradient exchange's buffers", [&] { build_plan(m, t, plan); }, [] {});
-  const nn::Bucket& b = m.store->buckets()[k];
-  const size_t piece = b.piece(t.size());
-  uint8_t* share = plan.codes + b.fp8_at + static_cast<size_t>(t.rank()) * piece;
-  be.begin_side();
-  try {
-    if (c.exchanged[k] == ModelComm::kNotStarted) {
+
+  // Collective: bucket k's exchange, up to `goal` (kOwnPieces or kWhole).
+  void run(size_t k, uint8_t goal) {
+    ModelComm& c = *m_.comm;
+    if (c.exchanged[k] >= goal) return;
+    // One rank averages nothing: its gradients are the mean as they are (requantising would only
+    // round them again).
+    if (t_.size() == 1) {
+      c.exchanged[k] = goal;
+      return;
+    }
+    t_.check();
+    ModelComm::Plan& plan = plan_of(m_);
+    if (plan.generation != m_.store->generation()) {  // (the same on every rank: agreed before any exchange)
+      const size_t most = agreed_slice_bytes(t_, m_.backend);
+      all_or_none(
+          t_, m_.backend, "the gradient exchange's buffers", [&] { build_plan(m_, t_, plan, most); }, [] {});
+    }
+    const nn::Bucket& b = m_.store->buckets()[k];
+    const size_t piece = b.piece(t_.size());
+    if (!open_) be_.begin_side(), open_ = true;
+    const bool sliced_now = c.exchanged[k] == ModelComm::kNotStarted;
+    if (sliced_now) {
       if (b.f32_bytes) {
         float* f32 = plan.f32 + b.f32_at / sizeof(float);
         const size_t count = b.f32_bytes / sizeof(float);
-        t.all_reduce(f32, count, ElemType::kF32, ReduceOp::kSum);
-        be.divide({f32, static_cast<int64_t>(count), static_cast<float>(t.size())});
+        t_.all_reduce(f32, count, ElemType::kF32, ReduceOp::kSum);
+        be_.divide({f32, static_cast<int64_t>(count), static_cast<float>(t_.size())});
       }
-      if (b.fp8_bytes) {
-        const int32_t tensors = b.last - b.first;
-        const size_t scale_bytes = static_cast<size_t>(tensors) * sizeof(GradScales);
-        GradScales* mine = m.store->grad_scales() + b.first;
-        auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data()) +
-                        static_cast<size_t>(t.size()) * static_cast<size_t>(b.first);
-        t.all_gather(mine, senders, scale_bytes);
-        t.all_to_all(plan.codes + b.fp8_at, plan.recv.data(), piece);
-        auto* amax = reinterpret_cast<uint32_t*>(plan.amax.data()) + b.first;
-        be.zero(amax, static_cast<size_t>(tensors) * sizeof(uint32_t));
-        const auto* chunks = reinterpret_cast<const OptimChunk*>(plan.chunks.data()) + plan.chunk_begin[k];
-        const int64_t chunk_count = plan.chunk_begin[k + 1] - plan.chunk_begin[k];
-        const GradExchangeJob job{reinterpret_cast<const uint8_t*>(plan.recv.data()),
-                                  t.size(),
-                                  static_cast<int64_t>(piece),
-                                  senders,
-                                  tensors,
-                                  chunks,
-                                  chunk_count,
-                                  plan.e5m2,
-                                  amax,
-                                  share,
-                                  mine};
-        be.grad_reduce(job);
-        t.all_reduce(amax, static_cast<size_t>(tensors), ElemType::kU32, ReduceOp::kMax);
-        be.grad_requantize(job);
+      const int32_t tensors = b.last - b.first;
+      GradScales* mine = m_.store->grad_scales() + b.first;
+      auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data()) +
+                      static_cast<size_t>(t_.size()) * static_cast<size_t>(b.first);
+      for (int64_t s = plan.slice_begin[k]; s < plan.slice_begin[k + 1]; ++s) {
+        const ModelComm::Plan::Slice& sl = plan.slices[static_cast<size_t>(s)];
+        const bool first = s == plan.slice_begin[k];
+        uint8_t* recv = reinterpret_cast<uint8_t*>(plan.recv.data()) + (plan.turn++ & 1u) * plan.recv_half;
+        // (The bucket's scales travel with its first slice.)
+        Transport::Gather scales;
+        if (first) scales = {mine, senders, static_cast<size_t>(tensors) * sizeof(GradScales)};
+        t_.all_to_all(plan.codes + b.fp8_at + sl.at, piece, recv, sl.bytes, scales);
+        // The lane is done with the half this slice's successor arrives in once the previous
+        // slice's all-gather may start.
+        settle();
+        be_.begin_lane();
+        be_.grad_exchange({recv, t_.size(), static_cast<int64_t>(sl.bytes), senders, tensors,
+                           reinterpret_cast<const OptimChunk*>(plan.chunks.data()) + sl.chunk_begin, sl.chunk_count,
+                           plan.e5m2, reinterpret_cast<float*>(plan.bounds.data()) + b.first,
+                           plan.codes + b.fp8_at + static_cast<size_t>(t_.rank()) * piece + sl.at,
+                           first ? mine : nullptr});
+        be_.end_lane();
+        if (goal == ModelComm::kWhole) gather_ = {b.fp8_at + sl.at, sl.bytes, piece};
       }
       c.exchanged[k] = ModelComm::kOwnPieces;
     }
-    if (goal == ModelComm::kWhole) {
-      if (b.fp8_bytes) t.all_gather(share, plan.codes + b.fp8_at, piece);
+    if (goal == ModelComm::kWhole && c.exchanged[k] == ModelComm::kOwnPieces) {
+      if (!sliced_now) {  // (own pieces from an earlier call: every slice's all-gather, once the lane is done)
+        settle();
+        for (int64_t s = plan.slice_begin[k]; s < plan.slice_begin[k + 1]; ++s) {
+          const ModelComm::Plan::Slice& sl = plan.slices[static_cast<size_t>(s)];
+          gather({b.fp8_at + sl.at, sl.bytes, piece});
+        }
+      }
       c.exchanged[k] = ModelComm::kWhole;
     }
-  } catch (...) {
-    be.end_side();
-    throw;
   }
-  be.end_side();
-}
+
+  // Queues what is left (the last all-gather) and closes the communication stream's scope.
+  void finish() {
+    if (!open_) return;
+    settle();
+    open_ = false;
+    be_.end_side();
+  }
+
+ private:
+  struct Gather {
+    size_t at = 0, bytes = 0, piece = 0;  // the slice's offset in the arena (in rank 0's piece), its bytes, the piece
+  };
+
+  // Every rank's slice into its piece of the bucket.
+  void gather(const Gather& g) {
+    uint8_t* at = plan_of(m_).codes + g.at;
+    t_.all_gather(at + static_cast<size_t>(t_.rank()) * g.piece, at, g.bytes, g.piece);
+  }
+
+  // The communication stream waits for the lane's work so far, then the deferred all-gather (if
+  // any) goes.
+  void settle() {
+    be_.join_lane();
+    if (!gather_.bytes) return;
+    const Gather g = gather_;
+    gather_ = {};
+    gather(g);
+  }
+
+  fp8_model& m_;
+  Transport& t_;
+  Backend& be_;
+  bool open_ = false;
+  Gather gather_;
+};
 
 // The goal of an exchange started by the backward: at O3 the step needs only this rank's pieces.
 uint8_t backward_goal(const fp8_model& m) {
@@ -343,9 +442,11 @@ void after_grad_write(fp8_model& m, int32_t first, int32_t count, int32_t unwrit
   }
   // Every complete bucket starts, the last first, except one the same call has still to write.
   const std::vector<nn::Bucket>& buckets = m.store->buckets();
+  Exchanges exchanges(m);
   for (size_t k = buckets.size(); k-- > 0;)
     if (c.pending[k] == 0 && c.exchanged[k] == ModelComm::kNotStarted && buckets[k].first >= unwritten_below)
-      exchange_bucket(m, k, backward_goal(m));
+      exchanges.run(k, backward_goal(m));
+  exchanges.finish();
 }
 
 void set_backward_sync(fp8_model& m, bool on) {
@@ -365,7 +466,9 @@ void sync_grads(fp8_model& m, bool whole) {
   m.comm->transport->check();
   ModelComm& c = progress(m);
   const uint8_t goal = whole ? ModelComm::kWhole : ModelComm::kOwnPieces;
-  for (size_t k = 0; k < c.exchanged.size(); ++k) exchange_bucket(m, k, goal);
+  Exchanges exchanges(m);
+  for (size_t k = 0; k < c.exchanged.size(); ++k) exchanges.run(k, goal);
+  exchanges.finish();
   m.backend->join_side();
 }
 

@@ -27,8 +27,11 @@ struct Call {
   size_t size = 0;                 // elements for all_reduce, bytes (per rank) otherwise
   const void* send = nullptr;
   void* recv = nullptr;
-  int32_t root = 0;  // broadcast only
+  int32_t root = 0;    // broadcast only
+  size_t stride = 0;   // all_to_all: of send's pieces; all_gather: of recv's (0: `size`)
 };
+
+size_t stride_of(const Call& call) { return call.stride ? call.stride : call.size; }
 
 const char* op_name(ReduceOp op) {
   switch (op) {
@@ -89,6 +92,9 @@ size_t result_bytes(const Call& call, int32_t nranks) {
       if (call.size > std::numeric_limits<size_t>::max() / static_cast<size_t>(nranks)) {
         fail(FP8_ERR_INVALID_ARGUMENT, describe(call), " over ", nranks, " ranks is larger than memory");
       }
+      if (call.stride && call.stride < call.size)
+        fail(FP8_ERR_INVALID_ARGUMENT, describe(call), ": a stride of ", call.stride, " bytes; expected at least ",
+             call.size);
       bytes = call.size * static_cast<size_t>(nranks);
       if (bytes > 0) {
         require_arg(call.send, "send");
@@ -168,7 +174,8 @@ void compute_result(const std::vector<Call>& calls, int32_t rank, const Call& ca
     case Collective::kAllToAll:
       for (size_t k = 0; k < calls.size(); ++k) {
         std::memcpy(out + k * bytes,
-                    static_cast<const unsigned char*>(calls[k].send) + static_cast<size_t>(rank) * bytes, bytes);
+                    static_cast<const unsigned char*>(calls[k].send) + static_cast<size_t>(rank) * stride_of(calls[k]),
+                    bytes);
       }
       break;
     case Collective::kBroadcast:
@@ -283,11 +290,18 @@ class LocalTransport final : public Transport {
   void all_reduce(void* buf, size_t count, ElemType type, ReduceOp op) override {
     run({Collective::kAllReduce, type, op, count, buf, buf});
   }
-  void all_gather(const void* send, void* recv, size_t bytes) override {
-    run({Collective::kAllGather, ElemType::kF32, ReduceOp::kSum, bytes, send, recv});
+  using Transport::all_gather;
+  using Transport::all_to_all;
+  void all_gather(const void* send, void* recv, size_t bytes, size_t recv_stride) override {
+    Call call{Collective::kAllGather, ElemType::kF32, ReduceOp::kSum, bytes, send, recv};
+    call.stride = recv_stride;
+    run(call);
   }
-  void all_to_all(const void* send, void* recv, size_t bytes) override {
-    run({Collective::kAllToAll, ElemType::kF32, ReduceOp::kSum, bytes, send, recv});
+  void all_to_all(const void* send, size_t send_stride, void* recv, size_t bytes, const Gather& with) override {
+    if (with.bytes) all_gather(with.send, with.recv, with.bytes);
+    Call call{Collective::kAllToAll, ElemType::kF32, ReduceOp::kSum, bytes, send, recv};
+    call.stride = send_stride;
+    run(call);
   }
   void broadcast(void* buf, size_t bytes, int32_t root) override {
     Call call{Collective::kBroadcast, ElemType::kF32, ReduceOp::kSum, bytes, buf, buf};
@@ -326,8 +340,27 @@ class LocalTransport final : public Transport {
     }
     host.send = send.data();
     host.recv = recv.data();
+    host.stride = 0;  // staged contiguously: send's pieces (all_to_all) and recv's
+    if (call.what == Collective::kAllToAll && call.stride) {
+      // Only the pieces a rank reads travel: piece p of the host copy is piece p at p * stride.
+      std::vector<unsigned char> packed(call.size * static_cast<size_t>(group_->size));
+      for (size_t p = 0; p < static_cast<size_t>(group_->size); ++p)
+        std::memcpy(packed.data() + p * call.size, send.data() + p * call.stride, call.size);
+      send.swap(packed);
+      host.send = send.data();
+    }
     run_host(host);
-    if (!recv.empty()) device_->copy_from_host(call.recv, recv.data(), recv.size());
+    scatter_result(call, recv.data(), recv.size(),
+                   [&](void* dst, const void* src, size_t n) { device_->copy_from_host(dst, src, n); });
+  }
+
+  // Writes a rank's result (`bytes`, contiguous) to call.recv: all_gather's pieces at its stride.
+  template <class Copy>
+  static void scatter_result(const Call& call, const unsigned char* result, size_t bytes, Copy&& copy) {
+    if (!bytes) return;
+    if (call.what != Collective::kAllGather || stride_of(call) == call.size) return copy(call.recv, result, bytes);
+    for (size_t off = 0, k = 0; off < bytes; off += call.size, ++k)
+      copy(static_cast<unsigned char*>(call.recv) + k * call.stride, result + off, call.size);
   }
 
   // The bytes `call` reads from this rank's send buffer.
@@ -336,7 +369,7 @@ class LocalTransport final : public Transport {
       case Collective::kAllReduce:
         return call.size * elem_size(call.type);
       case Collective::kAllToAll:
-        return call.size * static_cast<size_t>(nranks);
+        return stride_of(call) * static_cast<size_t>(nranks - 1) + call.size;
       case Collective::kAllGather:
       case Collective::kBroadcast:
         return call.size;
@@ -399,7 +432,7 @@ class LocalTransport final : public Transport {
       g.changed.wait(lock, [&] { return g.generation != read; });
     }
     lock.unlock();
-    std::memcpy(call.recv, result.data(), result.size());
+    scatter_result(call, result.data(), result.size(), [](void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); });
   }
 
   // Empty when it cannot be built (failure_reason then says less).

@@ -62,25 +62,39 @@ class NcclTransport final : public Transport {
         ncclAllReduce(buf, buf, count, nccl_type(type), op == ReduceOp::kSum ? ncclSum : ncclMax, comm_, stream()),
         "ncclAllReduce");
   }
-  void all_gather(const void* send, void* recv, size_t bytes) override {
+  using Transport::all_gather;
+  using Transport::all_to_all;
+  void all_gather(const void* send, void* recv, size_t bytes, size_t recv_stride) override {
     check();
     DeviceScope on(backend_->device());
-    nccl_check(ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream()), "ncclAllGather");
-  }
-  void all_to_all(const void* send, void* recv, size_t bytes) override {
-    check();
-    DeviceScope on(backend_->device());
-    nccl_check(ncclGroupStart(), "ncclGroupStart");
-    // The group is always ended; the first failure of its calls is reported after that.
-    ncclResult_t first = ncclSuccess;
-    for (int32_t p = 0; p < size_ && first == ncclSuccess; ++p) {
-      first = ncclSend(static_cast<const char*>(send) + p * bytes, bytes, ncclUint8, p, comm_, stream());
-      if (first == ncclSuccess)
-        first = ncclRecv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm_, stream());
+    if (recv_stride == bytes) {
+      nccl_check(ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream()), "ncclAllGather");
+      return;
     }
-    const ncclResult_t end = ncclGroupEnd();
-    nccl_check(first, "all_to_all (ncclSend/ncclRecv)");
-    nccl_check(end, "all_to_all (ncclGroupEnd)");
+    // Strided: a send to and a receive from every other rank, and this rank's own bytes copied
+    // unless in place.
+    char* own = static_cast<char*>(recv) + static_cast<size_t>(rank_) * recv_stride;
+    if (own != send && bytes)
+      kernels::cuda_check(cudaMemcpyAsync(own, send, bytes, cudaMemcpyDeviceToDevice, stream()),
+                 "cudaMemcpyAsync (all_gather's own piece)");
+    group("all_gather (ncclSend/ncclRecv)", [&](int32_t p) {
+      if (p == rank_) return ncclSuccess;
+      const ncclResult_t r = ncclSend(send, bytes, ncclUint8, p, comm_, stream());
+      return r != ncclSuccess ? r
+                              : ncclRecv(static_cast<char*>(recv) + p * recv_stride, bytes, ncclUint8, p, comm_, stream());
+    });
+  }
+  void all_to_all(const void* send, size_t send_stride, void* recv, size_t bytes, const Gather& with) override {
+    check();
+    DeviceScope on(backend_->device());
+    group("all_to_all (ncclSend/ncclRecv)", [&](int32_t p) {
+      ncclResult_t r = ncclSend(static_cast<const char*>(send) + p * send_stride, bytes, ncclUint8, p, comm_, stream());
+      if (r == ncclSuccess) r = ncclRecv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm_, stream());
+      if (r == ncclSuccess && with.bytes) r = ncclSend(with.send, with.bytes, ncclUint8, p, comm_, stream());
+      if (r == ncclSuccess && with.bytes)
+        r = ncclRecv(static_cast<char*>(with.recv) + p * with.bytes, with.bytes, ncclUint8, p, comm_, stream());
+      return r;
+    });
   }
   void broadcast(void* buf, size_t bytes, int32_t root) override {
     check();
@@ -110,6 +124,17 @@ class NcclTransport final : public Transport {
   }
 
  private:
+  // One NCCL group of `per_peer(p)`'s calls for every rank p. The group is always ended; the first
+  // failure of its calls is reported after that.
+  template <class PerPeer>
+  void group(const char* what, PerPeer&& per_peer) {
+    nccl_check(ncclGroupStart(), "ncclGroupStart");
+    ncclResult_t first = ncclSuccess;
+    for (int32_t p = 0; p < size_ && first == ncclSuccess; ++p) first = per_peer(p);
+    const ncclResult_t end = ncclGroupEnd();
+    nccl_check(first, what);
+    nccl_check(end, "ncclGroupEnd");
+  }
   // The stream a collective goes on: the backend's, after it waited for the communication stream
   // when the collective is issued outside it (Backend::begin_side), so that the communicator's
   // operations run in the order they were issued.

@@ -33,11 +33,21 @@ class Transport {
   // transport adds in rank order (rank 0 first). Max of kU32 compares the bit patterns: that is how
   // amaxes travel (non-negative floats order like their bits, and NaN sorts above infinity).
   virtual void all_reduce(void* buf, size_t count, ElemType type, ReduceOp op) = 0;
-  // recv = every rank's `bytes` of send, in rank order (N * bytes). send == recv + rank * bytes is
-  // the in-place form.
-  virtual void all_gather(const void* send, void* recv, size_t bytes) = 0;
-  // Piece k of recv (`bytes` each) = piece `rank` of rank k's send. send and recv do not overlap.
-  virtual void all_to_all(const void* send, void* recv, size_t bytes) = 0;
+  // recv = every rank's `bytes` of send, in rank order: rank k's at recv + k * recv_stride
+  // (recv_stride >= bytes). send == recv + rank * recv_stride is the in-place form.
+  virtual void all_gather(const void* send, void* recv, size_t bytes, size_t recv_stride) = 0;
+  void all_gather(const void* send, void* recv, size_t bytes) { all_gather(send, recv, bytes, bytes); }
+  // An all-gather that travels with an all_to_all (in the same group: one launch under NCCL).
+  struct Gather {
+    const void* send = nullptr;
+    void* recv = nullptr;
+    size_t bytes = 0;  // 0: none
+  };
+  // Piece k of recv (`bytes` each, contiguous) = rank k's `bytes` at send + rank * send_stride
+  // (send_stride >= bytes), and with.recv = every rank's with.bytes of with.send, in rank order.
+  // send and recv do not overlap.
+  virtual void all_to_all(const void* send, size_t send_stride, void* recv, size_t bytes, const Gather& with) = 0;
+  void all_to_all(const void* send, void* recv, size_t bytes) { all_to_all(send, bytes, recv, bytes, {}); }
   // buf = root's buf on every rank.
   virtual void broadcast(void* buf, size_t bytes, int32_t root) = 0;
   // Waits until every rank has arrived (the local transport), or for the stream's queued work and

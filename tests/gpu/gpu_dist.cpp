@@ -60,6 +60,27 @@ TEST(GpuDataParallel, ExchangeKernelsGiveTheCpuReferencesBits) {
   }
 }
 
+// The exchange in slices (FP8_EXCHANGE_SLICE_BYTES = 256: several per piece, chunks cut at their
+// edges, the lane stream computing one slice while the next travels) gives the same bits as the CPU
+// reference in slices and as the GPU in one slice per piece.
+TEST(GpuDataParallel, SlicedExchangeGivesTheCpuReferencesBits) {
+  for (int n : {2, 3}) {
+    Group whole(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, 0);
+    const std::vector<Exchanged> unsliced = exchange(whole);
+    setenv("FP8_EXCHANGE_SLICE_BYTES", "256", 1);
+    Group gpu(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, 0);
+    Group cpu(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU);
+    const std::vector<Exchanged> got = exchange(gpu), want = exchange(cpu);
+    unsetenv("FP8_EXCHANGE_SLICE_BYTES");
+    for (int k = 0; k < n; ++k) {
+      EXPECT_EQ(got[k].codes, want[0].codes) << n << " ranks, rank " << k;
+      EXPECT_EQ(got[k].scale_inv, want[0].scale_inv) << n << " ranks, rank " << k;
+      EXPECT_EQ(got[k].codes, unsliced[0].codes) << n << " ranks, rank " << k;
+    }
+    std::printf("[ exchange ] %d ranks on one GPU, 256-byte slices: the CPU reference's bits, and one slice's\n", n);
+  }
+}
+
 class GpuLevels : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(GpuLevels, RanksSharingTheGpuHoldTheSameBitsAfterEveryStep) {

@@ -187,6 +187,20 @@ INSTANTIATE_TEST_SUITE_P(Levels, MultiGpuLevels, ::testing::Combine(::testing::V
 // ZeRO at O3 over the GPUs: each rank keeps the F16 masters and Adam's m and v of its share of the
 // Linear weights, so the training state is 2 + 5/N bytes per weight (E4M3 weight and FP8 gradient
 // whole), as on CPU ranks.
+// NCCL ranks on their own GPUs, the exchange cut in 256-byte slices (several per piece, the lane
+// stream computing one while the next travels, strided all-gathers): the same bytes as one slice
+// per piece, and as the same ranks sharing one GPU.
+TEST(MultiGpuSlices, SlicedExchangeOverNcclGivesTheBitsOfOneSlice) {
+  const int n = fp8_gpus();
+  if (n < 2) GTEST_SKIP() << kNeedsTwoGpus << n;
+  const std::vector<int32_t> devices = first_gpus(n);
+  const std::vector<unsigned char> sliced = exchanged_grads(devices, "256");
+  EXPECT_EQ(sliced, exchanged_grads(devices, nullptr)) << n << " GPUs";
+  EXPECT_EQ(sliced, exchanged_grads(std::vector<int32_t>(static_cast<size_t>(n), devices[0]), "256")) << n
+      << " ranks sharing one GPU";
+  std::printf("[ slices ] %d NCCL ranks, 256-byte slices: one slice's bytes, and those of ranks sharing a GPU\n", n);
+}
+
 TEST(MultiGpuZero, O3OnEveryGpuKeepsTwoPlusFiveOverNBytesPerWeight) {
   const int n = fp8_gpus();
   if (n < 2) GTEST_SKIP() << kNeedsTwoGpus << n;

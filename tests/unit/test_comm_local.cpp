@@ -325,6 +325,59 @@ TEST(CommLocal, all_to_all_delivers_piece_rank_of_every_sender) {
   }
 }
 
+// The strided forms the exchange's slices use: all_to_all reads piece p at send + p * stride (and
+// carries an all_gather along); all_gather writes rank k's bytes at recv + k * stride, the bytes
+// between the pieces untouched.
+TEST(CommLocal, strided_all_to_all_with_a_gather_and_strided_all_gather) {
+  constexpr size_t kBytes = 5, kStride = 9, kScale = 3;
+  for (int32_t n = 1; n <= 4; ++n) {
+    const Group group = make_local_group(n);
+    std::vector<std::vector<unsigned char>> recvs(static_cast<size_t>(n)), scales(recvs), gathered(recvs);
+    run_ranks(group, [&](int32_t rank, Transport& t) {
+      std::vector<unsigned char> send(kStride * static_cast<size_t>(n), 0xDD);
+      for (int32_t p = 0; p < n; ++p)
+        for (size_t j = 0; j < kBytes; ++j) send[static_cast<size_t>(p) * kStride + j] = piece_byte(rank, p, j);
+      std::vector<unsigned char> mine(kScale);
+      for (size_t j = 0; j < kScale; ++j) mine[j] = gather_byte(rank, j);
+      auto& recv = recvs[static_cast<size_t>(rank)];
+      auto& scale = scales[static_cast<size_t>(rank)];
+      recv.assign(kBytes * static_cast<size_t>(n), 0xEE);
+      scale.assign(kScale * static_cast<size_t>(n), 0xEE);
+      t.all_to_all(send.data(), kStride, recv.data(), kBytes, {mine.data(), scale.data(), kScale});
+      // In place: this rank's bytes already sit at its stride.
+      auto& buf = gathered[static_cast<size_t>(rank)];
+      buf.assign(kStride * static_cast<size_t>(n), 0xEE);
+      for (size_t j = 0; j < kBytes; ++j) buf[static_cast<size_t>(rank) * kStride + j] = gather_byte(rank, j);
+      t.all_gather(buf.data() + static_cast<size_t>(rank) * kStride, buf.data(), kBytes, kStride);
+    });
+    for (int32_t r = 0; r < n; ++r) {
+      const auto ur = static_cast<size_t>(r);
+      for (int32_t k = 0; k < n; ++k) {
+        const auto uk = static_cast<size_t>(k);
+        for (size_t j = 0; j < kBytes; ++j) {
+          ASSERT_EQ(recvs[ur][uk * kBytes + j], piece_byte(k, r, j)) << n << " ranks, rank " << r << " from " << k;
+          ASSERT_EQ(gathered[ur][uk * kStride + j], gather_byte(k, j)) << n << " ranks, rank " << r;
+        }
+        for (size_t j = kBytes; j < kStride; ++j) ASSERT_EQ(gathered[ur][uk * kStride + j], 0xEE) << "between pieces";
+        for (size_t j = 0; j < kScale; ++j) ASSERT_EQ(scales[ur][uk * kScale + j], gather_byte(k, j));
+      }
+    }
+  }
+  // A stride shorter than the bytes is refused.
+  const Group two = make_local_group(2);
+  std::vector<std::string> errors(2);
+  run_ranks(two, [&](int32_t rank, Transport& t) {
+    unsigned char b[16] = {};
+    try {
+      t.all_gather(b, b, 8, 4);
+    } catch (const fp8::Error& e) {
+      EXPECT_EQ(e.status(), FP8_ERR_INVALID_ARGUMENT) << e.what();
+      errors[static_cast<size_t>(rank)] = e.what();
+    }
+  });
+  for (const std::string& e : errors) EXPECT_TRUE(contains(e, "a stride of 4 bytes; expected at least 8")) << e;
+}
+
 TEST(CommLocal, many_collectives_in_a_row_reuse_the_barriers) {
   constexpr int kRounds = 200;
   for (int32_t n = 2; n <= 4; ++n) {

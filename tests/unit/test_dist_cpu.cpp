@@ -197,6 +197,16 @@ TEST(DataParallelFp8, ExchangeMeetsItsBoundAndBeatsSummingInFp8) {
       EXPECT_OK(fp8_model_parameter_at(g.ranks[k].model.get(), index, nullptr, nullptr, &other));
       EXPECT_EQ(download<uint8_t>(other), codes) << "rank " << k;
     }
+    // The scale comes from the bound known before the means: the mean of the senders' amaxes (each
+    // its largest decoded |value|), summed in float64, rounded to FP32.
+    double amax_sum = 0.0;
+    for (int k = 0; k < n; ++k) {
+      float top = 0.0f;
+      for (double v : decoded[k]) top = std::max(top, static_cast<float>(std::fabs(v)));
+      amax_sum += top;
+    }
+    const float bound = static_cast<float>(amax_sum / n);
+    EXPECT_EQ(scale_inv, 1.0f / (57344.0f / bound)) << n << " ranks";
     double ours = 0.0, fp8_sums = 0.0;
     for (size_t e = 0; e < numel; ++e) {
       double exact = 0.0, magnitude = 0.0;
@@ -220,6 +230,36 @@ TEST(DataParallelFp8, ExchangeMeetsItsBoundAndBeatsSummingInFp8) {
                               << fp8_sums;
     std::printf("[ exchange ] %d ranks: mean |error| %.3g (FP32 sums, one FP8 rounding) vs %.3g (FP8 partial sums)\n",
                 n, ours / numel, fp8_sums / numel);
+  }
+}
+
+// However the exchange is cut in slices (FP8_EXCHANGE_SLICE_BYTES), every rank ends with the same
+// gradients, bit for bit, as with one slice per piece.
+TEST(DataParallelFp8, SlicingTheExchangeChangesNoBit) {
+  for (int n : {2, 3}) {
+    const std::vector<int32_t> cpus(static_cast<size_t>(n), FP8_DEVICE_CPU);
+    const std::vector<unsigned char> whole = exchanged_grads(cpus, nullptr);
+    EXPECT_EQ(exchanged_grads(cpus, "256"), whole) << n << " ranks, 256-byte slices";
+    EXPECT_EQ(exchanged_grads(cpus, "1000"), whole) << n << " ranks, 768-byte slices (1000 rounded down)";
+  }
+}
+
+TEST(DataParallelFp8, ABadSliceSizeIsRefusedOnEveryRank) {
+  setenv("FP8_EXCHANGE_SLICE_BYTES", "16MiB", 1);
+  const int n = 2;
+  Group g(n, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+  std::vector<fp8_status_t> got(n);
+  std::vector<std::string> messages(n);
+  on_ranks(n, [&](int k) {
+    Rank& r = g.ranks[k];
+    forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+    got[k] = fp8_model_sync_grads(r.model.get());
+    messages[k] = fp8_last_error_message();
+  });
+  unsetenv("FP8_EXCHANGE_SLICE_BYTES");
+  for (int k = 0; k < n; ++k) {
+    EXPECT_EQ(got[k], FP8_ERR_INVALID_ARGUMENT) << "rank " << k;
+    EXPECT_NE(messages[k].find("FP8_EXCHANGE_SLICE_BYTES is '16MiB'"), std::string::npos) << messages[k];
   }
 }
 
