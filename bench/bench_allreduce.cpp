@@ -7,6 +7,8 @@
 //    N(0, (1e-3 (1 + k))^2) values; timed: fp8_model_sync_grads alone (in slices: all-to-all of the
 //    codes with the scales, FP32 sums and requantisation on a second stream, all-gather);
 //  - NCCL fp32 and bf16 all-reduce (sum, then / N);
+//  - NCCL transfers alone (N > 1): the bytes libfp8's exchange moves, by NCCL without any sums
+//    (an all-to-all of the codes as grouped ncclSend/ncclRecv, then ncclAllGather of the pieces);
 //  - NCCL's native FP8 all-reduce (ncclFloat8e5m2, ncclFloat8e4m3; sum): every rank encodes with
 //    one scale agreed beforehand, fp8_max / (N * max over the ranks of amax), which leaves room for
 //    the sum of N ranks; the sum is decoded and divided by N (encode and decode are not timed).
@@ -65,11 +67,12 @@ bool error_size(int lg) {
   return lg == 20 || lg == 24;
 }
 
-enum Path { kLibfp8 = 0, kF32 = 1, kBf16 = 2, kE5m2 = 3, kE4m3 = 4, kPaths = 5 };
+enum Path { kLibfp8 = 0, kF32 = 1, kBf16 = 2, kE5m2 = 3, kE4m3 = 4, kTransfers = 5, kPaths = 6 };
 const char* const kPathName[kPaths] = {"libfp8 FP8 exchange (E5M2)", "NCCL fp32", "NCCL bf16", "NCCL fp8 e5m2",
-                                       "NCCL fp8 e4m3"};
-const char* const kPathKey[kPaths] = {"libfp8", "nccl_fp32", "nccl_bf16", "nccl_fp8_e5m2", "nccl_fp8_e4m3"};
-constexpr int kWire[kPaths] = {1, 4, 2, 1, 1};  // bytes per element on the wire
+                                       "NCCL fp8 e4m3", "NCCL transfers alone"};
+const char* const kPathKey[kPaths] = {"libfp8",        "nccl_fp32",     "nccl_bf16",
+                                      "nccl_fp8_e5m2", "nccl_fp8_e4m3", "nccl_transfers"};
+constexpr int kWire[kPaths] = {1, 4, 2, 1, 1, 1};  // bytes per element on the wire
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 using fp8bench::die;
@@ -384,6 +387,24 @@ void rank_main(Shared& s, int k) {
     RCHECK_CUDA(cudaMalloc(&send, 4 * bytes));
     RCHECK_CUDA(cudaMalloc(&recv, 4 * bytes));
     for (int path = kF32; path < kPaths; ++path) {
+      if (path == kTransfers) {
+        // libfp8's bytes moved by NCCL alone, unsliced: the codes' all-to-all (grouped send/recv),
+        // then the all-gather of the pieces; no sums (the wire's share of the exchange's time).
+        if (s.n == 1) continue;
+        const size_t piece = bytes / static_cast<size_t>(s.n);
+        char* in = static_cast<char*>(send);
+        char* out = static_cast<char*>(recv);
+        time_path(s, k, lg, path, st, a, b, nullptr, [&] {
+          RCHECK_NCCL(ncclGroupStart());
+          for (int p = 0; p < s.n; ++p) {
+            RCHECK_NCCL(ncclSend(in + p * piece, piece, ncclUint8, p, s.nccls[kk], st));
+            RCHECK_NCCL(ncclRecv(out + p * piece, piece, ncclUint8, p, s.nccls[kk], st));
+          }
+          RCHECK_NCCL(ncclGroupEnd());
+          RCHECK_NCCL(ncclAllGather(out + kk * piece, in, piece, ncclUint8, s.nccls[kk], st));
+        });
+        continue;
+      }
       const bool fp8_path = path == kE5m2 || path == kE4m3;
       if (fp8_path && !s.nccl_fp8) {
         if (k == 0)

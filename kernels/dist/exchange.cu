@@ -24,6 +24,7 @@ static_assert(kOptimChunk == kThreads * kGroups * 4, "a chunk is one block's 4 x
 constexpr int kScaleBatch = kThreads;  // senders whose scale_inv a block holds at once (any nranks: in batches)
 constexpr int kInFlight = 4;           // senders whose codes a thread loads before it sums them
 constexpr int kReduceBlocksPerSm = 5;  // 48 registers: measured best with kInFlight = 4 (H100)
+constexpr int kCommSms = 32;           // SMs the pass leaves to NCCL (its channels: up to 32 CTAs)
 
 // The chunk offset of thread t's group g.
 __device__ __forceinline__ int group_offset(int g) {
@@ -96,12 +97,10 @@ __global__ void __launch_bounds__(kThreads) exchange_bounds(GradExchangeJob j) {
   exchange_finish(j.scales[t], bound, E5M2);
 }
 
-// One block per chunk: the means of its elements, encoded with the scale of their tensor's bound.
+// One chunk (by one block): the means of its elements, encoded with the scale of their tensor's bound.
 template <bool E5M2>
-__global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
-    exchange_kernel(GradExchangeJob j, bool codes_aligned, bool out_aligned) {
-  __shared__ float scale_inv[kScaleBatch];
-  const OptimChunk ch = j.chunks[blockIdx.x];
+__device__ __forceinline__ void exchange_chunk(const GradExchangeJob& j, const OptimChunk ch, float* scale_inv,
+                                               bool codes_aligned, bool out_aligned) {
   // Groups wholly inside the chunk: a prefix of the thread's groups (all of them but at a tensor's end).
   int groups = 0;
 #pragma unroll
@@ -173,6 +172,15 @@ __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
   }
 }
 
+// Blocks take chunks in turn (a grid that leaves SMs to the transfers running beside it).
+template <bool E5M2>
+__global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
+    exchange_kernel(GradExchangeJob j, bool codes_aligned, bool out_aligned) {
+  __shared__ float scale_inv[kScaleBatch];
+  for (int64_t c = blockIdx.x; c < j.chunk_count; c += gridDim.x)
+    exchange_chunk<E5M2>(j, j.chunks[c], scale_inv, codes_aligned, out_aligned);
+}
+
 __global__ void __launch_bounds__(kThreads) divide_kernel(float* x, int64_t n, float divisor, bool aligned) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -190,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) divide_kernel(float* x, int64_t n, f
 
 }  // namespace
 
-void grad_exchange(const GradExchangeJob& j, cudaStream_t stream) {
+void grad_exchange(const GradExchangeJob& j, const LaunchLimits& lim, cudaStream_t stream) {
   if (j.nranks <= 0) return;
   if (j.scales && j.tensor_count > 0) {
     const auto blocks = static_cast<unsigned>((j.tensor_count + kThreads - 1) / kThreads);
@@ -200,8 +208,12 @@ void grad_exchange(const GradExchangeJob& j, cudaStream_t stream) {
   if (j.chunk_count <= 0) return;
   const bool codes_aligned = (reinterpret_cast<uintptr_t>(j.pieces) & 3u) == 0 && j.piece_bytes % 4 == 0;
   const bool out_aligned = (reinterpret_cast<uintptr_t>(j.codes) & 3u) == 0;
-  (j.e5m2 ? exchange_kernel<true> : exchange_kernel<false>)<<<static_cast<unsigned>(j.chunk_count), kThreads, 0,
-                                                                stream>>>(j, codes_aligned, out_aligned);
+  // The pass runs beside NCCL's kernels moving the next slice: it takes the SMs but kCommSms, which
+  // it does not need to reach the memory bandwidth, and leaves those to them.
+  const int sms = std::max(lim.sm_count - kCommSms, (lim.sm_count + 1) / 2);
+  const int64_t blocks = std::min<int64_t>(j.chunk_count, static_cast<int64_t>(sms) * kReduceBlocksPerSm);
+  (j.e5m2 ? exchange_kernel<true> : exchange_kernel<false>)<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      j, codes_aligned, out_aligned);
   cuda_check(cudaGetLastError(), "gradient exchange kernel launch");
 }
 

@@ -137,7 +137,7 @@ class CudaBackend final : public Backend {
   void begin_side() override {
     if (in_side_) fail(FP8_ERR_INTERNAL, "the communication stream's scope does not nest");
     DeviceScope scope(limits_.device);
-    fork(side_, stream_, "the communication stream");
+    fork(side_, stream_, true, "the communication stream");
     main_ = stream_;
     stream_ = side_.stream;
     in_side_ = true;
@@ -165,7 +165,7 @@ class CudaBackend final : public Backend {
   void begin_lane() override {
     if (!in_side_ || in_lane_) fail(FP8_ERR_INTERNAL, "the lane opens once inside the communication stream's scope");
     DeviceScope scope(limits_.device);
-    fork(lane_, side_.stream, "the communication stream's lane");
+    fork(lane_, side_.stream, false, "the communication stream's lane");
     stream_ = lane_.stream;
     in_lane_ = true;
   }
@@ -232,7 +232,7 @@ class CudaBackend final : public Backend {
   }
   void grad_exchange(const GradExchangeJob& job) override {
     DeviceScope scope(limits_.device);
-    kernels::grad_exchange(job, stream_);
+    kernels::grad_exchange(job, limits_, stream_);
   }
   void divide(const DivideJob& job) override {
     DeviceScope scope(limits_.device);
@@ -326,18 +326,20 @@ class CudaBackend final : public Backend {
   kernels::LaunchLimits limits_{};
   cudaStream_t stream_ = nullptr;
   // A stream beside another: made at first use, non-blocking (it never waits for the legacy default
-  // stream) and of the highest priority (its kernels get SMs while the backward's GEMMs run).
+  // stream), of the highest priority (the communication stream: its kernels get SMs while the
+  // backward's GEMMs run) or the next one down (the lane: NCCL's kernels get SMs before its pass).
   struct Fork {
     cudaStream_t stream = nullptr;
     cudaEvent_t forked = nullptr, done = nullptr;
   };
   // Makes f if needed and orders it after what `from` has so far.
-  static void fork(Fork& f, cudaStream_t from, const char* what) {
+  static void fork(Fork& f, cudaStream_t from, bool highest, const char* what) {
     if (!f.stream) {
       int least = 0, greatest = 0;
       cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
       Fork made;
-      cuda_check(cudaStreamCreateWithPriority(&made.stream, cudaStreamNonBlocking, greatest), what);
+      const int priority = highest || greatest == least ? greatest : greatest + 1;  // (greater is lower)
+      cuda_check(cudaStreamCreateWithPriority(&made.stream, cudaStreamNonBlocking, priority), what);
       cudaError_t err = cudaEventCreateWithFlags(&made.forked, cudaEventDisableTiming);
       if (err == cudaSuccess) err = cudaEventCreateWithFlags(&made.done, cudaEventDisableTiming);
       if (err != cudaSuccess) {
