@@ -24,11 +24,7 @@ using namespace fp8;
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1); } } while (0)
 static uint32_t fb(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static int failures = 0;
-static kernels::LaunchLimits limits() {
-  kernels::LaunchLimits lim{0, 132};
-  cudaDeviceGetAttribute(&lim.sm_count, cudaDevAttrMultiProcessorCount, 0);
-  return lim;
-}
+
 
 struct Case {
   const char* name;
@@ -100,7 +96,7 @@ static void run_case(const Case& c, std::mt19937& rng) {
   const GradExchangeJob hj{P, N, piece_bytes, ss.data(), T, chunks.data(), (int64_t)chunks.size(), c.e5m2, bound_cpu.data(), codes_cpu.data() + c.codes_shift, sc_cpu.data()};
   cpu_grad_exchange(hj);
   const GradExchangeJob dj{dP + c.pieces_shift, N, piece_bytes, dS, T, dC, (int64_t)chunks.size(), c.e5m2, dA, dK + c.codes_shift, dG};
-  kernels::grad_exchange(dj, limits(), nullptr);
+  kernels::grad_exchange(dj, nullptr);
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(bound_gpu.data(), dA, T * 4, cudaMemcpyDeviceToHost));
   int abad = 0, anan = 0;
@@ -213,7 +209,7 @@ int main() {
   for (int N : {1, 2, 4, 8, 64}) for (bool e5 : {false, true}) {
     if (N == 64 && !e5) continue;
     const GradExchangeJob q{big, N, S, dss, 64, dch, (int64_t)ch.size(), e5, da, codes, dg};
-    const float ms = timeit([&] { kernels::grad_exchange(q, limits(), nullptr); });
+    const float ms = timeit([&] { kernels::grad_exchange(q, nullptr); });
     const double gbs = (double)(N + 1) * S / ms / 1e6;
     printf("grad_exchange N=%-3d %s (N+1 B/elem)    %9.3f %9.0f %8.0f%%\n", N, e5 ? "e5m2" : "e4m3", ms, gbs, 100 * gbs / copy_gbs);
   }

@@ -1146,7 +1146,7 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    all-gathered; the tensor's amax becomes the bound. So the result has one FP8 rounding, at the
  *    end: never a sum of FP8 partial sums (MS-AMP's and NCCL's own FP8 reductions round every
  *    partial sum to FP8). Every rank ends with the same codes and scales. A piece travels in slices
- *    of at most 16 MiB (the environment variable FP8_EXCHANGE_SLICE_BYTES, read when the storage
+ *    of at most 64 MiB (the environment variable FP8_EXCHANGE_SLICE_BYTES, read when the storage
  *    layout changes, sets another size: a whole number of bytes >= 256, else the exchange fails
  *    with FP8_ERR_INVALID_ARGUMENT on every rank; the ranks use the largest of theirs): one slice's sums run
  *    on a second stream while the next slice's codes travel. The exchange's buffers take

@@ -40,7 +40,7 @@ void optimizer_update(const OptimizerStepJob& job, cudaStream_t stream);
 void optimizer_promote(const OptimizerStepJob& job, cudaStream_t stream);
 void grad_accumulate(const GradAccumulateJob& job, const LaunchLimits& lim, cudaStream_t stream);
 // The FP8 gradient exchange's local pass (kernels/dist/exchange.cu) and the FP32 gradients' mean.
-void grad_exchange(const GradExchangeJob& job, const LaunchLimits& lim, cudaStream_t stream);
+void grad_exchange(const GradExchangeJob& job, cudaStream_t stream);
 void divide(const DivideJob& job, const LaunchLimits& lim, cudaStream_t stream);
 
 // Folds the amax cuBLASLt wrote for an FP8 GEMM output into `state` and sets D's scale_inv.

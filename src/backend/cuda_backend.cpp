@@ -232,7 +232,7 @@ class CudaBackend final : public Backend {
   }
   void grad_exchange(const GradExchangeJob& job) override {
     DeviceScope scope(limits_.device);
-    kernels::grad_exchange(job, limits_, stream_);
+    kernels::grad_exchange(job, stream_);
   }
   void divide(const DivideJob& job) override {
     DeviceScope scope(limits_.device);
