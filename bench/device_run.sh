@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build (cmake + ninja), run the GPU test suite, run the benchmarks and
 # their torch peers, print the ratio table last. Logs and JSON go to $OUT (default ./device-out).
-# RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0, RUN_GRAPH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
+# RUN_TESTS=0, RUN_EXAMPLE=0, RUN_BENCH=0, RUN_HOST=0, RUN_GRAPH=0 or RUN_PEER=0 leave a stage out; BENCHES (below) picks
 # benchmarks. RUN_TORCH=1 adds the PyTorch stage (libfp8.torch's GPU tests, the GPT presets; see below);
 # RUN_MULTI=1 the runs over several GPUs; RUN_SANITIZER=1 the GPU suite under compute-sanitizer.
 # Dependencies missing on the GPU image (GoogleTest, zlib and DLPack headers, the Fashion-MNIST
@@ -38,16 +38,18 @@ echo "build: $(( $(date +%s) - t0 )) s"
 [ "${RUN_TESTS:-1}" = 1 ] && ctest --test-dir build/device -L gpu --output-on-failure --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 
 # RUN_SANITIZER=1: the GPU suite again under compute-sanitizer, each tool over every program (the
-# exhaustive encoder check left out: 2^32 conversions take hours instrumented), one summary line per
-# tool; logs in $OUT/sanitizer_<tool>.log.
+# exhaustive encoder check and the test of more than 2^31 elements left out: instrumented, they take
+# hours), one summary line per tool; logs in $OUT/sanitizer_<tool>.log. CUDA API errors are not
+# reported: libfp8 checks every call's status itself, and NCCL's communicator set-up probes its
+# kernels with calls that fail by design (56 such reports drowned gpu_dist's memcheck summary).
 if [ "${RUN_SANITIZER:-0}" = 1 ]; then
   for tool in memcheck racecheck synccheck; do
     programs=0 failed=""
     for t in build/device/tests/gpu_*; do
       [ -x "$t" ] && [ "${t##*/}" != gpu_encoder_exhaustive ] || continue
       programs=$((programs + 1))
-      timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" \
-        >> "$OUT/sanitizer_$tool.log" 2>&1 || failed="$failed ${t##*/}($?)"
+      GTEST_FILTER='-*LargerThan2To31*' timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" \
+        --report-api-errors no --error-exitcode 99 "$t" >> "$OUT/sanitizer_$tool.log" 2>&1 || failed="$failed ${t##*/}($?)"
     done
     errors=$(grep -o "ERROR SUMMARY: [0-9]*" "$OUT/sanitizer_$tool.log" | awk '{n += $3} END {print n + 0}')
     echo "compute-sanitizer $tool: $programs programs, $errors errors, failed:${failed:- none}"
@@ -109,6 +111,8 @@ if [ "${RUN_MULTI:-0}" = 1 ]; then
 fi
 
 [ "${RUN_BENCH:-1}" = 1 ] || exit 0
+# The host time of a layer call through the C API.
+[ "${RUN_HOST:-1}" = 1 ] && build/device/bench/bench_host 2>&1 | tee "$OUT/host.md"
 # A captured training step replayed as a CUDA graph against the same step queued call by call.
 [ "${RUN_GRAPH:-1}" = 1 ] && build/device/bench/bench_graph "$OUT/bench_graph.json" 2>&1 | tee "$OUT/graph.md"
 # BENCHES picks among quantize, gemm, linear, optimizer and dist (default: all); each has bench_<name>,
