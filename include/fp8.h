@@ -1147,11 +1147,12 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    end: never a sum of FP8 partial sums (MS-AMP's and NCCL's own FP8 reductions round every
  *    partial sum to FP8). Every rank ends with the same codes and scales. A piece travels in slices
  *    of at most 64 MiB (the environment variable FP8_EXCHANGE_SLICE_BYTES, read when the storage
- *    layout changes, sets another size: a whole number of bytes >= 256, else the exchange fails
- *    with FP8_ERR_INVALID_ARGUMENT on every rank; the ranks use the largest of theirs): one slice's sums run
- *    on a second stream while the next slice's codes travel. The exchange's buffers take
- *    2 N min(piece, slice) bytes for the codes received, and 16 N + 4 bytes per parameter for
- *    the scales.
+ *    layout changes, sets another size: a whole number of bytes from 256 to 2^62; the ranks use
+ *    the largest of theirs; a rank whose value is not one fails its exchange with
+ *    FP8_ERR_INVALID_ARGUMENT, and the other ranks with FP8_ERR_INVALID_STATE naming it): one
+ *    slice's sums run on a second stream while the next slice's codes travel. The exchange's
+ *    buffers take at most 2 N min(piece, slice) bytes for the codes received, and 16 N + 4 bytes
+ *    per parameter for the scales.
  *  - fp8_model_set_comm and fp8_optimizer_create start every rank from rank 0's model: its
  *    parameters (values, O3's masters and scales), gradients and scaling states are broadcast.
  *    fp8_model_set_comm lays the storage out again (in buckets, padded as above), so data

@@ -208,27 +208,40 @@ inline std::vector<unsigned char> state_bytes(const Rank& r, bool grads, bool sc
   return out;
 }
 
-// Every rank's state after one backward and fp8_model_sync_grads at O2, rank k on devices[k]
+// What exchanged_grads builds: build_model's model (fc1 in -> hidden), converted with `recipe`,
+// data-parallel with `bucket_bytes` (0: the default) and backward sync on or off.
+struct ExchangeCase {
+  const char* recipe = "backend=msamp, opt_level=O2, small_layer_fallback=0";
+  size_t bucket_bytes = 0;
+  bool backward_sync = false;
+  int64_t hidden = kHidden;
+};
+
+// Every rank's state after one forward and backward and fp8_model_sync_grads, rank k on devices[k]
 // (join_ranks), the exchange cut in slices of FP8_EXCHANGE_SLICE_BYTES = `slice_bytes` (nullptr:
 // the default); checks that the ranks agree and returns rank 0's.
-inline std::vector<unsigned char> exchanged_grads(const std::vector<int32_t>& devices, const char* slice_bytes) {
+inline std::vector<unsigned char> exchanged_grads(const std::vector<int32_t>& devices, const char* slice_bytes,
+                                                  const ExchangeCase& c = {}) {
   const int n = static_cast<int>(devices.size());
   if (slice_bytes)
     setenv("FP8_EXCHANGE_SLICE_BYTES", slice_bytes, 1);
   else
     unsetenv("FP8_EXCHANGE_SLICE_BYTES");
-  Group g(devices, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+  std::vector<Rank> ranks;
+  EXPECT_OK(join_ranks(ranks, devices));
+  for (int k = 0; k < n; ++k)
+    ranks[k].model = build_model(ranks[k].ctx.get(), c.recipe, static_cast<uint32_t>(k + 1), c.hidden);
+  on_ranks(n, [&](int k) { make_data_parallel(ranks[k], FP8_OPTIMIZER_ADAM, 0.0f, c.bucket_bytes, c.backward_sync); });
   on_ranks(n, [&](int k) {
-    Rank& r = g.ranks[k];
+    Rank& r = ranks[k];
     forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+    EXPECT_OK(fp8_model_sync_grads(r.model.get()));
   });
-  on_ranks(n, [&](int k) { EXPECT_OK(fp8_model_sync_grads(g.ranks[k].model.get())); });
   unsetenv("FP8_EXCHANGE_SLICE_BYTES");
-  const std::vector<unsigned char> want = state_bytes(g.ranks[0], true);
-  for (int k = 1; k < n; ++k) EXPECT_EQ(state_bytes(g.ranks[k], true), want) << "rank " << k;
+  const std::vector<unsigned char> want = state_bytes(ranks[0], true);
+  for (int k = 1; k < n; ++k) EXPECT_EQ(state_bytes(ranks[k], true), want) << "rank " << k;
   return want;
 }
-
 
 // ZeRO at O3: what each of the ranks keeps. Rank k on devices[k] (fp8_comm_create_local), each with
 // one 1024 x 1024 Linear "big" (no bias, weights from seed 5) converted with "backend=msamp,

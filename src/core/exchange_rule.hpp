@@ -33,12 +33,13 @@ FP8_OPTIM_FN float exchange_mean(const uint8_t* pieces, int64_t piece_bytes, int
 
 // The bound on a tensor's |mean|: the senders' amaxes summed in rank order in float64, divided by N,
 // rounded to FP32 (a bound up to that last rounding, which the encoding's own rounding absorbs). A
-// non-finite amax of any sender gives a non-finite bound.
+// non-finite amax of any sender gives a non-finite bound (any NaN as 0x7FFFFFFF).
 FP8_HD float exchange_bound(const GradScales* sender_scales, int32_t nranks, int32_t tensor_count, int32_t tensor) {
   double sum = 0.0;
   for (int32_t k = 0; k < nranks; ++k)
     sum += static_cast<double>(sender_scales[static_cast<int64_t>(k) * tensor_count + tensor].amax);
-  return static_cast<float>(sum / static_cast<double>(nranks));
+  const float bound = static_cast<float>(sum / static_cast<double>(nranks));
+  return bound != bound ? bits_float(0x7FFFFFFFu) : bound;  // (one NaN, the GPU's, on both sides)
 }
 
 // The scale of a tensor's averaged gradient from its bound: fp8_max / bound, 1 for an all-zero

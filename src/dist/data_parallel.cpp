@@ -1,6 +1,7 @@
 #include "dist/data_parallel.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -198,11 +199,14 @@ constexpr size_t kDefaultSliceBytes = size_t{64} << 20;
 uint64_t slice_bytes_asked() {
   const char* env = std::getenv("FP8_EXCHANGE_SLICE_BYTES");
   if (!env) return kDefaultSliceBytes;
-  char* end = nullptr;
-  const unsigned long long v = std::strtoull(env, &end, 10);
-  if (end == env || *end != '\0' || v < nn::kSliceAlign)
-    fail(FP8_ERR_INVALID_ARGUMENT, "FP8_EXCHANGE_SLICE_BYTES is '", env, "'; expected a whole number of bytes >= ",
-         nn::kSliceAlign);
+  // Digits only (strtoull alone would take a sign, spaces and an overflow), at most 2^62.
+  bool digits = *env != '\0';
+  for (const char* c = env; *c; ++c) digits = digits && *c >= '0' && *c <= '9';
+  errno = 0;
+  const unsigned long long v = digits ? std::strtoull(env, nullptr, 10) : 0;
+  if (!digits || errno == ERANGE || v < nn::kSliceAlign || v > (1ull << 62))
+    fail(FP8_ERR_INVALID_ARGUMENT, "FP8_EXCHANGE_SLICE_BYTES is '", env, "'; expected a whole number of bytes from ",
+         nn::kSliceAlign, " to 2^62");
   return v;
 }
 
@@ -243,7 +247,7 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan, size_t most) 
     const size_t piece = b.piece(t.size());
     if (!piece || !fresh.codes) continue;
     // Equal slices (multiples of kSliceAlign) of at most `most` bytes.
-    const size_t count = (piece + most - 1) / most;
+    const size_t count = piece <= most ? 1 : (piece - 1) / most + 1;
     const size_t step = (piece / count + nn::kSliceAlign - 1) / nn::kSliceAlign * nn::kSliceAlign;
     for (size_t s_at = 0; s_at < piece; s_at += step) {
       ModelComm::Plan::Slice sl{s_at, std::min(step, piece - s_at), static_cast<int64_t>(chunks.size()), 0};

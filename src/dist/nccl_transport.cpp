@@ -65,6 +65,8 @@ class NcclTransport final : public Transport {
   using Transport::all_gather;
   using Transport::all_to_all;
   void all_gather(const void* send, void* recv, size_t bytes, size_t recv_stride) override {
+    if (recv_stride < bytes)
+      fail(FP8_ERR_INVALID_ARGUMENT, "all_gather: a stride of ", recv_stride, " bytes; expected at least ", bytes);
     check();
     DeviceScope on(backend_->device());
     if (recv_stride == bytes) {
@@ -85,6 +87,8 @@ class NcclTransport final : public Transport {
     });
   }
   void all_to_all(const void* send, size_t send_stride, void* recv, size_t bytes, const Gather& with) override {
+    if (send_stride < bytes)
+      fail(FP8_ERR_INVALID_ARGUMENT, "all_to_all: a stride of ", send_stride, " bytes; expected at least ", bytes);
     check();
     DeviceScope on(backend_->device());
     group("all_to_all (ncclSend/ncclRecv)", [&](int32_t p) {

@@ -76,6 +76,8 @@ TEST(GpuDataParallel, SlicedExchangeGivesTheCpuReferencesBits) {
       EXPECT_EQ(got[k].codes, want[0].codes) << n << " ranks, rank " << k;
       EXPECT_EQ(got[k].scale_inv, want[0].scale_inv) << n << " ranks, rank " << k;
       EXPECT_EQ(got[k].codes, unsliced[0].codes) << n << " ranks, rank " << k;
+      // Every byte besides: fc2's untouched gradient (a zero bound), the biases, the scales.
+      EXPECT_EQ(state_bytes(gpu.ranks[k], true), state_bytes(cpu.ranks[0], true)) << n << " ranks, rank " << k;
     }
     std::printf("[ exchange ] %d ranks on one GPU, 256-byte slices: the CPU reference's bits, and one slice's\n", n);
   }

@@ -184,9 +184,6 @@ INSTANTIATE_TEST_SUITE_P(Levels, MultiGpuLevels, ::testing::Combine(::testing::V
                                   (std::get<1>(p.param) ? "_backward_sync" : "_sync_at_step");
                          });
 
-// ZeRO at O3 over the GPUs: each rank keeps the F16 masters and Adam's m and v of its share of the
-// Linear weights, so the training state is 2 + 5/N bytes per weight (E4M3 weight and FP8 gradient
-// whole), as on CPU ranks.
 // NCCL ranks on their own GPUs, the exchange cut in 256-byte slices (several per piece, the lane
 // stream computing one while the next travels, strided all-gathers): the same bytes as one slice
 // per piece; and on two GPUs, as two ranks sharing one GPU (with more ranks NCCL's FP32 sums of
@@ -203,6 +200,9 @@ TEST(MultiGpuSlices, SlicedExchangeOverNcclGivesTheBitsOfOneSlice) {
               n);
 }
 
+// ZeRO at O3 over the GPUs: each rank keeps the F16 masters and Adam's m and v of its share of the
+// Linear weights, so the training state is 2 + 5/N bytes per weight (E4M3 weight and FP8 gradient
+// whole), as on CPU ranks.
 TEST(MultiGpuZero, O3OnEveryGpuKeepsTwoPlusFiveOverNBytesPerWeight) {
   const int n = fp8_gpus();
   if (n < 2) GTEST_SKIP() << kNeedsTwoGpus << n;

@@ -236,31 +236,56 @@ TEST(DataParallelFp8, ExchangeMeetsItsBoundAndBeatsSummingInFp8) {
 // However the exchange is cut in slices (FP8_EXCHANGE_SLICE_BYTES), every rank ends with the same
 // gradients, bit for bit, as with one slice per piece.
 TEST(DataParallelFp8, SlicingTheExchangeChangesNoBit) {
-  for (int n : {2, 3}) {
-    const std::vector<int32_t> cpus(static_cast<size_t>(n), FP8_DEVICE_CPU);
-    const std::vector<unsigned char> whole = exchanged_grads(cpus, nullptr);
-    EXPECT_EQ(exchanged_grads(cpus, "256"), whole) << n << " ranks, 256-byte slices";
-    EXPECT_EQ(exchanged_grads(cpus, "1000"), whole) << n << " ranks, 768-byte slices (1000 rounded down)";
-  }
+  // O2 and O3 (whose backward averages only its own pieces; fp8_model_sync_grads then gathers the
+  // rest), one bucket or one per parameter (slices pipelined across buckets), exchanged at the
+  // step or during the backward.
+  for (const char* level : {"O2", "O3"})
+    for (size_t bucket_bytes : {size_t{0}, size_t{FP8_MIN_BUCKET_BYTES}})
+      for (bool backward_sync : {false, true})
+        for (int n : {2, 3}) {
+          const std::string recipe = std::string("backend=msamp, opt_level=") + level + ", small_layer_fallback=0";
+          ExchangeCase c;
+          c.recipe = recipe.c_str();
+          c.bucket_bytes = bucket_bytes;
+          c.backward_sync = backward_sync;
+          const std::vector<int32_t> cpus(static_cast<size_t>(n), FP8_DEVICE_CPU);
+          const std::vector<unsigned char> whole = exchanged_grads(cpus, nullptr, c);
+          const std::string where = std::string(level) + ", " + std::to_string(n) + " ranks, bucket bytes " +
+                                    std::to_string(bucket_bytes) + ", backward sync " + (backward_sync ? "on" : "off");
+          EXPECT_EQ(exchanged_grads(cpus, "256", c), whole) << where << ", 256-byte slices";
+          EXPECT_EQ(exchanged_grads(cpus, "1000", c), whole) << where << ", 768-byte slices (1000 rounded down)";
+        }
+  // Slices of several chunks each, a tensor's chunks split across them (fc1: 32 x 512 elements).
+  ExchangeCase wide;
+  wide.hidden = 512;
+  const std::vector<int32_t> two(2, FP8_DEVICE_CPU);
+  EXPECT_EQ(exchanged_grads(two, "8192", wide), exchanged_grads(two, nullptr, wide)) << "8192-byte slices";
 }
 
 TEST(DataParallelFp8, ABadSliceSizeIsRefusedOnEveryRank) {
-  setenv("FP8_EXCHANGE_SLICE_BYTES", "16MiB", 1);
-  const int n = 2;
-  Group g(n, "backend=msamp, opt_level=O2, small_layer_fallback=0");
-  std::vector<fp8_status_t> got(n);
-  std::vector<std::string> messages(n);
-  on_ranks(n, [&](int k) {
-    Rank& r = g.ranks[k];
-    forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
-    got[k] = fp8_model_sync_grads(r.model.get());
-    messages[k] = fp8_last_error_message();
-  });
-  unsetenv("FP8_EXCHANGE_SLICE_BYTES");
-  for (int k = 0; k < n; ++k) {
-    EXPECT_EQ(got[k], FP8_ERR_INVALID_ARGUMENT) << "rank " << k;
-    EXPECT_NE(messages[k].find("FP8_EXCHANGE_SLICE_BYTES is '16MiB'"), std::string::npos) << messages[k];
+  for (const char* bad : {"16MiB", "-1", "+4096", " 4096", "", "255", "18446744073709551616", "4611686018427387905"}) {
+    setenv("FP8_EXCHANGE_SLICE_BYTES", bad, 1);
+    const int n = 2;
+    Group g(n, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+    std::vector<fp8_status_t> got(n);
+    std::vector<std::string> messages(n);
+    on_ranks(n, [&](int k) {
+      Rank& r = g.ranks[k];
+      forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+      got[k] = fp8_model_sync_grads(r.model.get());
+      messages[k] = fp8_last_error_message();
+    });
+    unsetenv("FP8_EXCHANGE_SLICE_BYTES");
+    for (int k = 0; k < n; ++k) {
+      EXPECT_EQ(got[k], FP8_ERR_INVALID_ARGUMENT) << "'" << bad << "', rank " << k;
+      EXPECT_NE(messages[k].find(std::string("FP8_EXCHANGE_SLICE_BYTES is '") + bad + "'"), std::string::npos)
+          << messages[k];
+    }
   }
+  // The largest value takes one slice per piece.
+  const std::vector<int32_t> two(2, FP8_DEVICE_CPU);
+  const std::vector<unsigned char> one_slice = exchanged_grads(two, "4611686018427387904");
+  EXPECT_EQ(one_slice, exchanged_grads(two, nullptr));
 }
 
 // ---- the skip, checkpoints --------------------------------------------------------------------------
