@@ -267,6 +267,7 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  *     the keys fp8_recipe_attr_bounds returns for those attributes)
  *   use_autocast_during_eval=on|off|true|false|1|0
  *   small_layer_fallback=on|off|true|false|1|0
+ *   power_2_scales=on|off|true|false|1|0
  * --------------------------------------------------------------------------------------------- */
 
 typedef struct fp8_recipe fp8_recipe_t;
@@ -287,7 +288,9 @@ typedef int32_t fp8_recipe_attr_t;
 #define FP8_RECIPE_SMALL_LAYER_FALLBACK 11 /**< 1 = a Linear too small to gain from FP8 runs in high
                                                 precision (the rule at fp8_layer_forward); 0 = FP8
                                                 whenever the shape allows; 0..1, default 1 */
-#define FP8_RECIPE_ATTR_COUNT 12       /**< number of attributes (grows at the end only) */
+#define FP8_RECIPE_POWER_2_SCALES 12   /**< 1 = every scale rounded down to a power of two (step 3 of
+                                                the delayed-scaling rule); 0..1, default 0 */
+#define FP8_RECIPE_ATTR_COUNT 13       /**< number of attributes (grows at the end only) */
 
 /** Values of FP8_RECIPE_BACKEND. AUTO prefers MS-AMP, as Accelerate documents. */
 #define FP8_BACKEND_AUTO 0
@@ -453,8 +456,10 @@ FP8_API fp8_status_t fp8_tensor_set_scale_inv(fp8_tensor_t *tensor, float scale_
  *     slot is treated as 0 (a non-finite amax never enters the history);
  *  2. a = max over the history (algo max) or slot 0 (most_recent);
  *  3. on updates number 0, interval, 2*interval, ... (counting from 0): if a is finite and > 0,
- *     scale = min((fp8_max * 2^-margin) / a, FLT_MAX) and scale_inv = 1/scale; otherwise (a == 0)
- *     the scale is kept;
+ *     scale = min((fp8_max * 2^-margin) / a, FLT_MAX), with the recipe's power_2_scales rounded
+ *     down to a power of two (2^floor(log2 scale): the mantissa bits cleared; a subnormal quotient
+ *     keeps its highest set bit), and scale_inv = 1/scale (exact for a power of two); otherwise
+ *     (a == 0) the scale is kept;
  *  4. rolls the history: slot k+1 takes slot k's value, the oldest drops out, slot 0 becomes 0.
  * fp8_max is 448 for E4M3 and 57344 for E5M2. All arithmetic is IEEE binary32, bit-identical on
  * the CPU and the GPU.

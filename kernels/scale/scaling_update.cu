@@ -16,7 +16,8 @@ struct ScalingBatch {
 };
 
 __global__ void __launch_bounds__(kThreads) scaling_update_kernel(const __grid_constant__ ScalingBatch batch,
-                                                                  int32_t history_len, int64_t interval, bool algo_max) {
+                                                                  int32_t history_len, int64_t interval, bool algo_max,
+                                                                  bool pow2_scales) {
   __shared__ uint32_t warp_max[kThreads / 32];
   ScalingHeader* h = batch.state[blockIdx.x];
   float* hist = scaling_history(h);
@@ -45,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) scaling_update_kernel(const __grid_c
   // 3. The new scale on recompute steps.
   if (tid == 0) {
     if (scaling_recomputes(h->update_count, interval)) {
-      h->scale = next_scale(bits_float(a), batch.fp8_max_scaled[blockIdx.x], h->scale);
+      h->scale = next_scale(bits_float(a), batch.fp8_max_scaled[blockIdx.x], h->scale, pow2_scales);
       h->scale_inv = 1.0f / h->scale;
     }
     ++h->update_count;
@@ -72,7 +73,8 @@ void scaling_update(const ScalingUpdateJob& j, cudaStream_t stream) {
     batch.state[i] = j.items[i].state;
     batch.fp8_max_scaled[i] = j.items[i].fp8_max_scaled;
   }
-  scaling_update_kernel<<<j.count, kThreads, 0, stream>>>(batch, j.history_len, j.interval, j.algo_max);
+  scaling_update_kernel<<<j.count, kThreads, 0, stream>>>(batch, j.history_len, j.interval, j.algo_max,
+                                                          j.pow2_scales);
   cuda_check(cudaGetLastError(), "scaling_update kernel launch");
 }
 

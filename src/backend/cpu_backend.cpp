@@ -337,7 +337,7 @@ class CpuBackend final : public Backend {
       if (j.algo_max)
         for (int32_t k = 1; k < j.history_len; ++k) a = std::max(a, float_bits(hist[k]));
       if (scaling_recomputes(h->update_count, j.interval)) {
-        h->scale = next_scale(bits_float(a), item.fp8_max_scaled, h->scale);
+        h->scale = next_scale(bits_float(a), item.fp8_max_scaled, h->scale, j.pow2_scales);
         h->scale_inv = 1.0f / h->scale;
       }
       ++h->update_count;

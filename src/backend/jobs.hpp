@@ -98,7 +98,8 @@ struct ScalingUpdateJob {
   int32_t count;
   int32_t history_len;
   int64_t interval;
-  bool algo_max;  // false: most_recent
+  bool algo_max;     // false: most_recent
+  bool pow2_scales;  // the recipe's power_2_scales
 };
 
 // out = act(x), or dx = dy * act'(x) when backward; x is rows x cols; an FP8 out is

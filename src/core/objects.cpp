@@ -75,7 +75,8 @@ void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count,
     items[static_cast<size_t>(i)] = {states[i]->state, scaled_fp8_max(states[i]->dtype == FP8_DTYPE_E5M2, margin)};
   backend.scaling_update({items.data(), count, static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN)),
                           recipe.get(FP8_RECIPE_INTERVAL),
-                          recipe.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX});
+                          recipe.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX,
+                          recipe.get(FP8_RECIPE_POWER_2_SCALES) == 1});
 }
 
 std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,

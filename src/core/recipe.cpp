@@ -32,6 +32,7 @@ const AttrSpec kSpecs[] = {
     {"override_wgrad", 0, 1, 0, kBoolNames},
     {"use_autocast_during_eval", 0, 1, 0, kBoolNames},
     {"small_layer_fallback", 0, 1, 1, kBoolNames},
+    {"power_2_scales", 0, 1, 0, kBoolNames},
 };
 static_assert(sizeof(kSpecs) / sizeof(kSpecs[0]) == FP8_RECIPE_ATTR_COUNT, "one spec per attribute");
 

@@ -27,6 +27,7 @@
 
 #include "core/format.hpp"
 #include "core/scale_desc.hpp"
+#include "core/scaling_rule.hpp"  // (round_scale_pow2, scaled_fp8_max)
 
 namespace fp8 {
 
@@ -62,30 +63,6 @@ FP8_HD float current_scale(float amax, float fp8_max_scaled) {
 // Whether an amax makes its cell non-finite (counted): NaN or infinite.
 FP8_HD bool amax_is_nonfinite(float amax) {
   return !is_finite_bits(abs_bits(amax));
-}
-
-// Rounds a scale down (towards zero) to a power of two, exactly, by bit manipulation: the
-// power_2_scales option (TE's force_pow_2_scales; DeepSeek-V3's block scales). A power of two stays
-// as it is. Scales from current_scale() are >= 2^-127, so their rounding stays >= 2^-127 too.
-//   normal s      the mantissa bits are cleared (TE's `bits & 0xFF800000`): 2^floor(log2 s);
-//   subnormal s   only the highest set mantissa bit is kept: the largest (subnormal) power of two
-//                 <= s. TE's mask would give 0 here (TE never sees one: no margin); libfp8's current
-//                 scale can be subnormal (in [2^-127, 2^-126), with a margin) and must not become 0;
-//   +-0           unchanged;
-//   +-inf, NaN    unchanged (the mask would turn a NaN into inf). current_scale() never returns
-//                 these; the rule is defined for every float all the same.
-FP8_HD float round_scale_pow2(float s) {
-  const uint32_t bits = float_bits(s);
-  const uint32_t abs = bits & 0x7FFFFFFFu;
-  if (abs >= 0x7F800000u || abs == 0u) return s;
-  if (abs >= 0x00800000u) return bits_float(bits & 0xFF800000u);
-  uint32_t top = abs;  // smear the highest set bit downwards, then keep it alone
-  top |= top >> 1;
-  top |= top >> 2;
-  top |= top >> 4;
-  top |= top >> 8;
-  top |= top >> 16;
-  return bits_float((bits & 0x80000000u) | (top - (top >> 1)));
 }
 
 // The scale of one cell: the current rule, then power-of-two rounding when asked. The rounding

@@ -172,7 +172,8 @@ TEST_F(GpuVsCpu, AmaxIsBitExactIncludingNanAndInfPropagation) {
 
 TEST_F(GpuVsCpu, BatchedScalingUpdateIsBitExactOverManySteps) {
   for (const char* text : {"amax_history_len=16, amax_compute_algo=max, margin=2",
-                           "amax_history_len=1024, amax_compute_algo=most_recent", "amax_history_len=3000, interval=2, amax_compute_algo=max"}) {
+                           "amax_history_len=1024, amax_compute_algo=most_recent", "amax_history_len=3000, interval=2, amax_compute_algo=max",
+                           "amax_history_len=16, margin=3, power_2_scales=on"}) {
     SCOPED_TRACE(text);
     Recipe r = make_recipe(text);
     const int kStates = 1500;  // more than one launch's batch

@@ -81,6 +81,7 @@ const Expected kExpected[FP8_RECIPE_ATTR_COUNT] = {
     {FP8_RECIPE_OVERRIDE_WGRAD, 0, 1, 0},
     {FP8_RECIPE_USE_AUTOCAST_DURING_EVAL, 0, 1, 0},
     {FP8_RECIPE_SMALL_LAYER_FALLBACK, 0, 1, 1},
+    {FP8_RECIPE_POWER_2_SCALES, 0, 1, 0},
 };
 
 std::string key_of(fp8_recipe_attr_t a) {
@@ -93,7 +94,7 @@ std::string key_of(fp8_recipe_attr_t a) {
 RecipePtr make_nondefault_recipe() {
   RecipePtr r = make_recipe();
   const int64_t values[FP8_RECIPE_ATTR_COUNT] = {FP8_BACKEND_TE, FP8_OPT_O3, 7, 25, FP8_FORMAT_E4M3, 48,
-                                                 FP8_AMAX_ALGO_MAX, 1, 0, 1, 1, 0};
+                                                 FP8_AMAX_ALGO_MAX, 1, 0, 1, 1, 0, 1};
   for (int32_t a = 0; a < FP8_RECIPE_ATTR_COUNT; ++a)
     EXPECT_EQ(fp8_recipe_set_int(r.get(), a, values[a]), FP8_OK) << fp8_last_error_message();
   return r;
@@ -115,6 +116,7 @@ TEST(Recipe, CreateHoldsAccelerateDefaults) {
   EXPECT_EQ(get(r.get(), FP8_RECIPE_OVERRIDE_WGRAD), 0);
   EXPECT_EQ(get(r.get(), FP8_RECIPE_USE_AUTOCAST_DURING_EVAL), 0);
   EXPECT_EQ(get(r.get(), FP8_RECIPE_SMALL_LAYER_FALLBACK), 1);
+  EXPECT_EQ(get(r.get(), FP8_RECIPE_POWER_2_SCALES), 0);
 }
 
 TEST(Recipe, AttrBoundsReportDocumentedRangesAndDefaults) {
@@ -143,6 +145,7 @@ TEST(Recipe, AttrBoundsKeysAreTheTextFormNames) {
   EXPECT_EQ(key_of(FP8_RECIPE_AMAX_COMPUTE_ALGO), "amax_compute_algo");
   EXPECT_EQ(key_of(FP8_RECIPE_USE_AUTOCAST_DURING_EVAL), "use_autocast_during_eval");
   EXPECT_EQ(key_of(FP8_RECIPE_SMALL_LAYER_FALLBACK), "small_layer_fallback");
+  EXPECT_EQ(key_of(FP8_RECIPE_POWER_2_SCALES), "power_2_scales");
   // The three override flags share one text-form key; each still has its own, distinct name.
   std::vector<std::string> keys;
   for (int32_t a = 0; a < FP8_RECIPE_ATTR_COUNT; ++a) keys.push_back(key_of(a));

@@ -99,6 +99,32 @@ TEST_F(ScalingRule, MarginDividesTheTargetByPowersOfTwo) {
   EXPECT_EQ(info_of(s.get()).scale, (448.0f / 8.0f) / 5.0f);
 }
 
+// power_2_scales: the quotient rounded down to a power of two, computed here independently in
+// double (2^floor(log2 q)); exact powers stay; scale_inv is its exact inverse.
+TEST_F(ScalingRule, Power2ScalesRoundTheQuotientDownToAPowerOfTwo) {
+  auto r = make_recipe("power_2_scales=on, margin=1");
+  auto plain = make_recipe("margin=1");
+  for (float amax : {5.0f, 3.5f, 7.0f, 1e-3f, 224.0f, 1e30f, 4e-38f}) {
+    auto s = make_scaling(ctx.get(), r.get(), FP8_ROLE_FORWARD);
+    auto p = make_scaling(ctx.get(), plain.get(), FP8_ROLE_FORWARD);
+    feed(s.get(), amax);
+    feed(p.get(), amax);
+    update(s.get(), r.get());
+    update(p.get(), plain.get());
+    const float q = info_of(p.get()).scale;  // the rule without rounding: min(224 / amax, FLT_MAX)
+    const double want = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(static_cast<double>(q)))));
+    const fp8_scaling_info_t info = info_of(s.get());
+    EXPECT_EQ(static_cast<double>(info.scale), want) << "amax " << amax;
+    EXPECT_LE(info.scale, q) << "amax " << amax;
+    EXPECT_EQ(static_cast<double>(info.scale_inv), 1.0 / want) << "amax " << amax;
+  }
+  // 224 / 224 = 1 is a power of two already; the FLT_MAX clamp rounds to 2^127.
+  auto s = make_scaling(ctx.get(), r.get(), FP8_ROLE_FORWARD);
+  feed(s.get(), 1e-45f);
+  update(s.get(), r.get());
+  EXPECT_EQ(info_of(s.get()).scale, std::ldexp(1.0f, 127));
+}
+
 TEST_F(ScalingRule, GradientStateUnderHybridTargetsE5M2Max) {
   auto r = make_recipe();
   auto s = make_scaling(ctx.get(), r.get(), FP8_ROLE_BACKWARD);

@@ -61,19 +61,20 @@ _RANGES = {"margin": (0, 32), "interval": (1, 1000000), "amax_history_len": (1, 
 
 class Recipe:
     """How FP8 training is done: every field of Accelerate's FP8RecipeKwargs, with its defaults
-    (backend "auto" prefers MS-AMP, as Accelerate documents), plus libfp8's small_layer_fallback.
+    (backend "auto" prefers MS-AMP, as Accelerate documents), plus libfp8's small_layer_fallback and
+    power_2_scales.
 
     Immutable once made; equal recipes compare equal. A bad value raises ValueError (TypeError for
     a wrong type) naming the field and what it accepts."""
 
     __slots__ = ("backend", "opt_level", "margin", "interval", "fp8_format", "amax_history_len",
                  "amax_compute_algo", "override_linear_precision", "use_autocast_during_eval",
-                 "small_layer_fallback", "_c")
+                 "small_layer_fallback", "power_2_scales", "_c")
 
     def __init__(self, backend="auto", opt_level="O2", margin=0, interval=1, fp8_format="HYBRID",
                  amax_history_len=1024, amax_compute_algo="most_recent",
                  override_linear_precision=(False, False, False), use_autocast_during_eval=False,
-                 small_layer_fallback=True):
+                 small_layer_fallback=True, power_2_scales=False):
         def choice(field, value):
             key = value.lower() if isinstance(value, str) and field in ("backend", "amax_compute_algo") else value
             key = key.upper() if isinstance(key, str) and field in ("opt_level", "fp8_format") else key
@@ -109,6 +110,7 @@ class Recipe:
         s(self, "override_linear_precision", tuple(flag("override_linear_precision", v) for v in olp))
         s(self, "use_autocast_during_eval", flag("use_autocast_during_eval", use_autocast_during_eval))
         s(self, "small_layer_fallback", flag("small_layer_fallback", small_layer_fallback))
+        s(self, "power_2_scales", flag("power_2_scales", power_2_scales))
         c = _f.Recipe(self.text())  # libfp8 checks it again
         s(self, "_c", c)
 
@@ -136,7 +138,8 @@ class Recipe:
                 f"amax_history_len={self.amax_history_len}, amax_compute_algo={self.amax_compute_algo}, "
                 f"override_linear_precision={on(f)}/{on(d)}/{on(w)}, "
                 f"use_autocast_during_eval={on(self.use_autocast_during_eval)}, "
-                f"small_layer_fallback={on(self.small_layer_fallback)}")
+                f"small_layer_fallback={on(self.small_layer_fallback)}, "
+                f"power_2_scales={on(self.power_2_scales)}")
 
     def __eq__(self, other):
         return isinstance(other, Recipe) and str(self._c) == str(other._c)

@@ -121,7 +121,8 @@ pub const FP8_RECIPE_OVERRIDE_DGRAD: fp8_recipe_attr_t = 8;
 pub const FP8_RECIPE_OVERRIDE_WGRAD: fp8_recipe_attr_t = 9;
 pub const FP8_RECIPE_USE_AUTOCAST_DURING_EVAL: fp8_recipe_attr_t = 10;
 pub const FP8_RECIPE_SMALL_LAYER_FALLBACK: fp8_recipe_attr_t = 11;
-pub const FP8_RECIPE_ATTR_COUNT: fp8_recipe_attr_t = 12;
+pub const FP8_RECIPE_POWER_2_SCALES: fp8_recipe_attr_t = 12;
+pub const FP8_RECIPE_ATTR_COUNT: fp8_recipe_attr_t = 13;
 
 pub const FP8_BACKEND_AUTO: i32 = 0;
 pub const FP8_BACKEND_TE: i32 = 1;

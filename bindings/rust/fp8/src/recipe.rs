@@ -25,6 +25,7 @@ pub enum RecipeAttr {
     OverrideWgrad = sys::FP8_RECIPE_OVERRIDE_WGRAD,
     UseAutocastDuringEval = sys::FP8_RECIPE_USE_AUTOCAST_DURING_EVAL,
     SmallLayerFallback = sys::FP8_RECIPE_SMALL_LAYER_FALLBACK,
+    PowerOf2Scales = sys::FP8_RECIPE_POWER_2_SCALES,
 }
 
 impl RecipeAttr {
@@ -42,6 +43,7 @@ impl RecipeAttr {
         RecipeAttr::OverrideWgrad,
         RecipeAttr::UseAutocastDuringEval,
         RecipeAttr::SmallLayerFallback,
+        RecipeAttr::PowerOf2Scales,
     ];
 
     pub fn raw(self) -> sys::fp8_recipe_attr_t {
