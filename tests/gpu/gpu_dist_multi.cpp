@@ -196,6 +196,19 @@ TEST(MultiGpuSlices, SlicedExchangeOverNcclGivesTheBitsOfOneSlice) {
   EXPECT_EQ(sliced, exchanged_grads(devices, nullptr)) << n << " GPUs";
   EXPECT_EQ(exchanged_grads(first_gpus(2), "256"), exchanged_grads({devices[0], devices[0]}, "256"))
       << "2 GPUs against 2 ranks sharing one";
+  // Larger slices of several chunks, one bucket per parameter (slices pipelined across buckets),
+  // exchanged during the backward, at O2 and at O3 (own pieces first, the rest at sync_grads):
+  // the lane's pass overlaps the next transfer for real here, unlike under the in-process
+  // transport, which waits for each collective.
+  for (const char* recipe : {"backend=msamp, opt_level=O2, small_layer_fallback=0",
+                             "backend=msamp, opt_level=O3, small_layer_fallback=0"}) {
+    ExchangeCase c;
+    c.recipe = recipe;
+    c.bucket_bytes = FP8_MIN_BUCKET_BYTES;
+    c.backward_sync = true;
+    c.hidden = 4096;
+    EXPECT_EQ(exchanged_grads(devices, "16384", c), exchanged_grads(devices, nullptr, c)) << recipe;
+  }
   std::printf("[ slices ] %d NCCL ranks, 256-byte slices: one slice's bytes; on 2 GPUs those of 2 ranks sharing one\n",
               n);
 }
