@@ -11,17 +11,28 @@ def ratio(num, den): return None if num is None or den is None else num / den
 def fmt_x(r): return "–" if r is None else f"{r:.2f}x"
 
 big, small, mlp = "16384x8192->8192", "1024x1024->1024", "16384x4096x16384"
+few = "512x8192->8192"
 print("| comparison | libfp8 ms | peer ms | peer / libfp8 | target | |")
 print("|---|---|---|---|---|---|")
 for what, ours, peer, target in [
         (f"{big}: libfp8 fp8 vs torch bf16", f"libfp8 fp8 linear {big}", f"torch bf16 linear {big}", 1.6),
         (f"{big}: libfp8 fp8 vs torch fp8 eager", f"libfp8 fp8 linear {big}", f"torch fp8 eager linear {big}", 1.75),
         (f"{small}: libfp8 auto vs torch bf16", f"libfp8 auto linear {small}", f"torch bf16 linear {small}", 1.0),
-        (f"mlp {mlp}: libfp8 fp8 vs torch bf16", f"libfp8 fp8 mlp {mlp}", f"torch bf16 mlp {mlp}", 1.4)]:
+        (f"mlp {mlp}: libfp8 fp8 vs torch bf16", f"libfp8 fp8 mlp {mlp}", f"torch bf16 mlp {mlp}", 1.4),
+        # Issue 17's targets, against the compiled peers of the same run.
+        (f"{big}: libfp8 fp8 vs torch bf16 (issue 17)", f"libfp8 fp8 linear {big}", f"torch bf16 linear {big}", 2.0),
+        (f"{big}: libfp8 fp8 vs torch.compile fp8", f"libfp8 fp8 linear {big}", f"torch compile fp8 linear {big}", 1.3),
+        (f"{big}: libfp8 fp8 vs torch.compile bf16", f"libfp8 fp8 linear {big}", f"torch compile bf16 linear {big}", None),
+        (f"{few}: libfp8 auto vs torch bf16", f"libfp8 auto linear {few}", f"torch bf16 linear {few}", 1.0),
+        (f"{few}: libfp8 auto vs torch.compile bf16", f"libfp8 auto linear {few}", f"torch compile bf16 linear {few}", None),
+        (f"mlp {mlp}: libfp8 fp8 vs torch bf16 (issue 17)", f"libfp8 fp8 mlp {mlp}", f"torch bf16 mlp {mlp}", 1.85),
+        (f"mlp {mlp}: libfp8 fp8 vs torch.compile fp8", f"libfp8 fp8 mlp {mlp}", f"torch compile fp8 mlp {mlp}", 1.4),
+        (f"mlp {mlp}: libfp8 fp8 vs torch fp8 eager", f"libfp8 fp8 mlp {mlp}", f"torch fp8 eager mlp {mlp}", None),
+        (f"mlp {mlp}: libfp8 fp8 vs torch.compile bf16", f"libfp8 fp8 mlp {mlp}", f"torch compile bf16 mlp {mlp}", None)]:
     o, p = ms.get(ours), ms.get(peer)
     r = ratio(p, o)
-    status = "–" if r is None else ("met" if r >= target else "NOT met")
-    print(f"| {what} | {fmt(o)} | {fmt(p)} | {fmt_x(r)} | >= {target}x | {status} |")
+    status = "–" if r is None or target is None else ("met" if r >= target else "NOT met")
+    print(f"| {what} | {fmt(o)} | {fmt(p)} | {fmt_x(r)} | {'–' if target is None else f'>= {target}x'} | {status} |")
 
 print()
 print("| M | K=N | libfp8 fp8 ms | libfp8 bf16 ms | fp8 vs our bf16 | libfp8 auto ms | torch bf16 ms | auto vs torch bf16 | auto chose |")
