@@ -138,7 +138,7 @@ void errors(const Shared& s, const std::vector<float>& result, double& wire, dou
     amax = std::max(amax, fp8::abs_bits(result[i]));
   }
   // Requantised as an E5M2 gradient with the result's own amax (scale = 57344 / amax).
-  const float scale = fp8::exchange_scale(fp8::bits_float(amax), true);
+  const float scale = fp8::fp8_scale_for_bound(fp8::bits_float(amax), true);
   const float scale_inv = 1.0f / scale;
   double q2 = 0;
   for (size_t i = 0; i < result.size(); ++i) {
@@ -195,7 +195,7 @@ double check_libfp8(Shared& s, int lg) {
     const float bound = fp8::exchange_bound(senders.data(), n, 1, 0);
     fp8::GradScales fin{};
     fp8::exchange_finish(fin, bound, true);
-    const float scale = fp8::exchange_scale(bound, true);
+    const float scale = fp8::fp8_scale_for_bound(bound, true);
     std::vector<uint8_t> column(static_cast<size_t>(n));
     for (size_t i = 0; i < count; ++i) {
       for (int k = 0; k < n; ++k) column[static_cast<size_t>(k)] = s.in_codes[static_cast<size_t>(k)][i];

@@ -18,7 +18,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -44,23 +43,21 @@ Stats stats_of(std::vector<double> v) {
   return {v[v.size() / 2], v[v.size() * 9 / 10]};
 }
 
-// A bf16 buffer of the framework: device memory with normal values.
-void* device_bf16(size_t count, float sd, uint32_t seed) {
-  std::vector<uint16_t> host(count);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, sd);
-  for (auto& h : host) h = fp8::float_to_bf16(normal(rng));
-  void* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, count * 2));
-  CHECK_CUDA(cudaMemcpy(p, host.data(), count * 2, cudaMemcpyHostToDevice));
-  return p;
-}
-
 fp8_tensor_t* wrap(fp8_context_t* ctx, void* data, int64_t rows, int64_t cols) {
   fp8_tensor_t* t = nullptr;
   const int64_t shape[2] = {rows, cols};
   CHECK_FP8(fp8_tensor_wrap(&t, ctx, FP8_DTYPE_BF16, 2, shape, data));
   return t;
+}
+
+// A bf16 buffer of the framework, rows x kDim: device memory with normal values.
+void* device_bf16(fp8_context_t* ctx, int64_t rows, float sd, uint32_t seed) {
+  void* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, static_cast<size_t>(rows * kDim) * 2));
+  fp8_tensor_t* t = wrap(ctx, p, rows, kDim);
+  fp8bench::fill_normal(t, sd, seed);
+  fp8_tensor_destroy(t);
+  return p;
 }
 
 // Fails the program unless the bf16 buffer holds finite values, not all zero.
@@ -110,8 +107,8 @@ void run_layer(fp8_context_t* ctx, cudaStream_t stream, const char* label, const
     fp8_recipe_destroy(r);
   }
   const size_t n = static_cast<size_t>(kRows * kDim);
-  void* x = device_bf16(n, 1.0f, 1);
-  void* dy = device_bf16(n, 0.1f, 2);
+  void* x = device_bf16(ctx, kRows, 1.0f, 1);
+  void* dy = device_bf16(ctx, kRows, 0.1f, 2);
   void *y = nullptr, *dx = nullptr;
   CHECK_CUDA(cudaMalloc(&y, n * 2));
   CHECK_CUDA(cudaMalloc(&dx, n * 2));

@@ -112,10 +112,11 @@ struct Group {
   std::vector<Rank> ranks;
   // Rank k on devices[k] (join_ranks).
   Group(const std::vector<int32_t>& devices, const char* recipe, fp8_optimizer_kind_t kind = FP8_OPTIMIZER_ADAM,
-        float max_grad_norm = 0.0f, size_t bucket_bytes = 0, bool backward_sync = false) {
+        float max_grad_norm = 0.0f, size_t bucket_bytes = 0, bool backward_sync = false, int64_t hidden = kHidden) {
     const int n = static_cast<int>(devices.size());
     EXPECT_OK(join_ranks(ranks, devices));
-    for (int k = 0; k < n; ++k) ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
+    for (int k = 0; k < n; ++k)
+      ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1), hidden);
     on_ranks(n, [&](int k) { make_data_parallel(ranks[k], kind, max_grad_norm, bucket_bytes, backward_sync); });
   }
   // n ranks, every one on `device` (FP8_DEVICE_CPU, or one GPU: NCCL for one rank, else the
@@ -227,19 +228,15 @@ inline std::vector<unsigned char> exchanged_grads(const std::vector<int32_t>& de
     setenv("FP8_EXCHANGE_SLICE_BYTES", slice_bytes, 1);
   else
     unsetenv("FP8_EXCHANGE_SLICE_BYTES");
-  std::vector<Rank> ranks;
-  EXPECT_OK(join_ranks(ranks, devices));
-  for (int k = 0; k < n; ++k)
-    ranks[k].model = build_model(ranks[k].ctx.get(), c.recipe, static_cast<uint32_t>(k + 1), c.hidden);
-  on_ranks(n, [&](int k) { make_data_parallel(ranks[k], FP8_OPTIMIZER_ADAM, 0.0f, c.bucket_bytes, c.backward_sync); });
+  Group g(devices, c.recipe, FP8_OPTIMIZER_ADAM, 0.0f, c.bucket_bytes, c.backward_sync, c.hidden);
   on_ranks(n, [&](int k) {
-    Rank& r = ranks[k];
+    Rank& r = g.ranks[k];
     forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
     EXPECT_OK(fp8_model_sync_grads(r.model.get()));
   });
   unsetenv("FP8_EXCHANGE_SLICE_BYTES");
-  const std::vector<unsigned char> want = state_bytes(ranks[0], true);
-  for (int k = 1; k < n; ++k) EXPECT_EQ(state_bytes(ranks[k], true), want) << "rank " << k;
+  const std::vector<unsigned char> want = state_bytes(g.ranks[0], true);
+  for (int k = 1; k < n; ++k) EXPECT_EQ(state_bytes(g.ranks[k], true), want) << "rank " << k;
   return want;
 }
 

@@ -140,7 +140,7 @@ __device__ __forceinline__ void exchange_chunk(const GradExchangeJob& j, const O
       }
     }
   }
-  const float scale = exchange_scale(j.bounds[ch.tensor], E5M2);
+  const float scale = fp8_scale_for_bound(j.bounds[ch.tensor], E5M2);
   // Dividing by a power of two is multiplying by its inverse, bit for bit (both round the same
   // quotient once), and far cheaper than a correctly rounded division.
   const float n = static_cast<float>(j.nranks);

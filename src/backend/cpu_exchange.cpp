@@ -23,7 +23,7 @@ void cpu_grad_exchange(const GradExchangeJob& j) {
     }
   for (int64_t c = 0; c < j.chunk_count; ++c) {
     const OptimChunk& ch = j.chunks[c];
-    const float scale = exchange_scale(j.bounds[ch.tensor], j.e5m2);
+    const float scale = fp8_scale_for_bound(j.bounds[ch.tensor], j.e5m2);
     for (int64_t i = ch.offset; i < ch.offset + ch.len; ++i)
       j.codes[i] = encode_fp8_rn(mul_rn(mean_at(j, i, ch.tensor), scale), j.e5m2);
   }

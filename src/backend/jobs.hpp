@@ -210,7 +210,7 @@ struct OptimizerStepJob {
 // Chunk offsets are element offsets in the slice. One pass:
 //   with `scales` (a bucket's first slice): bounds[t] = exchange_bound(t) and
 //     exchange_finish(scales[t], bounds[t]) for every tensor t, first (each rank sets all alike);
-//   codes[i] = encode(exchange_mean(i) * exchange_scale(bounds[tensor])).
+//   codes[i] = encode(exchange_mean(i) * fp8_scale_for_bound(bounds[tensor])).
 struct GradExchangeJob {
   const uint8_t* pieces;  // nranks pieces of piece_bytes: sender k's codes of this slice at k * piece_bytes
   int32_t nranks;

@@ -42,20 +42,10 @@ FP8_HD float exchange_bound(const GradScales* sender_scales, int32_t nranks, int
   return bound != bound ? bits_float(0x7FFFFFFFu) : bound;  // (one NaN, the GPU's, on both sides)
 }
 
-// The scale of a tensor's averaged gradient from its bound: fp8_max / bound, 1 for an all-zero
-// tensor, FLT_MAX at most, NaN for a non-finite bound (the gradient stays poisoned, so every rank
-// skips the step alike).
-FP8_HD float exchange_scale(float bound, bool e5m2) {
-  if (!(bound - bound == 0.0f)) return bits_float(0x7FFFFFFFu);
-  if (!(bound > 0.0f)) return 1.0f;
-  const float s = fp8_spec(e5m2).max_value / bound;
-  return s > FLT_MAX ? FLT_MAX : s;
-}
-
 // Every tensor's scales after the exchange, identical on every rank: ready for a step. The amax
 // kept is the bound (what the step's bounds on its writes start from, as after an accumulation).
 FP8_HD void exchange_finish(GradScales& g, float bound, bool e5m2) {
-  g.scale_inv = 1.0f / exchange_scale(bound, e5m2);
+  g.scale_inv = 1.0f / fp8_scale_for_bound(bound, e5m2);
   g.amax = bound;
   g.add_amax = 0.0f;
   g.next_amax_code = 0;

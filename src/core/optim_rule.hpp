@@ -241,12 +241,18 @@ FP8_OPTIM_FN void adam_update(float& p, float g, float& m, float& v, const Optim
 // one pass with scale = fp8_max / (amax + add_amax), a bound on |stored + addend| known before the
 // pass, and records the largest code it writes. A non-finite addend poisons the gradient (scale and
 // scale_inv NaN, so every decoded value is NaN and the optimizer skips the step) until it is zeroed.
-FP8_HD float grad_sum_scale(const GradScales& g, bool e5m2) {
-  const float bound = g.amax + g.add_amax;
+// The scale that maps a bound on a gradient's |values| to fp8_max: 1 for a zero bound, FLT_MAX at
+// most, NaN for a non-finite bound (the gradient stays poisoned, so the step is skipped; every rank
+// alike where the bound is agreed). The accumulation's bound and the exchange's both end here.
+FP8_HD float fp8_scale_for_bound(float bound, bool e5m2) {
   if (!(bound - bound == 0.0f)) return bits_float(0x7FFFFFFFu);
   if (!(bound > 0.0f)) return 1.0f;
   const float s = fp8_spec(e5m2).max_value / bound;
   return s > FLT_MAX ? FLT_MAX : s;
+}
+
+FP8_HD float grad_sum_scale(const GradScales& g, bool e5m2) {
+  return fp8_scale_for_bound(g.amax + g.add_amax, e5m2);
 }
 
 FP8_OPTIM_FN uint8_t grad_sum_code(uint8_t stored, float add, float stored_scale_inv, float scale, bool e5m2) {

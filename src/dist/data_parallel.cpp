@@ -31,6 +31,18 @@ std::vector<unsigned char> gather_host(Transport& t, const std::shared_ptr<Backe
   return out;
 }
 
+// Collective: the largest of the ranks' values.
+uint64_t largest_of_ranks(Transport& t, const std::shared_ptr<Backend>& be, uint64_t mine) {
+  const auto all = gather_host(t, be, &mine, sizeof mine);
+  uint64_t most = 0;
+  for (int32_t k = 0; k < t.size(); ++k) {
+    uint64_t v;
+    std::memcpy(&v, all.data() + static_cast<size_t>(k) * sizeof v, sizeof v);
+    most = std::max(most, v);
+  }
+  return most;
+}
+
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
@@ -62,14 +74,7 @@ std::vector<std::string> describe(const fp8_model& m, const char* optimizer_kind
 void require_same_model(Transport& t, const fp8_model& m, const char* optimizer_kind, const char* when) {
   const std::shared_ptr<Backend>& be = m.backend;
   const std::vector<std::string> items = describe(m, optimizer_kind);
-  const uint64_t count = items.size();
-  const auto counts = gather_host(t, be, &count, sizeof count);
-  uint64_t most = 0;
-  for (int32_t k = 0; k < t.size(); ++k) {
-    uint64_t c;
-    std::memcpy(&c, counts.data() + k * sizeof c, sizeof c);
-    most = std::max(most, c);
-  }
+  const uint64_t most = largest_of_ranks(t, be, items.size());
   std::vector<uint64_t> hashes(most, 0);
   for (size_t i = 0; i < items.size(); ++i) hashes[i] = fnv1a(items[i]);
   const auto all = gather_host(t, be, hashes.data(), most * sizeof(uint64_t));
@@ -215,14 +220,7 @@ uint64_t slice_bytes_asked() {
 size_t agreed_slice_bytes(Transport& t, const std::shared_ptr<Backend>& be) {
   uint64_t mine = 0;
   all_or_none(t, be, "FP8_EXCHANGE_SLICE_BYTES", [&] { mine = slice_bytes_asked(); }, [] {});
-  const auto all = gather_host(t, be, &mine, sizeof mine);
-  uint64_t most = 0;
-  for (int32_t k = 0; k < t.size(); ++k) {
-    uint64_t v;
-    std::memcpy(&v, all.data() + static_cast<size_t>(k) * sizeof v, sizeof v);
-    most = std::max(most, v);
-  }
-  return static_cast<size_t>(most) / nn::kSliceAlign * nn::kSliceAlign;
+  return static_cast<size_t>(largest_of_ranks(t, be, mine)) / nn::kSliceAlign * nn::kSliceAlign;
 }
 
 void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan, size_t most) {
