@@ -28,7 +28,14 @@ for what, ours, peer, target in [
         (f"mlp {mlp}: libfp8 fp8 vs torch bf16 (issue 17)", f"libfp8 fp8 mlp {mlp}", f"torch bf16 mlp {mlp}", 1.85),
         (f"mlp {mlp}: libfp8 fp8 vs torch.compile fp8", f"libfp8 fp8 mlp {mlp}", f"torch compile fp8 mlp {mlp}", 1.4),
         (f"mlp {mlp}: libfp8 fp8 vs torch fp8 eager", f"libfp8 fp8 mlp {mlp}", f"torch fp8 eager mlp {mlp}", None),
-        (f"mlp {mlp}: libfp8 fp8 vs torch.compile bf16", f"libfp8 fp8 mlp {mlp}", f"torch compile bf16 mlp {mlp}", None)]:
+        (f"mlp {mlp}: libfp8 fp8 vs torch.compile bf16", f"libfp8 fp8 mlp {mlp}", f"torch compile bf16 mlp {mlp}", None),
+        # Issue 14: current scaling (each cast scaled by its own amax), the recipe of the compiled FP8 peer.
+        (f"{big}: libfp8 fp8 current vs torch bf16", f"libfp8 fp8 current linear {big}", f"torch bf16 linear {big}", 1.7),
+        (f"{big}: libfp8 fp8 current vs torch.compile fp8", f"libfp8 fp8 current linear {big}",
+         f"torch compile fp8 linear {big}", None),
+        (f"mlp {mlp}: libfp8 fp8 current vs torch bf16", f"libfp8 fp8 current mlp {mlp}", f"torch bf16 mlp {mlp}", None),
+        (f"mlp {mlp}: libfp8 fp8 current vs torch.compile fp8", f"libfp8 fp8 current mlp {mlp}",
+         f"torch compile fp8 mlp {mlp}", None)]:
     o, p = ms.get(ours), ms.get(peer)
     r = ratio(p, o)
     status = "–" if r is None or target is None else ("met" if r >= target else "NOT met")

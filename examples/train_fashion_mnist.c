@@ -17,9 +17,11 @@
  *
  *   train_fashion_mnist [--data DIR] [--epochs N] [--batch N] [--hidden N] [--lr X] [--seed N]
  *                       [--train-limit N] [--test-limit N] [--cpu] [--max-accuracy-gap PP]
- *                       [--levels te,O1,O2,O3] [--ranks N | --rank R --world-size W --id-file PATH]
+ *                       [--levels te,O1,O2,O3] [--recipe TEXT]
+ *                       [--ranks N | --rank R --world-size W --id-file PATH]
  *
- * --levels picks the FP8 runs (default: all four). --max-accuracy-gap makes the program exit with
+ * --levels picks the FP8 runs (default: all four). --recipe adds recipe keys (fp8.h's text form) to
+ * every FP8 run after its level's, e.g. --recipe scaling=current for current scaling. --max-accuracy-gap makes the program exit with
  * status 2 when an FP8 run's test accuracy is more than PP percentage points below bf16's (the GPU
  * suite uses it with 0.5). Missing data files make it exit with status 77 (which the test suite
  * reports as skipped).
@@ -246,6 +248,7 @@ typedef struct {
   int epochs, batch, hidden;
   double lr;
   uint64_t seed;
+  const char *recipe; /* --recipe: more keys for every FP8 run ("" for none) */
 } settings_t;
 
 typedef struct {
@@ -399,6 +402,7 @@ static result_t train(const rank_t *me, const settings_t *s, const dataset_t *tr
     CHECK(fp8_recipe_create(&recipe));
     CHECK(fp8_recipe_parse(recipe, "fp8_format=HYBRID, small_layer_fallback=0"));
     CHECK(fp8_recipe_parse(recipe, level->recipe));
+    CHECK(fp8_recipe_parse(recipe, s->recipe));
     CHECK(fp8_convert_model(m, recipe, NULL)); /* Linear, LayerNorm and activation layers */
     fp8_recipe_destroy(recipe);
   }
@@ -637,6 +641,7 @@ int main(int argc, char **argv) {
 
   s.lr = 1e-3;
   s.seed = 1234;
+  s.recipe = "";
   for (i = 1; i < argc; ++i) {
     const char *v;
     if (strcmp(argv[i], "--cpu") == 0) force_cpu = 1;
@@ -653,6 +658,16 @@ int main(int argc, char **argv) {
     else if ((v = option(argc, argv, &i, "--rank"))) rank_arg = v;
     else if ((v = option(argc, argv, &i, "--world-size"))) world_arg = v;
     else if ((v = option(argc, argv, &i, "--id-file"))) id_file = v;
+    else if ((v = option(argc, argv, &i, "--recipe"))) {
+      fp8_recipe_t *check = NULL;
+      CHECK(fp8_recipe_create(&check));
+      if (fp8_recipe_parse(check, v) != FP8_OK) {
+        fprintf(stderr, "--recipe: %s\n", fp8_last_error_message());
+        return 1;
+      }
+      fp8_recipe_destroy(check);
+      s.recipe = v;
+    }
     else if ((v = option(argc, argv, &i, "--levels"))) {
       int any = 0;
       for (k = 0; k < LEVELS; ++k) {
@@ -811,6 +826,7 @@ int main(int argc, char **argv) {
            "batch %d, %d epoch(s)\n",
            force_cpu ? "--cpu" : "no CUDA GPU that can run FP8 here", s.hidden, s.batch, s.epochs);
   }
+  if (lead && s.recipe[0]) printf("recipe: %s (every FP8 run, after its level's keys)\n", s.recipe);
   if (lead) {
     printf("data: %s (%lld training, %lld test images)\n", data, (long long)train_set.count, (long long)test.count);
     if (size > 1)

@@ -268,6 +268,7 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  *   use_autocast_during_eval=on|off|true|false|1|0
  *   small_layer_fallback=on|off|true|false|1|0
  *   power_2_scales=on|off|true|false|1|0
+ *   scaling=delayed|current
  * --------------------------------------------------------------------------------------------- */
 
 typedef struct fp8_recipe fp8_recipe_t;
@@ -290,7 +291,9 @@ typedef int32_t fp8_recipe_attr_t;
                                                 whenever the shape allows; 0..1, default 1 */
 #define FP8_RECIPE_POWER_2_SCALES 12   /**< 1 = every scale rounded down to a power of two (step 3 of
                                                 the delayed-scaling rule); 0..1, default 0 */
-#define FP8_RECIPE_ATTR_COUNT 13       /**< number of attributes (grows at the end only) */
+#define FP8_RECIPE_SCALING 13          /**< FP8_SCALING_*: where a cast's scale comes from (see
+                                                "Scaling state"); default FP8_SCALING_DELAYED */
+#define FP8_RECIPE_ATTR_COUNT 14       /**< number of attributes (grows at the end only) */
 
 /** Values of FP8_RECIPE_BACKEND. AUTO prefers MS-AMP, as Accelerate documents. */
 #define FP8_BACKEND_AUTO 0
@@ -306,6 +309,12 @@ typedef int32_t fp8_recipe_attr_t;
 /** Values of FP8_RECIPE_AMAX_COMPUTE_ALGO. */
 #define FP8_AMAX_ALGO_MAX 0
 #define FP8_AMAX_ALGO_MOST_RECENT 1
+/** Values of FP8_RECIPE_SCALING. DELAYED: TransformerEngine's DelayedScaling, Accelerate's recipe
+ *  (a scale from the amax history of earlier steps). CURRENT: TransformerEngine's
+ *  Float8CurrentScaling, torchao's "tensorwise" (a scale from the amax of the tensor being cast, in
+ *  the same call). */
+#define FP8_SCALING_DELAYED 0
+#define FP8_SCALING_CURRENT 1
 
 /** Creates a recipe holding Accelerate's defaults (listed with each attribute above). */
 FP8_API fp8_status_t fp8_recipe_create(fp8_recipe_t **out);
@@ -463,13 +472,27 @@ FP8_API fp8_status_t fp8_tensor_set_scale_inv(fp8_tensor_t *tensor, float scale_
  *  4. rolls the history: slot k+1 takes slot k's value, the oldest drops out, slot 0 becomes 0.
  * fp8_max is 448 for E4M3 and 57344 for E5M2. All arithmetic is IEEE binary32, bit-identical on
  * the CPU and the GPU.
+ *
+ * Current scaling (a state made from a recipe with scaling=current): every cast through the state
+ * (fp8_quantize, a Linear's casts of x, W and dy) first takes a = amax(in), then
+ *   scale = 1 if a is 0, NaN or infinite (a NaN or infinite a also grows the non-finite count);
+ *   else scale = (fp8_max * 2^-margin) / a, FLT_MAX if that overflows, 2^-127 if it is smaller,
+ *   rounded down to a power of two as above under power_2_scales,
+ * with the recipe's margin and power_2_scales taken when the state was made; scale_inv = 1/scale.
+ * It stores a in history slot 0 (replacing what was there), scale and scale_inv in the state, and
+ * counts the cast as an update; then it casts with that scale. No element saturates (up to the
+ * rounding of x * scale). This is TransformerEngine's compute_scale_from_amax with amax_epsilon 0,
+ * except that a NaN in the input makes a NaN (TE's amax drops NaNs). On the GPU it reads the input
+ * twice (the amax, then the cast). Such a state has no delayed update: fp8_scaling_update refuses it,
+ * and the outputs that are cast inside another kernel (a GEMM's, a norm's or an activation's FP8
+ * output) need a delayed state: they refuse a current one with FP8_ERR_UNSUPPORTED.
  * --------------------------------------------------------------------------------------------- */
 
 typedef struct fp8_scaling fp8_scaling_t;
 
 /** Creates a state for a tensor of `role` under `recipe`: its dtype is fp8_recipe_dtype_for(recipe,
- *  role) and its history length the recipe's amax_history_len (the recipe is not retained).
- *  Synchronous. */
+ *  role), its history length the recipe's amax_history_len, and under scaling=current it keeps the
+ *  recipe's margin and power_2_scales (the recipe itself is not retained). Synchronous. */
 FP8_API fp8_status_t fp8_scaling_create(fp8_scaling_t **out, fp8_context_t *ctx,
                                         const fp8_recipe_t *recipe, fp8_role_t role);
 FP8_API void fp8_scaling_destroy(fp8_scaling_t *scaling);
@@ -500,7 +523,8 @@ FP8_API fp8_status_t fp8_scaling_set_scale(fp8_scaling_t *scaling, float scale);
 
 /**
  * Updates `count` states with `recipe`'s margin, interval and amax_compute_algo, as described above.
- * Every state must belong to `ctx` and have the recipe's amax_history_len. Asynchronous: scales stay
+ * Every state must belong to `ctx`, have the recipe's amax_history_len and scale with delayed
+ * scaling (a current-scaling state is refused: FP8_ERR_INVALID_ARGUMENT naming it). Asynchronous: scales stay
  * on the device; the GPU runs all states in one kernel launch (per 1024 states).
  * [in] states: host array of `count` state handles (count >= 0).
  */
@@ -515,7 +539,8 @@ FP8_API fp8_status_t fp8_scaling_update(fp8_context_t *ctx, fp8_scaling_t *const
  * Quantises `in` (F32, F16 or BF16) into `out` (the scaling state's FP8 dtype, same shape):
  * out = to_fp8(float(in) * scale), with `scale` read from the state in device memory, and
  * max-accumulates amax(in) = max|in| (NaN if any element is NaN, else inf if any is infinite) into
- * the state's history slot 0. Sets out's scale_inv to the state's scale_inv.
+ * the state's history slot 0. Sets out's scale_inv to the state's scale_inv. A current-scaling state
+ * makes the scale from amax(in) first, in the same call (see "Current scaling" above).
  * [out] out_transposed (may be NULL): also receives the codes transposed, viewing `in` as a matrix
  *   [rows, cols] with cols = last dimension and rows = the product of the others; its shape must be
  *   [cols, rows] (2-D). Written in the same pass; its scale_inv is set too.
@@ -691,6 +716,14 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  *
  * Norms and activations compute in float from their input's dtype; once converted they may write y in
  * FP8 (pass an E4M3 y) with an output state of their own, which is the input the next Linear needs.
+ *
+ * Under scaling=current (the recipe's FP8_RECIPE_SCALING) every state of the model scales with
+ * current scaling: a Linear casts x, its weight copy and dy each with the scale of that very tensor
+ * (two reads of it on the GPU; the dy cast's transposed copy and bias gradient still come in the
+ * same pass as the cast). There is no FP8 hand-off: fp8_model_forward passes the norm's or the
+ * activation's output to the Linear in the activation dtype, and such a layer refuses an FP8 y
+ * (FP8_ERR_UNSUPPORTED). No delayed update runs; the states show each cast's amax and scale
+ * (fp8_scaling_get_info: slot 0 is the latest cast's amax, update_count counts the casts).
  *
  * Forward state: what a backward needs of its forward (the plan, x's transposed FP8 copy or a
  * reference to x, a norm's mean and rstd) is an fp8_saved_t. fp8_layer_forward_saved hands it to the

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "core/format.hpp"
+#include "core/recipe_scaling_rule.hpp"
 #include "fp8.h"
 
 namespace fp8::kernels {
@@ -86,6 +87,19 @@ __device__ __forceinline__ uint32_t block_max_to_thread0(uint32_t v) {
 __device__ __forceinline__ void block_max_accumulate(uint32_t v, uint32_t* dst) {
   v = block_max_to_thread0(v);
   if (threadIdx.x == 0 && v != 0u) atomicMax(dst, v);
+}
+
+// The scale a cast of `state` multiplies by: the state's own (delayed scaling, current_max == 0),
+// or under current scaling the one recipe_scale makes from the amax the launch put into history
+// slot 0 before the kernel; block 0's thread 0 records it in the state (record_current_scale).
+// Every block computes the same value; none reads the header's scale in that mode, and the amax the
+// kernel accumulates into slot 0 at its end equals what is there, so nothing races.
+__device__ __forceinline__ float cast_scale(ScalingHeader* state, float current_max, bool current_pow2) {
+  if (current_max == 0.0f) return state->scale;
+  const float amax = scaling_history(state)[0];
+  const float scale = recipe_scale(amax, current_max, current_pow2);
+  if (blockIdx.x == 0 && threadIdx.x == 0) record_current_scale(state, amax, scale);
+  return scale;
 }
 
 // Reduces each thread's amax bits over the block and max-accumulates the result into *dst (which

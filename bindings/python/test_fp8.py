@@ -78,7 +78,8 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(len(y.read_floats()), 16)
 
     def test_recipe_text_round_trips_and_refusals_raise_with_the_message(self):
-        r = fp8.Recipe("fp8_format=E4M3, margin=1, power_2_scales=on")
+        r = fp8.Recipe("fp8_format=E4M3, margin=1, power_2_scales=on, scaling=current")
+        self.assertEqual(r[fp8.RECIPE_SCALING], fp8.SCALING_CURRENT)
         self.assertEqual(r[fp8.RECIPE_MARGIN], 1)
         self.assertEqual(r[fp8.RECIPE_POWER_2_SCALES], 1)
         self.assertIn("power_2_scales=on", str(r))

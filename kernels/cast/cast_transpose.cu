@@ -65,11 +65,12 @@ __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
                                uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool rows_aligned,
                                bool cols_aligned,
-                               ScalingHeader* state, float* out_scale_inv, float* out_t_scale_inv,
-                               float* out_scale, float* __restrict__ dbias_partials) {
+                               ScalingHeader* state, float current_max, bool current_pow2,
+                               float* out_scale_inv, float* out_t_scale_inv, float* out_scale,
+                               float* __restrict__ dbias_partials) {
   __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
   __shared__ float col_part[DBIAS ? kThreads / 32 * kTile : 1];
-  const float scale = state->scale;
+  const float scale = cast_scale(state, current_max, current_pow2);
   const int tid = threadIdx.x;
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
   const int64_t tiles = ((rows + kTile - 1) / kTile) * tiles_c;
@@ -160,7 +161,8 @@ void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t 
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
     kernel<<<grid, kThreads, 0, stream>>>(
         static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out, j.out_t, j.rows, j.cols, rows_aligned,
-        cols_aligned, j.state, j.out_scale_inv.ptr, j.out_t_scale_inv.ptr, j.out_scale.ptr, j.dbias_partials);
+        cols_aligned, j.state, j.current ? j.current_fp8_max : 0.0f, j.current_pow2, j.out_scale_inv.ptr,
+        j.out_t_scale_inv.ptr, j.out_scale.ptr, j.dbias_partials);
   };
   dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
     if (j.dbias) launch(dt, e5m2, std::true_type{});

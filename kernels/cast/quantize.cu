@@ -12,9 +12,10 @@ constexpr int kThreads = 256;
 template <fp8_dtype_t DT, bool E5M2>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in,
                                                             uint8_t* __restrict__ out, int64_t n, bool vec,
-                                                            ScalingHeader* state, float* out_scale_inv,
+                                                            ScalingHeader* state, float current_max,
+                                                            bool current_pow2, float* out_scale_inv,
                                                             float* out_scale) {
-  const float scale = state->scale;
+  const float scale = cast_scale(state, current_max, current_pow2);
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   uint32_t amax = 0;
@@ -61,7 +62,8 @@ void quantize(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, (n / 16 + kThreads - 1) / kThreads + 1,
                                lim.sm_count);
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out, n,
-                                          vec, j.state, j.out_scale_inv.ptr, j.out_scale.ptr);
+                                          vec, j.state, j.current ? j.current_fp8_max : 0.0f, j.current_pow2,
+                                          j.out_scale_inv.ptr, j.out_scale.ptr);
   });
   cuda_check(cudaGetLastError(), "quantize kernel launch");
 }

@@ -43,7 +43,7 @@ FP8_API fp8_status_t fp8_quantize(fp8_context_t* ctx, const fp8_tensor_t* in, fp
     job.out = static_cast<uint8_t*>(out->data);
     job.out_t = out_transposed ? static_cast<uint8_t*>(out_transposed->data) : nullptr;
     job.e5m2 = scaling->dtype == FP8_DTYPE_E5M2;
-    job.state = scaling->state;
+    fp8::cast_through(job, *scaling);
     job.out_scale_inv = fp8::tensor_scale(out->scale_inv);
     job.out_t_scale_inv = fp8::tensor_scale(out_transposed ? out_transposed->scale_inv : nullptr);
     ctx->backend->quantize(job);

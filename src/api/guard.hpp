@@ -85,6 +85,10 @@ inline bool require_output_scaling(const fp8_tensor* out, const char* out_name, 
     if (scaling->dtype != out->dtype)
       fail(FP8_ERR_DTYPE, out_name, " has dtype ", dtype_name(out->dtype), " but ", scaling_name, " quantizes to ",
            dtype_name(scaling->dtype));
+    if (scaling->current)
+      fail(FP8_ERR_UNSUPPORTED, scaling_name, " scales with current scaling, which needs the amax of ", out_name,
+           " before its cast; give a state made with scaling=delayed, or write ", out_name,
+           " in high precision and fp8_quantize it");
     return true;
   }
   if (scaling)

@@ -100,6 +100,10 @@ FP8_API fp8_status_t fp8_scaling_update(fp8_context_t* ctx, fp8_scaling_t* const
       if (s->history_len != history_len)
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] has amax_history_len ", s->history_len,
                   "; the recipe says ", history_len);
+      if (s->current)
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i,
+                  "] scales with current scaling (made from a recipe with scaling=current): each cast makes its "
+                  "scale, so it has no delayed update; leave it out");
       if (s->update_mark == mark)
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, "states[", i, "] appears twice; expected each state once per update");
       s->update_mark = mark;

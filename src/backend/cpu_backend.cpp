@@ -16,6 +16,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/format.hpp"
+#include "core/recipe_scaling_rule.hpp"
 
 namespace fp8 {
 
@@ -257,8 +258,15 @@ class CpuBackend final : public Backend {
 
   void quantize(const QuantizeJob& j) override {
     require_tensor_scales(j, "CPU");
+    if (j.current) {  // the amax first, then the scale made from it (recipe_scaling_rule.hpp)
+      uint32_t bits = 0;
+      for (int64_t i = 0; i < j.rows * j.cols; ++i) bits = std::max(bits, abs_bits(load_wide(j.in, j.in_dtype, i)));
+      const float a = bits_float(bits);
+      scaling_history(j.state)[0] = a;
+      record_current_scale(j.state, a, recipe_scale(a, j.current_fp8_max, j.current_pow2));
+    }
     const float scale = j.state->scale;
-    uint32_t amax = 0;
+    uint32_t amax = 0;  // (under current scaling the same amax again: slot 0 keeps it)
     for (int64_t r = 0; r < j.rows; ++r) {
       for (int64_t c = 0; c < j.cols; ++c) {
         const float x = load_wide(j.in, j.in_dtype, r * j.cols + c);

@@ -193,6 +193,8 @@ class CudaBackend final : public Backend {
   void quantize(const QuantizeJob& job) override {
     require_tensor_scales(job, "CUDA");
     DeviceScope scope(limits_.device);
+    if (job.current)  // slot 0 := amax(in), which the cast kernel turns into its scale
+      kernels::amax({job.in, job.in_dtype, job.rows * job.cols, scaling_history(job.state), nullptr}, limits_, stream_);
     if (job.out_t_scale_inv.ptr) {
       kernels::cast_transpose(job, limits_, stream_);  // column sums fused in
     } else {

@@ -38,6 +38,12 @@ struct QuantizeJob {
   ScaleDesc out_scale = {};         // if ptr is set, receives state.scale (the scale the codes were made with)
   float* dbias = nullptr;           // cols floats, accumulated into; nullptr: no column sums
   float* dbias_partials = nullptr;  // bias_grad_partials(rows, cols) floats when dbias is set
+  // Current scaling (fp8.h): history slot 0 of `state` is replaced by amax(in) and the scale made
+  // from it (recipe_scale with current_fp8_max and current_pow2) is recorded in the state
+  // (record_current_scale) before the cast uses it. false: the state's scale as it is.
+  bool current = false;
+  float current_fp8_max = 0.0f;
+  bool current_pow2 = false;
 };
 
 // dbias[c] += sum_r dy[r][c] (two stages, see kBiasGradRows).

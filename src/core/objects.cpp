@@ -101,6 +101,11 @@ std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_p
     s->history_len = len;
     s->dtype = recipe.dtype_for(roles[i]);
     s->backward_role = roles[i] == FP8_ROLE_BACKWARD;
+    s->current = recipe.get(FP8_RECIPE_SCALING) == FP8_SCALING_CURRENT;
+    if (s->current) {
+      s->current_fp8_max = scaled_fp8_max(s->dtype == FP8_DTYPE_E5M2, static_cast<int>(recipe.get(FP8_RECIPE_MARGIN)));
+      s->current_pow2 = recipe.get(FP8_RECIPE_POWER_2_SCALES) == 1;
+    }
     out.push_back(std::move(s));
   }
   return out;

@@ -71,6 +71,11 @@ struct fp8_scaling {
   // recorded an amax into it (only such states are updated at the end of a region).
   bool backward_role = false;
   bool pending = false;
+  // Current scaling (the recipe's scaling=current when the state was made): each cast makes its
+  // scale from its input's amax, with this fp8_max * 2^-margin and power_2_scales (fp8.h).
+  bool current = false;
+  float current_fp8_max = 0.0f;
+  bool current_pow2 = false;
 
   fp8_scaling() = default;
   fp8_scaling(const fp8_scaling&) = delete;
@@ -112,6 +117,14 @@ std::unique_ptr<fp8_scaling> make_scaling(const std::shared_ptr<Backend>& backen
 std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,
                                                              const Recipe& recipe, const std::vector<fp8_role_t>& roles,
                                                              float scale = 1.0f);
+
+// Points a cast at `s`: its state, and under current scaling the rule's parameters.
+inline void cast_through(QuantizeJob& job, const fp8_scaling& s) {
+  job.state = s.state;
+  job.current = s.current;
+  job.current_fp8_max = s.current_fp8_max;
+  job.current_pow2 = s.current_pow2;
+}
 
 // One batched delayed-scaling update of `count` states (already checked against `recipe`).
 void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count, const Recipe& recipe);

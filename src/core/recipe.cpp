@@ -17,6 +17,7 @@ const char* const kOptLevelNames[] = {"O1", "O2", "O3"};
 const char* const kFormatNames[] = {"E4M3", "HYBRID"};
 const char* const kAlgoNames[] = {"max", "most_recent"};
 const char* const kBoolNames[] = {"off", "on"};
+const char* const kScalingNames[] = {"delayed", "current"};
 
 // Indexed by fp8_recipe_attr_t; the static_assert below keeps it in step with the header.
 const AttrSpec kSpecs[] = {
@@ -33,6 +34,7 @@ const AttrSpec kSpecs[] = {
     {"use_autocast_during_eval", 0, 1, 0, kBoolNames},
     {"small_layer_fallback", 0, 1, 1, kBoolNames},
     {"power_2_scales", 0, 1, 0, kBoolNames},
+    {"scaling", FP8_SCALING_DELAYED, FP8_SCALING_CURRENT, FP8_SCALING_DELAYED, kScalingNames},
 };
 static_assert(sizeof(kSpecs) / sizeof(kSpecs[0]) == FP8_RECIPE_ATTR_COUNT, "one spec per attribute");
 

@@ -78,6 +78,16 @@ FP8_HD float recipe_scale_inv(float scale) {
   return 1.0f / scale;
 }
 
+// Current per-tensor scaling through a delayed-scaling state's memory (fp8.h, "Current scaling"):
+// with `amax` already in history slot 0, records the cast's scale in the state (scale, scale_inv,
+// one more update, and a non-finite amax counted). Both backends call it once per cast.
+FP8_HD void record_current_scale(ScalingHeader* h, float amax, float scale) {
+  h->scale = scale;
+  h->scale_inv = recipe_scale_inv(scale);
+  h->update_count += 1;
+  if (amax_is_nonfinite(amax)) h->nonfinite_count += 1;
+}
+
 // The extent of one cell of `mode` in an operand of [rows, cols] scaled along its columns, before
 // clipping at the bottom and right edges. Element (r, c) belongs to cell (r / rows, c / cols) of
 // the grid that scale_grid() sizes (per-tensor and per-row cells span the whole operand / row; an

@@ -162,6 +162,10 @@ class ElementwiseBase : public Layer {
     if (y->dtype != s_out_->dtype)
       fail(FP8_ERR_DTYPE, "y has dtype ", dtype_name(y->dtype), "; layer '", name_, "' writes FP8 as ",
            dtype_name(s_out_->dtype), " (the recipe's forward format)");
+    if (s_out_->current)
+      fail(FP8_ERR_UNSUPPORTED, "y has dtype ", dtype_name(y->dtype), " but layer '", name_,
+           "' is converted with scaling=current, which needs y's amax before its cast; pass a wide y (the "
+           "Linear after it casts it)");
     return s_out_->state;
   }
 

@@ -146,7 +146,10 @@ class Linear final : public Layer {
 
   int64_t input_features() const override { return in_; }
   int64_t output_features(int64_t) const override { return out_; }
-  bool takes_fp8_input(const Step& step, int64_t rows) const override { return decide(step, rows, true).fprop; }
+  // Under current scaling x's scale comes from x itself, so the layer before hands over a wide x.
+  bool takes_fp8_input(const Step& step, int64_t rows) const override {
+    return decide(step, rows, true).fprop && !current_scaling();
+  }
 
   std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
     require_layer_dtype(name_, y, "y", false);
@@ -210,8 +213,8 @@ class Linear final : public Layer {
       q.out = qx_.ensure<uint8_t>(static_cast<size_t>(m * in_));
       q.out_t = qxt;
       q.e5m2 = false;
-      q.state = s_x_->state;
-      s_x_->pending = true;
+      cast_through(q, *s_x_);
+      if (!s_x_->current) s_x_->pending = true;
       q.out_scale_inv = tensor_scale(si);
       q.out_t_scale_inv = tensor_scale(qxt ? s.xt_scale_inv() : nullptr);
       be.quantize(q);
@@ -279,8 +282,8 @@ class Linear final : public Layer {
       q.out = qdy = qdy_.ensure<uint8_t>(static_cast<size_t>(m * out_));
       q.out_t = qdyt = plan.wgrad ? qdyt_.ensure<uint8_t>(static_cast<size_t>(m * out_)) : nullptr;
       q.e5m2 = s_dy_->dtype == FP8_DTYPE_E5M2;
-      q.state = s_dy_->state;
-      if (m > 0) s_dy_->pending = true;
+      cast_through(q, *s_dy_);
+      if (m > 0 && !s_dy_->current) s_dy_->pending = true;
       q.out_scale_inv = tensor_scale(dy_si);
       q.out_t_scale_inv = tensor_scale(qdyt ? dy_si + kScaleSlot2 : nullptr);
       q.dbias = dbias;
@@ -353,6 +356,8 @@ class Linear final : public Layer {
     g.b_scale_inv = tensor_scale(b_si);
   }
 
+  bool current_scaling() const { return converted_ && recipe_.get(FP8_RECIPE_SCALING) == FP8_SCALING_CURRENT; }
+
   // The rule of fp8.h (fp8_layer_forward): FP8 when the model is converted and FP8 is on, except
   // where the shape, alignment (`misaligned` names the tensor unless `aligned`) or size forbids it
   // or the recipe overrides a GEMM.
@@ -421,8 +426,8 @@ class Linear final : public Layer {
         q.out = qw_.ensure<uint8_t>(static_cast<size_t>(n));
         q.out_t = qwt;
         q.e5m2 = false;
-        q.state = pinned_ ? pinned_w_->state : s_w_->state;
-        if (!pinned_) s_w_->pending = true;
+        cast_through(q, pinned_ ? *pinned_w_ : *s_w_);
+        if (!pinned_ && !s_w_->current) s_w_->pending = true;
         q.out_scale_inv = tensor_scale(si);
         q.out_t_scale_inv = tensor_scale(si);
         q.out_scale = tensor_scale(si + kScaleSlot2);
@@ -448,8 +453,9 @@ class Linear final : public Layer {
     return true;
   }
 
+  // (Under current scaling the copy's scale follows from the weights alone: nothing to pin.)
   void pin_weight_copy_scale(float scale) override {
-    pinned_ = scale > 0.0f;
+    pinned_ = scale > 0.0f && !current_scaling();
     if (pinned_) pinned_w_ = new_state(recipe_, FP8_ROLE_FORWARD, scale);
   }
 

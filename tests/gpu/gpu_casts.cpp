@@ -62,9 +62,12 @@ class GpuVsCpu : public ::testing::Test {
   Recipe recipe = make_recipe();
 
   // Quantizes the same bytes on both backends (with and without the transposed copy) and compares
-  // codes, transposed codes, scale_inv and the accumulated amax bit for bit.
+  // codes, transposed codes, scale_inv and the state afterwards (amax, scale, counts) bit for bit,
+  // with states of `r` (the fixture's delayed recipe by default; a current-scaling one makes its
+  // scale from this input).
   void check_quantize(fp8_dtype_t dt, fp8_role_t role, std::vector<int64_t> shape, size_t misalign, bool transpose,
-                      bool specials, uint32_t seed) {
+                      bool specials, uint32_t seed, const fp8_recipe_t* r = nullptr) {
+    if (!r) r = recipe.get();
     SCOPED_TRACE(::testing::Message() << fp8_dtype_name(dt) << " role " << role << " shape " << shape.size()
                                       << "-D [" << shape.front() << ".." << shape.back() << "] misalign " << misalign
                                       << " transpose " << transpose);
@@ -72,7 +75,7 @@ class GpuVsCpu : public ::testing::Test {
     for (auto d : shape) n *= d;
     const int64_t cols = shape.back(), rows = n / cols;
     const auto bytes = random_bytes(dt, static_cast<size_t>(n), seed, specials);
-    Scaling s_cpu = make_scaling(cpu.get(), recipe.get(), role), s_gpu = make_scaling(gpu.get(), recipe.get(), role);
+    Scaling s_cpu = make_scaling(cpu.get(), r, role), s_gpu = make_scaling(gpu.get(), r, role);
     fp8_dtype_t q_dt = 0;
     fp8_scaling_dtype(s_cpu.get(), &q_dt);
     for (auto* s : {s_cpu.get(), s_gpu.get()}) ASSERT_EQ(fp8_scaling_set_scale(s, 3.7f), FP8_OK);
@@ -92,7 +95,12 @@ class GpuVsCpu : public ::testing::Test {
     FP8_ASSERT_OK(fp8_context_synchronize(gpu.get()));
     EXPECT_EQ(download<uint8_t>(out_gpu.get()), download<uint8_t>(out_cpu.get()));
     if (transpose) EXPECT_EQ(download<uint8_t>(t_gpu.get()), download<uint8_t>(t_cpu.get()));
-    EXPECT_EQ(bits_of(info_of(s_gpu.get()).amax), bits_of(info_of(s_cpu.get()).amax));
+    const fp8_scaling_info_t i_gpu = info_of(s_gpu.get()), i_cpu = info_of(s_cpu.get());
+    EXPECT_EQ(bits_of(i_gpu.amax), bits_of(i_cpu.amax));
+    EXPECT_EQ(bits_of(i_gpu.scale), bits_of(i_cpu.scale));
+    EXPECT_EQ(bits_of(i_gpu.scale_inv), bits_of(i_cpu.scale_inv));
+    EXPECT_EQ(i_gpu.update_count, i_cpu.update_count);
+    EXPECT_EQ(i_gpu.nonfinite_count, i_cpu.nonfinite_count);
     float si_cpu = 0, si_gpu = 0;
     FP8_ASSERT_OK(fp8_tensor_get_scale_inv(out_cpu.get(), &si_cpu));
     FP8_ASSERT_OK(fp8_tensor_get_scale_inv(out_gpu.get(), &si_gpu));
@@ -125,6 +133,22 @@ TEST_F(GpuVsCpu, QuantizeOfMisalignedBuffersTakesTheScalarPathAndStaysExact) {
   for (fp8_dtype_t dt : kWide)
     for (const auto& shape : {std::vector<int64_t>{64, 64}, std::vector<int64_t>{33, 130}, std::vector<int64_t>{4000}})
       for (bool transpose : {true, false}) check_quantize(dt, FP8_ROLE_FORWARD, shape, 3, transpose, true, seed++);
+}
+
+// Current scaling (the amax pass, then the cast kernels taking their scale from it): bit-exact on
+// every dtype, format and shape, with and without the transposed copy, with specials (NaN and inf
+// inputs give scale 1 and are counted), aligned and not, with a margin and power-of-two scales.
+TEST_F(GpuVsCpu, CurrentScalingQuantizeIsBitExactForEveryDtypeShapeAndFormat) {
+  uint32_t seed = 700;
+  for (const char* text : {"scaling=current", "scaling=current, margin=3, power_2_scales=on"}) {
+    SCOPED_TRACE(text);
+    Recipe r = make_recipe(text);
+    for (fp8_dtype_t dt : kWide)
+      for (fp8_role_t role : {FP8_ROLE_FORWARD, FP8_ROLE_BACKWARD})
+        for (const auto& shape : kShapes)
+          for (bool transpose : {true, false})
+            check_quantize(dt, role, shape, seed % 7 == 0 ? 3 : 0, transpose, seed % 3 == 0, seed++, r.get());
+  }
 }
 
 TEST_F(GpuVsCpu, DequantizeIsBitExactForAllCodesAndEveryOutputDtype) {

@@ -105,6 +105,12 @@ TEST(GpuLayers, LinearStepsMatchTheCpuReference) {
       {256, 256, 256, FP8_DTYPE_BF16, "override_linear_precision=off/on/off, small_layer_fallback=off", 1, 0, 1},
       {256, 256, 256, FP8_DTYPE_BF16, "override_linear_precision=on/off/on, small_layer_fallback=off", 0, 1, 0},
       {64, 128, 64, FP8_DTYPE_BF16, "", 0, 0, 0},  // small: the automatic fallback (bench_linear shows the other side)
+      // Current scaling: every cast takes its scale from its own amax (an amax pass, then the cast),
+      // the dy cast with its transposed copy and fused bias gradient, edge tiles included.
+      {256, 384, 192, FP8_DTYPE_BF16, "scaling=current, small_layer_fallback=off", 1, 1, 1},
+      {208, 208, 272, FP8_DTYPE_F32, "scaling=current, small_layer_fallback=off", 1, 1, 1},
+      {200, 256, 128, FP8_DTYPE_BF16, "scaling=current, margin=2, power_2_scales=on, small_layer_fallback=off", 1, 1, 0},
+      {256, 256, 256, FP8_DTYPE_BF16, "scaling=current, fp8_format=E4M3, small_layer_fallback=off", 1, 1, 1},
   };
   uint32_t seed = 100;
   for (const LinearCase& c : cases) {

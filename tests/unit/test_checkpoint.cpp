@@ -125,7 +125,7 @@ void put_u32le(Bytes& b, size_t at, uint32_t v) {
 
 constexpr int64_t kBatch = 32, kIn = 64, kHidden = 64, kOut = 32;
 
-enum class Variant { Standard, NoNorm, Renamed, SmallerFc2, Unconverted, ShortHistory, OtherMargin };
+enum class Variant { Standard, NoNorm, Renamed, SmallerFc2, Unconverted, ShortHistory, OtherMargin, CurrentScaling };
 
 std::string recipe_text(int level, Variant v = Variant::Standard) {
   const char* base = level == 0   ? "backend=te"
@@ -133,7 +133,8 @@ std::string recipe_text(int level, Variant v = Variant::Standard) {
                      : level == 2 ? "backend=msamp, opt_level=O2"
                                   : "backend=msamp, opt_level=O3";
   return std::string(base) + ", small_layer_fallback=0, amax_compute_algo=max, amax_history_len=" +
-         (v == Variant::ShortHistory ? "8" : "16") + (v == Variant::OtherMargin ? ", margin=2" : "");
+         (v == Variant::ShortHistory ? "8" : "16") + (v == Variant::OtherMargin ? ", margin=2" : "") +
+         (v == Variant::CurrentScaling ? ", scaling=current" : "");
 }
 const char* kind_name(fp8_optimizer_kind_t k) {
   return k == FP8_OPTIMIZER_SGD ? "SGD" : k == FP8_OPTIMIZER_ADAM ? "Adam" : "AdamW";
@@ -1351,6 +1352,41 @@ TEST(CheckpointReadRecipe, ReturnsTheSavedRecipeAndRefusesAnUnconvertedModelsChe
   EXPECT_REFUSED(fp8_checkpoint_read_recipe(dir.path("none.ckpt").c_str(), r.get()), FP8_ERR_IO,
                  "fp8_checkpoint_read_recipe", "none.ckpt");
   EXPECT_EQ(recipe_string(r.get()), before);
+}
+
+// Current scaling travels with the checkpoint: a resumed run is bit-identical to the uninterrupted
+// one (each cast's scale follows from its tensor, so no pinned weight-copy scale is needed), the file
+// reads back as scaling=current, and a model converted with delayed scaling refuses to load it.
+TEST(CheckpointCurrentScaling, ResumesBitIdenticallyAndTheRecipeTravels) {
+  TempDir dir;
+  const std::string at_n = dir.path("current.ckpt");
+  for (int level : {0, 2}) {
+    SCOPED_TRACE(level_name(level));
+    Net a(level, FP8_OPTIMIZER_ADAMW, 1, Variant::CurrentScaling);
+    for (int k = 0; k < kN; ++k) a.train_step(k);
+    FP8_ASSERT_OK(a.save(at_n));
+    for (int k = kN; k < kN + kM; ++k) a.train_step(k);
+    Net b(level, FP8_OPTIMIZER_ADAMW, 1, Variant::CurrentScaling);
+    FP8_ASSERT_OK(b.load(at_n));
+    for (int k = kN; k < kN + kM; ++k) b.train_step(k);
+    EXPECT_EQ(first_difference(snapshot(b), snapshot(a)), "");
+    fp8_scaling_t* input_state = nullptr;
+    EXPECT_OK(fp8_layer_get_scaling(a.m(), 0, FP8_SCALING_INPUT, &input_state));
+    ASSERT_NE(input_state, nullptr);
+    EXPECT_EQ(info_of(input_state).update_count, kN + kM) << "one cast of x per step";
+
+    Recipe read = make_recipe();
+    FP8_ASSERT_OK(fp8_checkpoint_read_recipe(at_n.c_str(), read.get()));
+    int64_t scaling = -1;
+    FP8_ASSERT_OK(fp8_recipe_get_int(read.get(), FP8_RECIPE_SCALING, &scaling));
+    EXPECT_EQ(scaling, FP8_SCALING_CURRENT);
+    Net delayed(level, FP8_OPTIMIZER_ADAMW, 1, Variant::Standard);
+    const Snapshot before = snapshot(delayed);
+    EXPECT_EQ(delayed.load(at_n), FP8_ERR_INVALID_STATE);
+    EXPECT_NE(std::string(fp8_last_error_message()).find("scaling=current"), std::string::npos)
+        << fp8_last_error_message();
+    EXPECT_EQ(first_difference(snapshot(delayed), before), "") << "a refused load changes nothing";
+  }
 }
 
 // =================================================================================================

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -457,6 +458,146 @@ TEST(LinearScalingHistory, MaxAlgoUsesTheLargestAmaxOfTheHistory) {
     const float window_max = *std::max_element(amaxes.begin() + static_cast<std::ptrdiff_t>(first), amaxes.end());
     EXPECT_EQ(c.state(FP8_SCALING_INPUT).scale, 448.0f / window_max) << "step " << step;
   }
+}
+
+// =================================================================================================
+// 2b. Current scaling: each cast is scaled by the amax of the very tensor it casts
+// =================================================================================================
+
+// The current-scaling rule for a normal amax, computed here: (fp8_max * 2^-margin) / amax as a float
+// division, then 2^floor(log2) under power_2_scales.
+float current_scale_of(const std::vector<float>& v, float fp8_max, int margin, bool pow2) {
+  const float s = std::ldexp(fp8_max, -margin) / amax_of(v);
+  return pow2 ? std::ldexp(1.0f, static_cast<int>(std::floor(std::log2(static_cast<double>(s))))) : s;
+}
+
+// Three steps whose magnitudes jump by 300x and 10^4x, new weights each time: every step matches
+// float64 on values quantised with that step's own scales (never the previous step's, as delayed
+// scaling would use), for the default format, E4M3 gradients, and a margin with power-of-two
+// scales. The states show each cast: its amax in slot 0, its scale, one update per cast; nothing
+// else updates them (fp8_autocast_end runs no delayed update).
+TEST(LinearCurrentScaling, EachCastUsesTheScaleOfItsOwnTensor) {
+  struct Variant {
+    const char* text;
+    int margin;
+    bool pow2;
+    fp8_dtype_t dy_dtype;
+  };
+  for (const Variant& v : {Variant{"", 0, false, FP8_DTYPE_E5M2}, Variant{"fp8_format=E4M3", 0, false, FP8_DTYPE_E4M3},
+                           Variant{"margin=1, power_2_scales=on", 1, true, FP8_DTYPE_E5M2}}) {
+    SCOPED_TRACE(v.text);
+    Recipe r = fp8_recipe({{FP8_RECIPE_SCALING, FP8_SCALING_CURRENT}});
+    FP8_ASSERT_OK(fp8_recipe_parse(r.get(), v.text));
+    LinearCase c(kIn, kOut);
+    c.convert(r.get());
+    const float dy_max = v.dy_dtype == FP8_DTYPE_E5M2 ? 57344.0f : 448.0f;
+    const float x_mags[] = {1.0f, 300.0f, 0.03f}, dy_mags[] = {0.5f, 1e-3f, 20.0f};
+    for (int step = 0; step < 3; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      c.set_weights(80 + step);
+      const auto x = random_x(kTokens, kIn, 90 + step, x_mags[step]),
+                 dy = random_dy(kTokens, kOut, 100 + step, dy_mags[step]);
+      Scales s;
+      s.x = current_scale_of(x, 448.0f, v.margin, v.pow2);
+      s.w = current_scale_of(c.w, 448.0f, v.margin, v.pow2);
+      s.dy = current_scale_of(dy, dy_max, v.margin, v.pow2);
+      s.dy_dtype = v.dy_dtype;
+      FP8_ASSERT_OK(fp8_model_zero_grad(c.model.get()));
+      expect_step_matches(c, x, dy, s, {1, 1, 1}, run_step(c, {kTokens, kIn}, x, dy, true));
+      const fp8_scaling_info_t ix = c.state(FP8_SCALING_INPUT), iw = c.state(FP8_SCALING_WEIGHT),
+                               idy = c.state(FP8_SCALING_GRAD_OUTPUT);
+      EXPECT_EQ(ix.scale, s.x);
+      EXPECT_EQ(iw.scale, s.w);
+      EXPECT_EQ(idy.scale, s.dy);
+      EXPECT_EQ(ix.amax, amax_of(x));
+      EXPECT_EQ(iw.amax, amax_of(c.w));
+      EXPECT_EQ(idy.amax, amax_of(dy));
+      for (const fp8_scaling_info_t& i : {ix, iw, idy}) {
+        EXPECT_EQ(i.update_count, step + 1);
+        EXPECT_EQ(i.scale_inv, 1.0f / i.scale);
+        EXPECT_EQ(i.nonfinite_count, 0);
+      }
+    }
+  }
+}
+
+// Micro-batches under current scaling: the weight copy is still made once per weights version (one
+// cast of W for two forwards), while x and dy are cast, and counted, per call.
+TEST(LinearCurrentScaling, WeightCopyIsMadeOncePerWeightsVersion) {
+  LinearCase c(kIn, kOut);
+  c.convert(fp8_recipe({{FP8_RECIPE_SCALING, FP8_SCALING_CURRENT}}).get());
+  for (int micro = 0; micro < 2; ++micro) {
+    const auto x = random_x(kTokens, kIn, 110 + micro), dy = random_dy(kTokens, kOut, 120 + micro);
+    Scales s;
+    s.x = current_scale_of(x, 448.0f, 0, false);
+    s.w = current_scale_of(c.w, 448.0f, 0, false);
+    s.dy = current_scale_of(dy, 57344.0f, 0, false);
+    FP8_ASSERT_OK(fp8_model_zero_grad(c.model.get()));
+    expect_step_matches(c, x, dy, s, {1, 1, 1}, run_step(c, {kTokens, kIn}, x, dy, true));
+  }
+  EXPECT_EQ(c.state(FP8_SCALING_WEIGHT).update_count, 1);
+  EXPECT_EQ(c.state(FP8_SCALING_INPUT).update_count, 2);
+  EXPECT_EQ(c.state(FP8_SCALING_GRAD_OUTPUT).update_count, 2);
+}
+
+// A NaN in x: scale 1 for that cast and the state counts it; the next finite x is scaled normally.
+TEST(LinearCurrentScaling, NonFiniteInputIsCountedAndTheNextCastRecovers) {
+  LinearCase c(kIn, kOut);
+  c.convert(fp8_recipe({{FP8_RECIPE_SCALING, FP8_SCALING_CURRENT}}).get());
+  auto x = random_x(kTokens, kIn, 130);
+  x[5] = std::numeric_limits<float>::quiet_NaN();
+  run_step(c, {kTokens, kIn}, x, random_dy(kTokens, kOut, 131), true);
+  fp8_scaling_info_t ix = c.state(FP8_SCALING_INPUT);
+  EXPECT_EQ(ix.scale, 1.0f);
+  EXPECT_EQ(ix.nonfinite_count, 1);
+  EXPECT_TRUE(std::isnan(ix.amax));
+  const auto x2 = random_x(kTokens, kIn, 132);
+  run_step(c, {kTokens, kIn}, x2, random_dy(kTokens, kOut, 133), true);
+  ix = c.state(FP8_SCALING_INPUT);
+  EXPECT_EQ(ix.scale, 448.0f / amax_of(x2));
+  EXPECT_EQ(ix.nonfinite_count, 1);
+  EXPECT_EQ(ix.update_count, 2);
+}
+
+// No FP8 hand-off under current scaling: in a whole-model run the norm writes its y in the
+// activation dtype and the Linear casts it with the scale of that y; a per-layer call that asks the
+// norm (or an activation) for an FP8 y is refused, naming the recipe; a delayed-scaling update of
+// the model's current states is refused too.
+TEST(LinearCurrentScaling, NormHandsOverAWideYAndRefusesAnFp8One) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  int32_t ln = -1, fc = -1, act = -1;
+  FP8_ASSERT_OK(fp8_model_add_layernorm(model.get(), "ln", kIn, 1e-5f, &ln));
+  FP8_ASSERT_OK(fp8_model_add_linear(model.get(), "fc", kIn, kOut, 1, &fc));
+  FP8_ASSERT_OK(fp8_model_add_activation(model.get(), "act", FP8_ACTIVATION_GELU, &act));
+  set_param(model.get(), "fc.weight", randn(kIn * kOut, 1, 0.125f));
+  Recipe recipe = fp8_recipe({{FP8_RECIPE_SCALING, FP8_SCALING_CURRENT}});
+  FP8_ASSERT_OK(fp8_convert_model(model.get(), recipe.get(), nullptr));
+  const std::vector<float> x = randn(kTokens * kIn, 5, 1.0f, 0.2f);
+  Tensor tx = f32_tensor(ctx.get(), {kTokens, kIn}, x), ty = f32_tensor(ctx.get(), {kTokens, kOut});
+  FP8_ASSERT_OK(fp8_autocast_begin(model.get()));
+  FP8_ASSERT_OK(fp8_model_forward(model.get(), tx.get(), ty.get()));
+  FP8_ASSERT_OK(fp8_autocast_end(model.get()));
+  EXPECT_EQ(report_of(model.get(), ln).fprop, 0) << "the norm wrote a wide y";
+  EXPECT_EQ(report_of(model.get(), fc).fprop, 1);
+  // The Linear cast the norm's output itself: its amax is that of the normalised x (about 3-4
+  // for 64 normal values), not 0 as after a hand-off.
+  const fp8_scaling_info_t ix = state_info(model.get(), fc, FP8_SCALING_INPUT);
+  EXPECT_GT(ix.amax, 1.0f);
+  EXPECT_EQ(ix.scale, 448.0f / ix.amax);
+  EXPECT_EQ(state_info(model.get(), ln, FP8_SCALING_OUTPUT).update_count, 0);
+
+  Tensor h = make_tensor(ctx.get(), FP8_DTYPE_E4M3, {kTokens, kIn});
+  Tensor g = make_tensor(ctx.get(), FP8_DTYPE_E4M3, {kTokens, kOut}), ty2 = f32_tensor(ctx.get(), {kTokens, kOut});
+  FP8_ASSERT_OK(fp8_autocast_begin(model.get()));
+  EXPECT_REFUSED_WORDS(forward_only(model.get(), ln, tx.get(), h.get()), FP8_ERR_UNSUPPORTED, "fp8_layer_forward_saved",
+                       "'ln'", "scaling=current", "wide y");
+  EXPECT_REFUSED_WORDS(forward_only(model.get(), act, ty.get(), g.get()), FP8_ERR_UNSUPPORTED,
+                       "fp8_layer_forward_saved", "'act'", "scaling=current");
+  FP8_ASSERT_OK(fp8_autocast_end(model.get()));
+  fp8_scaling_t* states[1] = {scaling_of(model.get(), fc, FP8_SCALING_INPUT)};
+  EXPECT_REFUSED_WORDS(fp8_scaling_update(ctx.get(), states, 1, recipe.get()), FP8_ERR_INVALID_ARGUMENT,
+                       "fp8_scaling_update", "states[0]", "current scaling");
 }
 
 // =================================================================================================

@@ -82,6 +82,7 @@ const Expected kExpected[FP8_RECIPE_ATTR_COUNT] = {
     {FP8_RECIPE_USE_AUTOCAST_DURING_EVAL, 0, 1, 0},
     {FP8_RECIPE_SMALL_LAYER_FALLBACK, 0, 1, 1},
     {FP8_RECIPE_POWER_2_SCALES, 0, 1, 0},
+    {FP8_RECIPE_SCALING, FP8_SCALING_DELAYED, FP8_SCALING_CURRENT, FP8_SCALING_DELAYED},
 };
 
 std::string key_of(fp8_recipe_attr_t a) {
@@ -94,7 +95,7 @@ std::string key_of(fp8_recipe_attr_t a) {
 RecipePtr make_nondefault_recipe() {
   RecipePtr r = make_recipe();
   const int64_t values[FP8_RECIPE_ATTR_COUNT] = {FP8_BACKEND_TE, FP8_OPT_O3, 7, 25, FP8_FORMAT_E4M3, 48,
-                                                 FP8_AMAX_ALGO_MAX, 1, 0, 1, 1, 0, 1};
+                                                 FP8_AMAX_ALGO_MAX, 1, 0, 1, 1, 0, 1, FP8_SCALING_CURRENT};
   for (int32_t a = 0; a < FP8_RECIPE_ATTR_COUNT; ++a)
     EXPECT_EQ(fp8_recipe_set_int(r.get(), a, values[a]), FP8_OK) << fp8_last_error_message();
   return r;
@@ -117,6 +118,7 @@ TEST(Recipe, CreateHoldsAccelerateDefaults) {
   EXPECT_EQ(get(r.get(), FP8_RECIPE_USE_AUTOCAST_DURING_EVAL), 0);
   EXPECT_EQ(get(r.get(), FP8_RECIPE_SMALL_LAYER_FALLBACK), 1);
   EXPECT_EQ(get(r.get(), FP8_RECIPE_POWER_2_SCALES), 0);
+  EXPECT_EQ(get(r.get(), FP8_RECIPE_SCALING), FP8_SCALING_DELAYED);
 }
 
 TEST(Recipe, AttrBoundsReportDocumentedRangesAndDefaults) {
@@ -146,6 +148,7 @@ TEST(Recipe, AttrBoundsKeysAreTheTextFormNames) {
   EXPECT_EQ(key_of(FP8_RECIPE_USE_AUTOCAST_DURING_EVAL), "use_autocast_during_eval");
   EXPECT_EQ(key_of(FP8_RECIPE_SMALL_LAYER_FALLBACK), "small_layer_fallback");
   EXPECT_EQ(key_of(FP8_RECIPE_POWER_2_SCALES), "power_2_scales");
+  EXPECT_EQ(key_of(FP8_RECIPE_SCALING), "scaling");
   // The three override flags share one text-form key; each still has its own, distinct name.
   std::vector<std::string> keys;
   for (int32_t a = 0; a < FP8_RECIPE_ATTR_COUNT; ++a) keys.push_back(key_of(a));
@@ -335,6 +338,9 @@ TEST(Recipe, ParseAcceptsEveryEnumValueByName) {
       {"interval=1000000", FP8_RECIPE_INTERVAL, 1000000},
       {"amax_history_len=1", FP8_RECIPE_AMAX_HISTORY_LEN, 1},
       {"amax_history_len=16384", FP8_RECIPE_AMAX_HISTORY_LEN, 16384},
+      {"scaling=delayed", FP8_RECIPE_SCALING, FP8_SCALING_DELAYED},
+      {"scaling=current", FP8_RECIPE_SCALING, FP8_SCALING_CURRENT},
+      {"scaling=CURRENT", FP8_RECIPE_SCALING, FP8_SCALING_CURRENT},
   };
   for (const Case& c : cases) {
     int64_t mn = 0, mx = 0;
@@ -385,6 +391,8 @@ std::vector<BadText> bad_texts() {
       {"fp8_format=E5M2", {"fp8_format", "E5M2", "E4M3", "HYBRID"}},
       {"fp8_format=", {"fp8_format", "E4M3", "HYBRID"}},
       {"amax_compute_algo=min", {"amax_compute_algo", "min", "max", "most_recent"}},
+      {"scaling=dynamic", {"scaling", "dynamic", "delayed", "current"}},
+      {"scaling=1", {"scaling", "delayed", "current"}},
       {"use_autocast_during_eval=yes", with(bools, {"use_autocast_during_eval", "yes"})},
       {"use_autocast_during_eval=2", with(bools, {"use_autocast_during_eval"})},
       // bad integers and out-of-range integers: name the key and give the range

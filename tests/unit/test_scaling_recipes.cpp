@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -750,3 +751,193 @@ TEST(RecipeQuantize, RefusesWrongGridsModesDtypesAndMargins) {
 }
 
 }  // namespace
+
+// ---- Current scaling through the C API (fp8_quantize with a state made under scaling=current) ----
+
+float amax_of_values(const std::vector<float>& v) {
+  float a = 0.0f;
+  for (float f : v) a = std::max(a, std::fabs(f));
+  return a;
+}
+
+namespace api {
+
+struct Deleters {
+  void operator()(fp8_context_t* p) const { fp8_context_destroy(p); }
+  void operator()(fp8_recipe_t* p) const { fp8_recipe_destroy(p); }
+  void operator()(fp8_tensor_t* p) const { fp8_tensor_destroy(p); }
+  void operator()(fp8_scaling_t* p) const { fp8_scaling_destroy(p); }
+};
+template <typename T>
+using Owned = std::unique_ptr<T, Deleters>;
+
+// One fp8_quantize (with its transposed copy) of `x` in dtype k.dtype through a current-scaling
+// state of k's format, margin and power_2_scales, on the CPU backend: the codes and scale_inv of
+// both layouts, and the state afterwards. A second cast through the same state follows when
+// `then` is not empty (its result replaces the first).
+struct ApiResult {
+  Layout out, out_t;
+  fp8_scaling_info_t info{};
+};
+ApiResult quantize_current(const std::vector<std::vector<float>>& inputs, int64_t rows, int64_t cols, const Case& k) {
+  fp8_context_t* c = nullptr;
+  EXPECT_EQ(fp8_context_create(&c, FP8_DEVICE_CPU), FP8_OK);
+  Owned<fp8_context_t> ctx(c);
+  fp8_recipe_t* r = nullptr;
+  EXPECT_EQ(fp8_recipe_create(&r), FP8_OK);
+  Owned<fp8_recipe_t> recipe(r);
+  const std::string text = "scaling=current, fp8_format=HYBRID, margin=" + std::to_string(k.margin) +
+                           ", power_2_scales=" + (k.pow2 ? "on" : "off");
+  EXPECT_EQ(fp8_recipe_parse(r, text.c_str()), FP8_OK) << fp8_last_error_message();
+  fp8_scaling_t* s = nullptr;
+  EXPECT_EQ(fp8_scaling_create(&s, c, r, k.e5m2 ? FP8_ROLE_BACKWARD : FP8_ROLE_FORWARD), FP8_OK);
+  Owned<fp8_scaling_t> state(s);
+  const fp8_dtype_t q = k.e5m2 ? FP8_DTYPE_E5M2 : FP8_DTYPE_E4M3;
+  const int64_t shape[2] = {rows, cols}, shape_t[2] = {cols, rows};
+  fp8_tensor_t *in = nullptr, *out = nullptr, *out_t = nullptr;
+  EXPECT_EQ(fp8_tensor_create(&in, c, k.dtype, 2, shape), FP8_OK);
+  EXPECT_EQ(fp8_tensor_create(&out, c, q, 2, shape), FP8_OK);
+  EXPECT_EQ(fp8_tensor_create(&out_t, c, q, 2, shape_t), FP8_OK);
+  Owned<fp8_tensor_t> tin(in), tout(out), tout_t(out_t);
+  ApiResult res;
+  for (const std::vector<float>& x : inputs) {
+    const Input input = make_input(x, k.dtype);
+    if (k.dtype == FP8_DTYPE_F32)
+      EXPECT_EQ(fp8_tensor_copy_from_host(in, input.f32.data(), input.f32.size() * 4), FP8_OK);
+    else
+      EXPECT_EQ(fp8_tensor_copy_from_host(in, input.half.data(), input.half.size() * 2), FP8_OK);
+    EXPECT_EQ(fp8_quantize(c, in, out, out_t, s), FP8_OK) << fp8_last_error_message();
+  }
+  for (auto [t, l] : {std::pair{out, &res.out}, std::pair{out_t, &res.out_t}}) {
+    l->codes.resize(static_cast<size_t>(rows * cols));
+    EXPECT_EQ(fp8_tensor_copy_to_host(t, l->codes.data(), l->codes.size()), FP8_OK);
+    float si = 0.0f;
+    EXPECT_EQ(fp8_tensor_get_scale_inv(t, &si), FP8_OK);
+    l->scale_inv = {si};
+    l->grid_rows = l->grid_cols = 1;
+  }
+  fp8_scaling_info_init(&res.info);
+  EXPECT_EQ(fp8_scaling_get_info(s, &res.info), FP8_OK);
+  return res;
+}
+
+}  // namespace api
+
+// fp8_quantize through a current-scaling state is the per-tensor rule: the same codes and scale_inv
+// as the CPU reference's per-tensor mode and as the independent re-implementation, for every input
+// dtype, format, margin and power-of-two setting, the transposed copy included. The state shows
+// the cast: slot 0 holds amax(in) as the rule defines it, the scale and scale_inv it used, one
+// update per cast and the non-finite ones counted.
+TEST(CurrentScalingApi, Fp8QuantizeIsThePerTensorReferenceBitForBit) {
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 1}, {5, 300}, {130, 257}, {64, 64}};
+  uint32_t seed = 500;
+  for (bool e5m2 : {false, true})
+    for (bool pow2 : {false, true})
+      for (int margin : {0, 2})
+        for (fp8_dtype_t dt : {FP8_DTYPE_F32, FP8_DTYPE_BF16, FP8_DTYPE_F16})
+          for (auto [rows, cols] : shapes) {
+            Case k;
+            k.mode = ScaleMode::kTensor;
+            k.e5m2 = e5m2;
+            k.pow2 = pow2;
+            k.margin = margin;
+            k.dtype = dt;
+            const std::vector<float> x =
+                random_values(rows, cols, seed++, dt == FP8_DTYPE_F16 ? -8 : -14, dt == FP8_DTYPE_F16 ? -2 : 4);
+            const std::string name = "api " + case_name(k, rows, cols);
+            const api::ApiResult got = api::quantize_current({x}, rows, cols, k);
+            const Result want = run_reference(x, rows, cols, k);
+            expect_same_layout(got.out, want.out, name);
+            expect_same_layout(got.out_t, want.out_t, name + " (transposed copy)");
+            const std::vector<float> values = make_input(x, dt).values;
+            expect_same_layout(got.out, ref_of(values, rows, cols, k, false), name + " vs re-implementation");
+            const float amax = amax_of_values(values);
+            EXPECT_EQ(bits(got.info.amax), bits(amax)) << name;
+            EXPECT_EQ(bits(got.info.scale), bits(ref_scale(amax, e5m2, margin, pow2))) << name;
+            EXPECT_EQ(bits(got.info.scale_inv), bits(got.out.scale_inv[0])) << name;
+            EXPECT_EQ(got.info.update_count, 1) << name;
+            EXPECT_EQ(got.info.nonfinite_count, 0) << name;
+          }
+}
+
+// Each cast takes its own amax: a second, smaller input through the same state gets its own scale
+// (slot 0 is replaced, not max-accumulated), and the casts are counted.
+TEST(CurrentScalingApi, EachCastScalesByItsOwnAmax) {
+  Case k;
+  k.mode = ScaleMode::kTensor;
+  std::vector<float> big = random_values(16, 32, 7, 2, 6), small = random_values(16, 32, 8, -10, -6);
+  const api::ApiResult got = api::quantize_current({big, small}, 16, 32, k);
+  expect_same_layout(got.out, run_reference(small, 16, 32, k).out, "second cast");
+  EXPECT_EQ(got.info.amax, amax_of_values(small));
+  EXPECT_EQ(got.info.update_count, 2);
+}
+
+// Non-finite and degenerate inputs: NaN anywhere or inf give scale 1 and are counted; all zeros give
+// scale 1 and zero codes; a subnormal-only input gives FLT_MAX (its quotient overflows).
+TEST(CurrentScalingApi, NonFiniteZeroAndTinyInputsFollowTheRule) {
+  Case k;
+  k.mode = ScaleMode::kTensor;
+  struct Special {
+    const char* what;
+    float value;  // written at element 3 of an otherwise normal input, or everywhere (all)
+    bool all;
+    float scale;
+    int64_t nonfinite;
+  };
+  const Special cases[] = {{"NaN", kNaN, false, 1.0f, 1},     {"inf", kInf, false, 1.0f, 1},
+                           {"-inf", -kInf, false, 1.0f, 1},  {"zeros", 0.0f, true, 1.0f, 0},
+                           {"subnormal", 1e-42f, true, FLT_MAX, 0}};
+  for (const Special& c : cases) {
+    std::vector<float> x = random_values(8, 40, 21, -3, 3);
+    if (c.all) std::fill(x.begin(), x.end(), c.value);
+    else x[3] = c.value;
+    const api::ApiResult got = api::quantize_current({x}, 8, 40, k);
+    EXPECT_EQ(got.info.scale, c.scale) << c.what;
+    EXPECT_EQ(got.info.nonfinite_count, c.nonfinite) << c.what;
+    expect_same_layout(got.out, run_reference(x, 8, 40, k).out, c.what);
+  }
+}
+
+// The FP8 outputs that another kernel casts (a GEMM's D, an activation's or a norm's y) need their
+// scale before the output exists: a current-scaling state is refused there with FP8_ERR_UNSUPPORTED
+// naming the argument, and the output keeps its bytes.
+TEST(CurrentScalingApi, OutputsCastInsideAnotherKernelRefuseACurrentState) {
+  fp8_context_t* c = nullptr;
+  ASSERT_EQ(fp8_context_create(&c, FP8_DEVICE_CPU), FP8_OK);
+  api::Owned<fp8_context_t> ctx(c);
+  fp8_recipe_t* r = nullptr;
+  ASSERT_EQ(fp8_recipe_create(&r), FP8_OK);
+  api::Owned<fp8_recipe_t> recipe(r);
+  ASSERT_EQ(fp8_recipe_parse(r, "scaling=current"), FP8_OK);
+  fp8_scaling_t* s = nullptr;
+  ASSERT_EQ(fp8_scaling_create(&s, c, r, FP8_ROLE_FORWARD), FP8_OK);
+  api::Owned<fp8_scaling_t> state(s);
+  const int64_t shape[2] = {16, 16}, row[1] = {16};
+  fp8_tensor_t *a = nullptr, *a8 = nullptr, *d = nullptr, *gamma = nullptr;
+  ASSERT_EQ(fp8_tensor_create(&a, c, FP8_DTYPE_F32, 2, shape), FP8_OK);
+  ASSERT_EQ(fp8_tensor_create(&a8, c, FP8_DTYPE_E4M3, 2, shape), FP8_OK);
+  ASSERT_EQ(fp8_tensor_create(&d, c, FP8_DTYPE_E4M3, 2, shape), FP8_OK);
+  ASSERT_EQ(fp8_tensor_create(&gamma, c, FP8_DTYPE_F32, 1, row), FP8_OK);
+  api::Owned<fp8_tensor_t> ta(a), ta8(a8), td(d), tg(gamma);
+  const std::vector<float> ones(256, 1.0f), gammas(16, 1.0f);
+  const std::vector<uint8_t> marker(256, 0x5A);
+  ASSERT_EQ(fp8_tensor_copy_from_host(a, ones.data(), 1024), FP8_OK);
+  ASSERT_EQ(fp8_tensor_copy_from_host(gamma, gammas.data(), 64), FP8_OK);
+  ASSERT_EQ(fp8_tensor_copy_from_host(d, marker.data(), 256), FP8_OK);
+  const std::vector<uint8_t> one_codes(256, 0x38);  // 1.0 in E4M3
+  ASSERT_EQ(fp8_tensor_copy_from_host(a8, one_codes.data(), 256), FP8_OK);
+  const std::pair<const char*, std::function<fp8_status_t()>> calls[] = {
+      {"d_scaling", [&] { return fp8_gemm(c, a8, a8, nullptr, d, s, nullptr); }},
+      {"y_scaling", [&] { return fp8_activation_forward(c, FP8_ACTIVATION_GELU, a, d, s); }},
+      {"y_scaling", [&] { return fp8_norm_forward(c, FP8_NORM_RMSNORM, a, gamma, nullptr, 1e-5f, d, s, nullptr, nullptr); }},
+  };
+  for (const auto& [arg, call] : calls) {
+    EXPECT_EQ(call(), FP8_ERR_UNSUPPORTED) << arg;
+    const std::string msg = fp8_last_error_message();
+    EXPECT_NE(msg.find(arg), std::string::npos) << msg;
+    EXPECT_NE(msg.find("current scaling"), std::string::npos) << msg;
+  }
+  std::vector<uint8_t> after(256);
+  ASSERT_EQ(fp8_tensor_copy_to_host(d, after.data(), 256), FP8_OK);
+  EXPECT_EQ(after, marker);
+}

@@ -55,28 +55,31 @@ _CHOICES = {
     "opt_level": {"O1": "O1", "O2": "O2", "O3": "O3"},
     "fp8_format": {"E4M3": "E4M3", "HYBRID": "HYBRID"},
     "amax_compute_algo": {"max": "max", "most_recent": "most_recent"},
+    "scaling": {"delayed": "delayed", "current": "current"},
 }
 _RANGES = {"margin": (0, 32), "interval": (1, 1000000), "amax_history_len": (1, 16384)}
 
 
 class Recipe:
     """How FP8 training is done: every field of Accelerate's FP8RecipeKwargs, with its defaults
-    (backend "auto" prefers MS-AMP, as Accelerate documents), plus libfp8's small_layer_fallback and
-    power_2_scales.
+    (backend "auto" prefers MS-AMP, as Accelerate documents), plus libfp8's small_layer_fallback,
+    power_2_scales and scaling ("delayed", Accelerate's and TransformerEngine's DelayedScaling, or
+    "current": each cast scaled by the amax of the tensor it casts).
 
     Immutable once made; equal recipes compare equal. A bad value raises ValueError (TypeError for
     a wrong type) naming the field and what it accepts."""
 
     __slots__ = ("backend", "opt_level", "margin", "interval", "fp8_format", "amax_history_len",
                  "amax_compute_algo", "override_linear_precision", "use_autocast_during_eval",
-                 "small_layer_fallback", "power_2_scales", "_c")
+                 "small_layer_fallback", "power_2_scales", "scaling", "_c")
 
     def __init__(self, backend="auto", opt_level="O2", margin=0, interval=1, fp8_format="HYBRID",
                  amax_history_len=1024, amax_compute_algo="most_recent",
                  override_linear_precision=(False, False, False), use_autocast_during_eval=False,
-                 small_layer_fallback=True, power_2_scales=False):
+                 small_layer_fallback=True, power_2_scales=False, scaling="delayed"):
         def choice(field, value):
-            key = value.lower() if isinstance(value, str) and field in ("backend", "amax_compute_algo") else value
+            lower = ("backend", "amax_compute_algo", "scaling")
+            key = value.lower() if isinstance(value, str) and field in lower else value
             key = key.upper() if isinstance(key, str) and field in ("opt_level", "fp8_format") else key
             if key not in _CHOICES[field]:
                 allowed = ", ".join(repr(k) for k in _CHOICES[field])
@@ -111,6 +114,7 @@ class Recipe:
         s(self, "use_autocast_during_eval", flag("use_autocast_during_eval", use_autocast_during_eval))
         s(self, "small_layer_fallback", flag("small_layer_fallback", small_layer_fallback))
         s(self, "power_2_scales", flag("power_2_scales", power_2_scales))
+        s(self, "scaling", choice("scaling", scaling))
         c = _f.Recipe(self.text())  # libfp8 checks it again
         s(self, "_c", c)
 
@@ -139,7 +143,7 @@ class Recipe:
                 f"override_linear_precision={on(f)}/{on(d)}/{on(w)}, "
                 f"use_autocast_during_eval={on(self.use_autocast_during_eval)}, "
                 f"small_layer_fallback={on(self.small_layer_fallback)}, "
-                f"power_2_scales={on(self.power_2_scales)}")
+                f"power_2_scales={on(self.power_2_scales)}, scaling={self.scaling}")
 
     def __eq__(self, other):
         return isinstance(other, Recipe) and str(self._c) == str(other._c)

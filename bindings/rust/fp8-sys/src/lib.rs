@@ -122,7 +122,8 @@ pub const FP8_RECIPE_OVERRIDE_WGRAD: fp8_recipe_attr_t = 9;
 pub const FP8_RECIPE_USE_AUTOCAST_DURING_EVAL: fp8_recipe_attr_t = 10;
 pub const FP8_RECIPE_SMALL_LAYER_FALLBACK: fp8_recipe_attr_t = 11;
 pub const FP8_RECIPE_POWER_2_SCALES: fp8_recipe_attr_t = 12;
-pub const FP8_RECIPE_ATTR_COUNT: fp8_recipe_attr_t = 13;
+pub const FP8_RECIPE_SCALING: fp8_recipe_attr_t = 13;
+pub const FP8_RECIPE_ATTR_COUNT: fp8_recipe_attr_t = 14;
 
 pub const FP8_BACKEND_AUTO: i32 = 0;
 pub const FP8_BACKEND_TE: i32 = 1;
@@ -134,6 +135,8 @@ pub const FP8_FORMAT_E4M3: i32 = 0;
 pub const FP8_FORMAT_HYBRID: i32 = 1;
 pub const FP8_AMAX_ALGO_MAX: i32 = 0;
 pub const FP8_AMAX_ALGO_MOST_RECENT: i32 = 1;
+pub const FP8_SCALING_DELAYED: i32 = 0;
+pub const FP8_SCALING_CURRENT: i32 = 1;
 
 pub type fp8_role_t = i32;
 pub const FP8_ROLE_FORWARD: fp8_role_t = 0;

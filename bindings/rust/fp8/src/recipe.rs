@@ -26,6 +26,8 @@ pub enum RecipeAttr {
     UseAutocastDuringEval = sys::FP8_RECIPE_USE_AUTOCAST_DURING_EVAL,
     SmallLayerFallback = sys::FP8_RECIPE_SMALL_LAYER_FALLBACK,
     PowerOf2Scales = sys::FP8_RECIPE_POWER_2_SCALES,
+    /// `fp8_sys::FP8_SCALING_*`.
+    Scaling = sys::FP8_RECIPE_SCALING,
 }
 
 impl RecipeAttr {
@@ -44,6 +46,7 @@ impl RecipeAttr {
         RecipeAttr::UseAutocastDuringEval,
         RecipeAttr::SmallLayerFallback,
         RecipeAttr::PowerOf2Scales,
+        RecipeAttr::Scaling,
     ];
 
     pub fn raw(self) -> sys::fp8_recipe_attr_t {
