@@ -42,8 +42,9 @@ echo "build: $(( $(date +%s) - t0 )) s"
 # hours), one summary line per tool; logs in $OUT/sanitizer_<tool>.log. CUDA API errors are not
 # reported: libfp8 checks every call's status itself, and NCCL's communicator set-up probes its
 # kernels with calls that fail by design (56 such reports drowned gpu_dist's memcheck summary).
+# SANITIZER_TOOLS picks the tools (default all three), SANITIZER_TIMEOUT the limit per program.
 if [ "${RUN_SANITIZER:-0}" = 1 ]; then
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
     programs=0 failed=""
     for t in build/device/tests/gpu_*; do
       [ -x "$t" ] && [ "${t##*/}" != gpu_encoder_exhaustive ] || continue
