@@ -3,8 +3,9 @@
 // with fp8_model_weights_changed before each step so the FP8 weight cast is paid every step, as
 // after every optimizer step. Three variants per shape: FP8 forced (small_layer_fallback=off),
 // bf16 (not converted), and auto (the default recipe: the per-layer fallback rule decides); at the
-// headline shapes also "fp8 current", FP8 forced under current scaling (scaling=current: every cast
-// scaled by its own tensor's amax, no FP8 hand-offs), the recipe torch.compile's FP8 peer follows.
+// headline shapes also FP8 forced under the other recipes: "fp8 current" (scaling=current: every cast
+// scaled by its own tensor's amax, no FP8 hand-offs; the recipe torch.compile's FP8 peer follows),
+// "fp8 rowwise" and "fp8 block" (grids of scales per row, or per 1x128 / 128x128 block).
 // Before timing, each FP8 result is checked against the bf16 path of the same layer.
 // Timing: median of 20 CUDA-event-timed steps after 3 warm-ups, as the torch peer (peer_linear.py).
 // Usage: bench_linear [out.json]
@@ -46,9 +47,23 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& w
   return std::sqrt(num / den);
 }
 
-enum class Variant { Fp8, Bf16, Auto, Fp8Current };
+enum class Variant { Fp8, Bf16, Auto, Fp8Current, Fp8Rowwise, Fp8Block };
 const char* variant_name(Variant v) {
-  return v == Variant::Fp8 ? "fp8" : v == Variant::Bf16 ? "bf16" : v == Variant::Auto ? "auto" : "fp8 current";
+  switch (v) {
+    case Variant::Fp8: return "fp8";
+    case Variant::Bf16: return "bf16";
+    case Variant::Auto: return "auto";
+    case Variant::Fp8Current: return "fp8 current";
+    case Variant::Fp8Rowwise: return "fp8 rowwise";
+    default: return "fp8 block";
+  }
+}
+// The recipe's scaling of a forced-FP8 variant.
+int64_t scaling_of(Variant v) {
+  return v == Variant::Fp8Current   ? FP8_SCALING_CURRENT
+         : v == Variant::Fp8Rowwise ? FP8_SCALING_ROWWISE
+         : v == Variant::Fp8Block   ? FP8_SCALING_BLOCK
+                                    : FP8_SCALING_DELAYED;
 }
 
 fp8_model_t* convert(fp8_model_t* m, Variant v) {
@@ -59,7 +74,7 @@ fp8_model_t* convert(fp8_model_t* m, Variant v) {
   // the MS-AMP levels store F16 weights and FP8 gradients, whose accumulation adds a pass over dW.
   CHECK_FP8(fp8_recipe_set_int(r, FP8_RECIPE_BACKEND, FP8_BACKEND_TE));
   if (v != Variant::Auto) CHECK_FP8(fp8_recipe_set_int(r, FP8_RECIPE_SMALL_LAYER_FALLBACK, 0));
-  if (v == Variant::Fp8Current) CHECK_FP8(fp8_recipe_set_int(r, FP8_RECIPE_SCALING, FP8_SCALING_CURRENT));
+  CHECK_FP8(fp8_recipe_set_int(r, FP8_RECIPE_SCALING, scaling_of(v)));
   CHECK_FP8(fp8_convert_model(m, r, nullptr));
   fp8_recipe_destroy(r);
   return m;
@@ -149,7 +164,7 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
   }
   convert(model, v);
   const bool fp8 = v != Variant::Bf16;
-  const fp8_dtype_t hand_off = fp8 && v != Variant::Fp8Current ? FP8_DTYPE_E4M3 : FP8_DTYPE_BF16;
+  const fp8_dtype_t hand_off = fp8 && scaling_of(v) == FP8_SCALING_DELAYED ? FP8_DTYPE_E4M3 : FP8_DTYPE_BF16;
   fp8_tensor_t* x = fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d);
   std::vector<fp8_tensor_t*> acts = {x, fp8bench::matrix(ctx, hand_off, t, d),
                                      fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, f), fp8bench::matrix(ctx, hand_off, t, f),
@@ -194,20 +209,26 @@ int main(int argc, char** argv) {
                                       bench_linear(16384, 8192, 8192, Variant::Bf16, true));
   const std::vector<float> mlp_bf16 = bench_mlp(16384, 4096, 16384, Variant::Bf16, true);
   const double e_mlp = relative_error(bench_mlp(16384, 4096, 16384, Variant::Fp8, true), mlp_bf16);
-  const double e_cur = relative_error(bench_linear(16384, 8192, 8192, Variant::Fp8Current, true),
-                                      bench_linear(16384, 8192, 8192, Variant::Bf16, true));
-  const double e_mlp_cur = relative_error(bench_mlp(16384, 4096, 16384, Variant::Fp8Current, true), mlp_bf16);
-  std::printf("check: FP8 vs bf16 relative error: linear 16384x8192->8192 y %.4f (current scaling %.4f), "
-              "mlp y %.4f (current scaling %.4f)\n", e_lin, e_cur, e_mlp, e_mlp_cur);
-  if (!(e_lin < 0.08 && e_mlp < 0.08 && e_cur < 0.08 && e_mlp_cur < 0.08)) {
+  const std::vector<float> lin_bf16 = bench_linear(16384, 8192, 8192, Variant::Bf16, true);
+  std::printf("check: FP8 vs bf16 relative error: linear 16384x8192->8192 y %.4f, mlp y %.4f\n", e_lin, e_mlp);
+  bool close = e_lin < 0.08 && e_mlp < 0.08;
+  for (Variant v : {Variant::Fp8Current, Variant::Fp8Rowwise, Variant::Fp8Block}) {
+    const double e = relative_error(bench_linear(16384, 8192, 8192, v, true), lin_bf16);
+    const double em = relative_error(bench_mlp(16384, 4096, 16384, v, true), mlp_bf16);
+    std::printf("check: %s vs bf16 relative error: linear y %.4f, mlp y %.4f\n", variant_name(v), e, em);
+    close = close && e < 0.08 && em < 0.08;
+  }
+  if (!close) {
     std::fprintf(stderr, "FP8 result too far from bf16\n");
     return 1;
   }
 
   bench_mlp(16384, 4096, 16384, Variant::Fp8);
-  bench_mlp(16384, 4096, 16384, Variant::Fp8Current);
+  for (Variant v : {Variant::Fp8Current, Variant::Fp8Rowwise, Variant::Fp8Block}) {
+    bench_mlp(16384, 4096, 16384, v);
+    bench_linear(16384, 8192, 8192, v);
+  }
   bench_mlp(16384, 4096, 16384, Variant::Bf16);
-  bench_linear(16384, 8192, 8192, Variant::Fp8Current);
   for (int64_t m : {512, 1024, 2048, 4096, 8192, 16384})
     for (int64_t k : {1024, 2048, 4096, 8192})
       for (Variant v : {Variant::Fp8, Variant::Bf16, Variant::Auto}) bench_linear(m, k, k, v);

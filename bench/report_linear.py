@@ -35,7 +35,13 @@ for what, ours, peer, target in [
          f"torch compile fp8 linear {big}", None),
         (f"mlp {mlp}: libfp8 fp8 current vs torch bf16", f"libfp8 fp8 current mlp {mlp}", f"torch bf16 mlp {mlp}", None),
         (f"mlp {mlp}: libfp8 fp8 current vs torch.compile fp8", f"libfp8 fp8 current mlp {mlp}",
-         f"torch compile fp8 mlp {mlp}", None)]:
+         f"torch compile fp8 mlp {mlp}", None),
+        # Issue 14: rowwise and block scaling (grids of scales, cuBLASLt's scaled GEMMs).
+        (f"{big}: libfp8 fp8 rowwise vs torch bf16", f"libfp8 fp8 rowwise linear {big}", f"torch bf16 linear {big}", None),
+        (f"{big}: libfp8 fp8 block vs torch bf16", f"libfp8 fp8 block linear {big}", f"torch bf16 linear {big}", 1.5),
+        (f"{big}: libfp8 fp8 block vs libfp8 fp8 (delayed)", f"libfp8 fp8 block linear {big}", f"libfp8 fp8 linear {big}", None),
+        (f"mlp {mlp}: libfp8 fp8 rowwise vs torch bf16", f"libfp8 fp8 rowwise mlp {mlp}", f"torch bf16 mlp {mlp}", None),
+        (f"mlp {mlp}: libfp8 fp8 block vs torch bf16", f"libfp8 fp8 block mlp {mlp}", f"torch bf16 mlp {mlp}", None)]:
     o, p = ms.get(ours), ms.get(peer)
     r = ratio(p, o)
     status = "–" if r is None or target is None else ("met" if r >= target else "NOT met")

@@ -230,8 +230,9 @@ typedef struct fp8_device_info {
   int32_t multiprocessor_count;    /**< SMs; 0 for the CPU */
   uint64_t total_memory_bytes;     /**< global memory; 0 for the CPU */
   int32_t fp8_gemm;                /**< 1 if FP8 tensor-core GEMMs run here (sm_89 and newer) */
-  int32_t fp8_block_scaling;       /**< 1 if block-scaled FP8 GEMMs run here: sm_90 with cuBLASLt
-                                        >= 12.9 (1x128 and 128x128 block scales), sm_100 and newer */
+  int32_t fp8_block_scaling;       /**< 1 if FP8 GEMMs with per-row, 1x128 and 128x128 block scales
+                                        run here: sm_90 with cuBLASLt >= 12.9 (cuBLASLt has these
+                                        modes on Hopper only) */
   int32_t fp8_nccl_reduction;      /**< 1 if NCCL can reduce FP8 data natively here (NCCL >= 2.24, sm_90+) */
   int32_t nccl_version;            /**< NCCL loaded by libfp8, e.g. 22807 for 2.28.7 */
   int64_t cublaslt_version;        /**< cuBLASLt loaded by libfp8, e.g. 130100 */
@@ -267,8 +268,8 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  *     the keys fp8_recipe_attr_bounds returns for those attributes)
  *   use_autocast_during_eval=on|off|true|false|1|0
  *   small_layer_fallback=on|off|true|false|1|0
- *   power_2_scales=on|off|true|false|1|0
- *   scaling=delayed|current
+ *   power_2_scales=auto|on|off|true|false|1|0
+ *   scaling=delayed|current|rowwise|block
  * --------------------------------------------------------------------------------------------- */
 
 typedef struct fp8_recipe fp8_recipe_t;
@@ -290,7 +291,10 @@ typedef int32_t fp8_recipe_attr_t;
                                                 precision (the rule at fp8_layer_forward); 0 = FP8
                                                 whenever the shape allows; 0..1, default 1 */
 #define FP8_RECIPE_POWER_2_SCALES 12   /**< 1 = every scale rounded down to a power of two (step 3 of
-                                                the delayed-scaling rule); 0..1, default 0 */
+                                                the delayed-scaling rule, and the other recipes'
+                                                scales alike); -1 = auto (on for block scaling, off
+                                                otherwise, as TransformerEngine and DeepSeek-V3 do);
+                                                -1..1, default -1 */
 #define FP8_RECIPE_SCALING 13          /**< FP8_SCALING_*: where a cast's scale comes from (see
                                                 "Scaling state"); default FP8_SCALING_DELAYED */
 #define FP8_RECIPE_ATTR_COUNT 14       /**< number of attributes (grows at the end only) */
@@ -312,9 +316,17 @@ typedef int32_t fp8_recipe_attr_t;
 /** Values of FP8_RECIPE_SCALING. DELAYED: TransformerEngine's DelayedScaling, Accelerate's recipe
  *  (a scale from the amax history of earlier steps). CURRENT: TransformerEngine's
  *  Float8CurrentScaling, torchao's "tensorwise" (a scale from the amax of the tensor being cast, in
- *  the same call). */
+ *  the same call). ROWWISE: torchao's "rowwise" (one scale per row of each GEMM operand along K, from
+ *  that row's amax). BLOCK: TransformerEngine's Float8BlockScaling, DeepSeek-V3's recipe (one scale
+ *  per 1x128 block along K of activations and gradients, per 128x128 block of weights). ROWWISE and
+ *  BLOCK need an sm_90 GPU with cuBLASLt >= 12.9 (fp8_device_info_t.fp8_block_scaling) or the CPU
+ *  backend; see "Linear in FP8" for how the Linear runs them. */
 #define FP8_SCALING_DELAYED 0
 #define FP8_SCALING_CURRENT 1
+#define FP8_SCALING_ROWWISE 2
+#define FP8_SCALING_BLOCK 3
+/** Value of FP8_RECIPE_POWER_2_SCALES that leaves the choice to the scaling (on for BLOCK). */
+#define FP8_POWER_2_SCALES_AUTO (-1)
 
 /** Creates a recipe holding Accelerate's defaults (listed with each attribute above). */
 FP8_API fp8_status_t fp8_recipe_create(fp8_recipe_t **out);
@@ -724,6 +736,25 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * activation's output to the Linear in the activation dtype, and such a layer refuses an FP8 y
  * (FP8_ERR_UNSUPPORTED). No delayed update runs; the states show each cast's amax and scale
  * (fp8_scaling_get_info: slot 0 is the latest cast's amax, update_count counts the casts).
+ *
+ * Under scaling=rowwise or block the Linear's casts make grids of scales instead, each scale the
+ * current-scaling rule (above) applied to the amax of the elements it covers, with the recipe's
+ * margin and power_2_scales (auto: on for block):
+ *  - rowwise: x and dy one scale per row along K, W one per output row; the transposed copies
+ *    (x^T and dy^T for the weight gradient, W^T for dgrad) one per row of their own, i.e. per
+ *    column of the source (torchao's rowwise);
+ *  - block: x, dy and their transposed copies one per 1x128 block along their K, W and W^T one per
+ *    128x128 block (TransformerEngine's Float8BlockScaling, DeepSeek-V3's recipe); partial blocks at
+ *    the edges use the amax of the elements they have, so no dimension needs to be a multiple of 128.
+ *  The transposed copies are quantised from the high-precision source along their own K (at O3 from
+ *  the E4M3 weight dequantised). The forward GEMM accumulates fast under rowwise only (cuBLASLt
+ *  refuses fast accumulation with block scales); the bias gradient is a pass of its own; there is no
+ *  FP8 hand-off; the whole layer runs in high precision when the token count is not a multiple of 8
+ *  (cuBLASLt's limit for these scales), with the reason in its report. A cell whose amax is NaN or
+ *  infinite gets scale 1 and is counted in the state's nonfinite_count; the states' scales are not
+ *  used. fp8_convert_model refuses these recipes with FP8_ERR_UNSUPPORTED where the device cannot
+ *  run their GEMMs (fp8_device_info_t.fp8_block_scaling: sm_90 with cuBLASLt >= 12.9); the CPU
+ *  backend runs them.
  *
  * Forward state: what a backward needs of its forward (the plan, x's transposed FP8 copy or a
  * reference to x, a norm's mean and rstd) is an fp8_saved_t. fp8_layer_forward_saved hands it to the

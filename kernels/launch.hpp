@@ -19,6 +19,8 @@ constexpr int kScalingBatch = 1024;
 
 void quantize(const QuantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);        // no transpose
 void cast_transpose(const QuantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);  // job.out_t set
+// Fused amax + quantize under a recipe's scale grid (job checked by check_recipe_quantize).
+void recipe_quantize(const RecipeQuantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);
 void dequantize(const DequantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);
 void amax(const AmaxJob& job, const LaunchLimits& lim, cudaStream_t stream);
 // job.count <= kScalingBatch

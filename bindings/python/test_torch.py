@@ -110,7 +110,7 @@ class ConversionTest(unittest.TestCase):
                  (lambda: lt.Recipe(amax_history_len=1.5), TypeError, "amax_history_len"),
                  (lambda: lt.Recipe(override_linear_precision=(True,)), TypeError, "override_linear_precision"),
                  (lambda: lt.Recipe(power_2_scales="yes"), TypeError, "power_2_scales"),
-                 (lambda: lt.Recipe(scaling="rowwise"), ValueError, "scaling"),
+                 (lambda: lt.Recipe(scaling="tensorwise"), ValueError, "scaling"),
                  (lambda: lt.convert_model("model"), TypeError, "module"),
                  (lambda: lt.convert_model(mlp(), to_fp8="yes"), TypeError, "to_fp8"),
                  (lambda: lt.convert_model(mlp(), recipe=lt.Recipe(opt_level="O3")), ValueError, "O3"),
@@ -123,6 +123,7 @@ class ConversionTest(unittest.TestCase):
             self.assertIn(word, str(ctx.exception))
         self.assertIn("power_2_scales=on", lt.Recipe(power_2_scales=True).text())
         self.assertIn("scaling=current", lt.Recipe(scaling="Current").text())
+        self.assertIn("power_2_scales=auto, scaling=block", lt.Recipe(scaling="block").text())
         m = mlp(norm=False)
         lt.convert_model(m, recipe=lt.Recipe(backend="te"))
         with self.assertRaises(TypeError) as ctx:

@@ -267,6 +267,13 @@ FP8_API fp8_status_t fp8_convert_model(fp8_model_t* model, const fp8_recipe_t* r
                            {opts.activation, "activation"}})
       if (v != 0 && v != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->", name, " = ", v, "; expected 0 or 1");
     if (opts.to_fp8) require_arg(recipe, "recipe");
+    if (opts.to_fp8 && opts.linear) {
+      const int64_t scaling = recipe->recipe.get(FP8_RECIPE_SCALING);
+      if ((scaling == FP8_SCALING_ROWWISE || scaling == FP8_SCALING_BLOCK) && !model->backend->scaled_gemms())
+        fp8::fail(FP8_ERR_UNSUPPORTED, "recipe scaling=", scaling == FP8_SCALING_BLOCK ? "block" : "rowwise",
+                  " needs GEMMs with per-row or block scales, which ", model->backend->describe(),
+                  " cannot run (cuBLASLt has them on sm_90 from 12.9 on: fp8_device_query's fp8_block_scaling)");
+    }
     require_no_autocast(model, "converting the model");
     fp8::nn::convert_model(*model, opts.to_fp8 ? &recipe->recipe : nullptr,
                            {opts.to_fp8 != 0, opts.linear != 0, opts.norm != 0, opts.activation != 0});

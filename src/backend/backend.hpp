@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 
@@ -62,7 +63,13 @@ class Backend {
   virtual void end_lane() {}
   virtual void join_lane() {}
 
+  // Whether GEMMs with per-row and block scales run here (check_gemm_scales' pairs), and the device
+  // in words, for messages ("NVIDIA H100 ... with cuBLASLt 130100", "the CPU backend").
+  virtual bool scaled_gemms() const { return true; }
+  virtual std::string describe() const { return "the CPU backend"; }
+
   virtual void quantize(const QuantizeJob& job) = 0;
+  virtual void recipe_quantize(const RecipeQuantizeJob& job) = 0;
   virtual void dequantize(const DequantizeJob& job) = 0;
   virtual void amax(const AmaxJob& job) = 0;
   virtual void scaling_update(const ScalingUpdateJob& job) = 0;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "backend/cpu_recipe_quantize.hpp"
 #include "core/activation.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -108,14 +109,23 @@ void with_operand_loader(const void* p, fp8_dtype_t dt, const double* fp8_table,
 
 // Packs rows [r0, r1) of an operand with `rows` rows of length k (element (r, kk) at src[r * k + kk],
 // or at src[kk * rows + r] when transposed) into W-wide micro-panels: dst[r / W][kk][r % W]. r0 is a
-// multiple of W; when r1 == rows, the rest of the last panel is zeroed.
+// multiple of W; when r1 == rows, the rest of the last panel is zeroed. With `cells` (an FP8
+// operand of per-row or block scales, never transposed), each element is multiplied by the scale of
+// its cell: exact in double (a decoded FP8 value has 4 significant bits, a float scale 24).
 template <int64_t W>
 void pack_operand(const void* src, fp8_dtype_t dt, const double* fp8_table, bool transposed, int64_t rows,
-                  int64_t k, int64_t r0, int64_t r1, double* dst) {
+                  int64_t k, int64_t r0, int64_t r1, double* dst, const ScaleDesc* cells = nullptr) {
   with_operand_loader(src, dt, fp8_table, [&](auto load) {
     if (transposed) {  // source rows are k: read each contiguously across the panels
       for (int64_t kk = 0; kk < k; ++kk)
         for (int64_t r = r0; r < r1; ++r) dst[(r / W) * k * W + kk * W + r % W] = load(kk * rows + r);
+    } else if (cells) {
+      const ScaleBlock b = scale_block(cells->mode, rows, k);
+      for (int64_t r = r0; r < r1; ++r) {
+        double* d = dst + (r / W) * k * W + r % W;
+        for (int64_t kk = 0; kk < k; ++kk)
+          d[kk * W] = load(r * k + kk) * static_cast<double>(cells->ptr[cells->at(r / b.rows, kk / b.cols)]);
+      }
     } else {
       for (int64_t r = r0; r < r1; ++r) {
         double* d = dst + (r / W) * k * W + r % W;
@@ -147,8 +157,11 @@ void run_on_threads(unsigned threads, const F& work) {
 
 void cpu_gemm(const GemmJob& j) {
   const int64_t m = j.m, n = j.n, k = j.k;
-  const double scale = static_cast<double>(j.alpha) * (j.a_scale_inv.ptr ? *j.a_scale_inv.ptr : 1.0f) *
-                       (j.b_scale_inv.ptr ? *j.b_scale_inv.ptr : 1.0f);
+  // Per-tensor scales scale the sum; finer ones (check_gemm_scales) scale each element as it is packed.
+  const ScaleDesc* a_cells = j.a_scale_inv.is_tensor() ? nullptr : &j.a_scale_inv;
+  const ScaleDesc* b_cells = j.b_scale_inv.is_tensor() ? nullptr : &j.b_scale_inv;
+  const double scale = static_cast<double>(j.alpha) * (j.a_scale_inv.ptr && !a_cells ? *j.a_scale_inv.ptr : 1.0f) *
+                       (j.b_scale_inv.ptr && !b_cells ? *j.b_scale_inv.ptr : 1.0f);
   const bool fp8_out = j.d_state != nullptr;
   const float d_scale = fp8_out ? j.d_state->scale : 1.0f;
 
@@ -179,10 +192,12 @@ void cpu_gemm(const GemmJob& j) {
     for (int64_t t; (t = next_pack.fetch_add(1)) < a_tasks + b_tasks;) {
       if (t < a_tasks) {
         const int64_t r0 = t * kPackRows;
-        pack_operand<kMR>(j.a, j.a_dtype, a_codes, j.a_transposed, m, k, r0, std::min(m, r0 + kPackRows), a.data());
+        pack_operand<kMR>(j.a, j.a_dtype, a_codes, j.a_transposed, m, k, r0, std::min(m, r0 + kPackRows), a.data(),
+                          a_cells);
       } else {
         const int64_t r0 = (t - a_tasks) * kPackRows;
-        pack_operand<kNR>(j.b, j.b_dtype, b_codes, j.b_transposed, n, k, r0, std::min(n, r0 + kPackRows), b.data());
+        pack_operand<kNR>(j.b, j.b_dtype, b_codes, j.b_transposed, n, k, r0, std::min(n, r0 + kPackRows), b.data(),
+                          b_cells);
       }
     }
   });
@@ -282,6 +297,8 @@ class CpuBackend final : public Backend {
     if (j.out_scale.ptr) *j.out_scale.ptr = j.state->scale;
     if (j.dbias) add_column_sums(j.in, j.in_dtype, j.rows, j.cols, j.dbias);
   }
+
+  void recipe_quantize(const RecipeQuantizeJob& j) override { cpu_recipe_quantize(j); }
 
   void bias_grad(const BiasGradJob& j) override { add_column_sums(j.dy, j.dtype, j.rows, j.cols, j.dbias); }
 
@@ -464,7 +481,7 @@ class CpuBackend final : public Backend {
   }
 
   void gemm(const GemmJob& j) override {
-    require_tensor_scales(j, "CPU");
+    check_gemm_scales(j, "CPU");
     cpu_gemm(j);
   }
 };

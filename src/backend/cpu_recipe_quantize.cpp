@@ -51,7 +51,7 @@ int64_t quantize_view(const RecipeQuantizeJob& j, bool transposed, int64_t rows,
       if (amax_is_nonfinite(a)) ++nonfinite;
       const float s = recipe_scale(a, fp8_max_scaled, j.pow2_scales);
       scale[static_cast<size_t>(i * g.cols + k)] = s;
-      d.ptr[i * d.ld + k] = recipe_scale_inv(s);
+      d.ptr[d.at(i, k)] = recipe_scale_inv(s);
     }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c)
@@ -65,7 +65,7 @@ bool grid_empty(const ScaleDesc& d) {
 
 }  // namespace
 
-void cpu_recipe_quantize(const RecipeQuantizeJob& j) {
+void check_recipe_quantize(const RecipeQuantizeJob& j) {
   if (j.in_dtype != FP8_DTYPE_F32 && j.in_dtype != FP8_DTYPE_F16 && j.in_dtype != FP8_DTYPE_BF16)
     fail(FP8_ERR_DTYPE, "recipe quantize takes F32, F16 or BF16 input, not dtype ", static_cast<int32_t>(j.in_dtype));
   if (j.margin < 0 || j.margin > 32)
@@ -86,7 +86,11 @@ void cpu_recipe_quantize(const RecipeQuantizeJob& j) {
     if (with_t) require_arg(j.out_t, "out_t");
   }
   if (!grid_empty(j.out_scale_inv)) require_arg(j.out_scale_inv.ptr, "out_scale_inv.ptr");
+}
 
+void cpu_recipe_quantize(const RecipeQuantizeJob& j) {
+  check_recipe_quantize(j);
+  const bool with_t = j.out_t_scale_inv.ptr != nullptr;
   const int64_t nonfinite = quantize_view(j, false, j.rows, j.cols, j.out, j.out_scale_inv);
   if (with_t) quantize_view(j, true, j.cols, j.rows, j.out_t, j.out_t_scale_inv);
   if (j.nonfinite_cells) *j.nonfinite_cells += nonfinite;

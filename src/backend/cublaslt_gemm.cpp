@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "backend/device_info.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "kernels/launch.hpp"
@@ -38,15 +39,49 @@ uint32_t alignment(const void* p) {
   return a;
 }
 
-// cuBLASLt's scale mode (cublasLtMatmulMatrixScale_t) for an operand scaled in `mode`. Only
-// per-tensor scales reach cuBLASLt so far (CudaBackend refuses the others before the GEMM); the
-// scaling recipes will map, once the scale layouts cuBLASLt expects are in place,
-//   ScaleMode::kRow          -> CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F   (one float per row)
-//   ScaleMode::kBlock1x128   -> CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F      (per 128 elements along K)
-//   ScaleMode::kBlock128x128 -> CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F  (per 128x128 block)
+// cuBLASLt's scale mode (cublasLtMatmulMatrixScale_t) for an operand scaled in `mode`.
 int32_t cublaslt_scale_mode(ScaleMode mode) {
-  if (mode == ScaleMode::kTensor) return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-  fail(FP8_ERR_UNSUPPORTED, "cuBLASLt GEMM: ", scale_mode_name(mode), " scales are not implemented");
+  switch (mode) {
+    case ScaleMode::kRow: return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;  // one float per row
+    case ScaleMode::kBlock1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case ScaleMode::kBlock128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    default: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  }
+}
+
+// Throws FP8_ERR_INVALID_ARGUMENT naming `what` unless the grid of an operand of `rows` rows is laid
+// out as cuBLASLt reads it (cuBLAS docs, "Scaling factors layouts"; there is no leading-dimension
+// attribute, so the layout is implied by the shape):
+//   per-row   one contiguous float per row (ld 1, or column-major);
+//   1x128     column-major, ld = rows: the rows' scales of one K block side by side;
+//   128x128   row-major, ld = ceil(k / 128) rounded up to a multiple of 4;
+// and the grid 16-byte aligned.
+void require_cublaslt_grid(const ScaleDesc& d, int64_t rows, int64_t k, const char* what) {
+  const int64_t k_blocks = (k + kScaleBlock - 1) / kScaleBlock, padded = (k_blocks + 3) / 4 * 4;
+  bool ok = true;
+  const char* want = "";
+  switch (d.mode) {
+    case ScaleMode::kRow:
+      ok = d.col_major || d.ld == 1;
+      want = "one contiguous float per row";
+      break;
+    case ScaleMode::kBlock1x128:
+      ok = d.col_major && d.ld == rows;
+      want = "column-major with ld = the operand's rows";
+      break;
+    case ScaleMode::kBlock128x128:
+      ok = !d.col_major && d.ld == padded;
+      want = "row-major with ld = ceil(k / 128) rounded up to a multiple of 4";
+      break;
+    default:
+      return;
+  }
+  if (!ok)
+    fail(FP8_ERR_INVALID_ARGUMENT, what, " is laid out ", d.col_major ? "column-major" : "row-major", " with ld ", d.ld,
+         "; cuBLASLt reads ", scale_mode_name(d.mode), " scales ", want, " (here ",
+         d.mode == ScaleMode::kBlock128x128 ? padded : rows, ")");
+  if (reinterpret_cast<uintptr_t>(d.ptr) % 16 != 0)
+    fail(FP8_ERR_INVALID_ARGUMENT, what, " is not 16-byte aligned, which cuBLASLt needs for scale grids");
 }
 
 template <typename T>
@@ -57,7 +92,14 @@ void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T
 }  // namespace
 
 CublasLtGemm::CublasLtGemm(int device) {
-  (void)device;  // the caller has made it current
+  // (the caller has made `device` current)
+  int major = 0, minor = 0;
+  kernels::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
+  kernels::cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
+  cudaDeviceProp prop{};
+  kernels::cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  device_name_ = prop.name;
+  scaled_modes_ = fp8_block_scaling_supported(major * 10 + minor, static_cast<int64_t>(cublasLtGetVersion()));
   check(cublasLtCreate(&handle_), "cublasLtCreate");
   try {
     kernels::cuda_check(cudaMalloc(&workspace_, kWorkspaceBytes), "cudaMalloc of the GEMM workspace");
@@ -160,7 +202,24 @@ CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
   return plans_.emplace(key, p).first->second;
 }
 
+std::string CublasLtGemm::describe() const {
+  return device_name_ + " with cuBLASLt " + std::to_string(cublasLtGetVersion());
+}
+
 void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
+  if (!j.a_scale_inv.is_tensor()) {  // (check_gemm_scales allowed the pair)
+    if (!scaled_modes_)
+      fail(FP8_ERR_UNSUPPORTED, "gemm: ", scale_mode_name(j.a_scale_inv.mode), " x ", scale_mode_name(j.b_scale_inv.mode),
+           " scales need cuBLASLt >= 12.9 on an sm_90 GPU (fp8_device_query's fp8_block_scaling); this is ",
+           describe());
+    require_cublaslt_grid(j.a_scale_inv, j.m, j.k, "gemm's a_scale_inv");
+    require_cublaslt_grid(j.b_scale_inv, j.n, j.k, "gemm's b_scale_inv");
+    // cuBLASLt's own limits for these modes (TransformerEngine's checks, and the docs' "M and N
+    // must be multiples of 4"): K-major rows of 16 bytes, and 8-aligned m and n.
+    if (j.k % 16 != 0 || j.m % 8 != 0 || j.n % 8 != 0)
+      fail(FP8_ERR_SHAPE, "gemm: m=", j.m, " n=", j.n, " k=", j.k, " with ", scale_mode_name(j.a_scale_inv.mode),
+           " scales; cuBLASLt needs k a multiple of 16 and m and n multiples of 8");
+  }
   Plan& p = plan_for(j);
   const bool fp8_out = dtype_is_fp8(j.d_dtype);
   if (dtype_is_fp8(j.a_dtype)) {

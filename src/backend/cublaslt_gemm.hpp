@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "backend/jobs.hpp"
@@ -21,6 +22,9 @@ class CublasLtGemm {
 
   // Queues the GEMM on `stream` (the caller has made the device current).
   void run(const GemmJob& job, cudaStream_t stream);
+  // Whether per-row and block scales run here, and the device and cuBLASLt in words.
+  bool scaled_modes() const { return scaled_modes_; }
+  std::string describe() const;
 
  private:
   // m, n, k, a, b, d, bias dtypes (-1: none), accumulate, fast accumulation, a and b transposed, the
@@ -37,6 +41,8 @@ class CublasLtGemm {
   static void destroy(Plan& p) noexcept;
 
   cublasLtHandle_t handle_ = nullptr;
+  bool scaled_modes_ = false;  // per-row and block scales run here (fp8_block_scaling_supported)
+  std::string device_name_;    // for the refusal when they do not
   void* workspace_ = nullptr;
   float* amax_ = nullptr;  // cuBLASLt's amax of an FP8 output, folded into the state afterwards
   std::map<Key, Plan> plans_;

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "backend/backend.hpp"
+#include "backend/cpu_recipe_quantize.hpp"  // (check_recipe_quantize)
 #include "backend/cublaslt_gemm.hpp"
 #include "backend/device_scope.hpp"
 #include "core/error.hpp"
@@ -203,6 +204,13 @@ class CudaBackend final : public Backend {
         kernels::bias_grad({job.in, job.in_dtype, job.rows, job.cols, job.dbias, job.dbias_partials}, limits_, stream_);
     }
   }
+  void recipe_quantize(const RecipeQuantizeJob& job) override {
+    check_recipe_quantize(job);
+    const size_t ws = recipe_quantize_workspace(job.out_scale_inv.mode, job.rows, job.cols);
+    if (ws > 0) require_arg(job.workspace, "workspace");
+    DeviceScope scope(limits_.device);
+    kernels::recipe_quantize(job, limits_, stream_);
+  }
   void bias_grad(const BiasGradJob& job) override {
     DeviceScope scope(limits_.device);
     kernels::bias_grad(job, limits_, stream_);
@@ -284,8 +292,11 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::norm(job, limits_, scratch_, kScratchFloats, stream_);
   }
+  bool scaled_gemms() const override { return gemm_->scaled_modes(); }
+  std::string describe() const override { return gemm_->describe(); }
+
   void gemm(const GemmJob& job) override {
-    require_tensor_scales(job, "CUDA");
+    check_gemm_scales(job, "CUDA");
     DeviceScope scope(limits_.device);
     gemm_->run(job, stream_);
   }

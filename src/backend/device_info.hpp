@@ -7,12 +7,12 @@
 
 namespace fp8 {
 
-// cuBLASLt runs FP8 GEMMs with 1x128 and 128x128 block scales on Hopper (sm_90) from 12.9 on
-// (cublasLtGetVersion() 120900); sm_100 and newer have block-scaled FP8 in hardware.
+// cuBLASLt runs FP8 GEMMs with per-row (OUTER_VEC_32F), 1x128 (VEC128_32F) and 128x128
+// (BLK128x128_32F) scales on Hopper (sm_90) only, from 12.9 on (cublasLtGetVersion() 120900);
+// Blackwell's block-scaled FP8 is MXFP8, another format (cuBLASLt refuses these modes there).
 constexpr int64_t kCublasLtHopperBlockScalingVersion = 120900;
 constexpr bool fp8_block_scaling_supported(int32_t compute_capability, int64_t cublaslt_version) {
-  return compute_capability >= 100 ||
-         (compute_capability == 90 && cublaslt_version >= kCublasLtHopperBlockScalingVersion);
+  return compute_capability == 90 && cublaslt_version >= kCublasLtHopperBlockScalingVersion;
 }
 
 int32_t cuda_device_count();  // 0 without a driver or GPU

@@ -4,9 +4,11 @@
 // scales only and refuse the other modes (FP8_ERR_UNSUPPORTED).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
+#include "core/dtype.hpp"
 #include "core/optim_rule.hpp"
 #include "core/scale_desc.hpp"
 #include "core/scaling_rule.hpp"
@@ -45,6 +47,41 @@ struct QuantizeJob {
   float current_fp8_max = 0.0f;
   bool current_pow2 = false;
 };
+
+// Fused amax + quantize under the scaling recipes' scale grids (core/recipe_scaling_rule.hpp).
+// in: a row-major [rows, cols] matrix of F32, F16 or BF16 (widened exactly to float).
+// out[r][c] = encode_fp8(in[r][c] * scale of (r, c)); out_scale_inv receives 1 / scale of every
+// cell of its grid, whose mode is the recipe's mode (the grid and ld as core/scale_desc.hpp
+// defines them for a [rows, cols] operand; check_scale_desc is applied).
+// With out_t_scale_inv.ptr set: out_t ([cols][rows]) is the transposed copy, quantised along its
+// own K from `in` (core/recipe_scaling_rule.hpp), with out_t_scale_inv's grid for a [cols, rows]
+// operand of the same mode.
+// nonfinite_cells, when set, is increased by the number of cells of out's grid whose amax is NaN or
+// infinite (each such cell has scale 1).
+struct RecipeQuantizeJob {
+  const void* in;
+  fp8_dtype_t in_dtype;  // F32, F16 or BF16
+  int64_t rows, cols;
+  bool e5m2;
+  int32_t margin;    // 0..32: scale = fp8_max * 2^-margin / amax
+  bool pow2_scales;  // round every scale down to a power of two
+  uint8_t* out;
+  ScaleDesc out_scale_inv;
+  uint8_t* out_t = nullptr;
+  ScaleDesc out_t_scale_inv = {};
+  int64_t* nonfinite_cells = nullptr;  // host memory on the CPU backend, device memory on CUDA
+  // CUDA only: recipe_quantize_workspace(mode, rows, cols) bytes of device memory for the amaxes
+  // that span tiles (per-row and per-tensor modes); nullptr where that is 0.
+  uint32_t* workspace = nullptr;
+};
+
+// Bytes of RecipeQuantizeJob::workspace the CUDA kernels need: the row and column amaxes of the
+// per-row mode, the one amax of the per-tensor mode, none for the block modes (a tile holds their
+// cells).
+inline size_t recipe_quantize_workspace(ScaleMode mode, int64_t rows, int64_t cols) {
+  if (mode == ScaleMode::kRow) return static_cast<size_t>(rows + cols) * sizeof(uint32_t);
+  return mode == ScaleMode::kTensor ? sizeof(uint32_t) : 0;
+}
 
 // dbias[c] += sum_r dy[r][c] (two stages, see kBiasGradRows).
 struct BiasGradJob {
@@ -259,10 +296,57 @@ inline void require_tensor_scales(const ActivationJob& j, const char* backend) {
 inline void require_tensor_scales(const NormJob& j, const char* backend) {
   require_tensor_scale(j.y_scale_inv, "norm's y_scale_inv", backend);
 }
-inline void require_tensor_scales(const GemmJob& j, const char* backend) {
-  require_tensor_scale(j.a_scale_inv, "gemm's a_scale_inv", backend);
-  require_tensor_scale(j.b_scale_inv, "gemm's b_scale_inv", backend);
+// A GEMM operand's grid of scales as cuBLASLt reads it (cublaslt_gemm.cpp), for an operand of
+// [rows, k] scaled along K in `mode`, at p: per-row one float per row; 1x128 column-major with
+// ld = rows; 128x128 row-major with ld = ceil(k / 128) rounded up to 4; per-tensor one float.
+inline ScaleDesc gemm_grid(ScaleMode mode, int64_t rows, int64_t k, float* p) {
+  const ScaleGrid g = scale_grid(mode, rows, k);
+  ScaleDesc d{mode, p, g.rows, g.cols, 1, false};
+  if (mode == ScaleMode::kBlock1x128) d.col_major = true, d.ld = rows > 0 ? rows : 1;
+  if (mode == ScaleMode::kBlock128x128) d.ld = (std::max<int64_t>(g.cols, 1) + 3) / 4 * 4;
+  return d;
+}
+// Floats that grid occupies (16-byte multiples, so grids can follow one another aligned).
+inline size_t gemm_grid_floats(ScaleMode mode, int64_t rows, int64_t k) {
+  const ScaleDesc d = gemm_grid(mode, rows, k, nullptr);
+  const int64_t lines = std::max<int64_t>(d.col_major ? d.cols : d.rows, 1);
+  return static_cast<size_t>((lines * d.ld + 3) / 4 * 4);
+}
+
+// The scale modes a GEMM takes, on both backends (each operand's grid is that of its [rows, k]
+// operand scaled along K): per-tensor x per-tensor; per-row x per-row; 1x128 x 1x128, 1x128 x
+// 128x128 and 128x128 x 1x128 (cuBLASLt has no 128x128 x 128x128 GEMM). The finer modes need FP8
+// operands stored K-major (not transposed), a wide D (no FP8 output: its scale would need the
+// whole D) and, for the block modes, no fast accumulation (cuBLASLt refuses it with block scales).
+inline void check_gemm_scales(const GemmJob& j, const char* backend) {
   require_tensor_scale(j.d_scale_inv, "gemm's d_scale_inv", backend);
+  const ScaleMode a = j.a_scale_inv.mode, b = j.b_scale_inv.mode;
+  if (a == ScaleMode::kTensor && b == ScaleMode::kTensor) return;
+  const bool rows = a == ScaleMode::kRow && b == ScaleMode::kRow;
+  const bool blocks = (a == ScaleMode::kBlock1x128 || a == ScaleMode::kBlock128x128) &&
+                      (b == ScaleMode::kBlock1x128 || b == ScaleMode::kBlock128x128);
+  if (!rows && !blocks)
+    fail(FP8_ERR_UNSUPPORTED, "gemm: a has ", scale_mode_name(a), " scales and b ", scale_mode_name(b),
+         "; the pairs are per-tensor x per-tensor, per-row x per-row, and 1x128 or 128x128 with 1x128 or 128x128");
+  if (a == ScaleMode::kBlock128x128 && b == ScaleMode::kBlock128x128)
+    fail(FP8_ERR_UNSUPPORTED, "gemm: both operands have 128x128-block scales, which cuBLASLt does not multiply; "
+         "quantise one of them (the activation or gradient) in 1x128 blocks");
+  if (!dtype_is_fp8(j.a_dtype) || !dtype_is_fp8(j.b_dtype))
+    fail(FP8_ERR_DTYPE, "gemm: ", scale_mode_name(a), " scales need FP8 operands, not ", dtype_name(j.a_dtype), " x ",
+         dtype_name(j.b_dtype));
+  if (j.a_transposed || j.b_transposed)
+    fail(FP8_ERR_INVALID_ARGUMENT, "gemm: operands with ", scale_mode_name(a), " scales must be stored K-major (not "
+         "transposed)");
+  if (dtype_is_fp8(j.d_dtype))
+    fail(FP8_ERR_UNSUPPORTED, "gemm: an FP8 D takes per-tensor-scaled operands only, not ", scale_mode_name(a), " x ",
+         scale_mode_name(b), "; write D in bf16 or f32");
+  if (blocks && j.fast_accumulation)
+    fail(FP8_ERR_INVALID_ARGUMENT, "gemm: fast accumulation with block scales (cuBLASLt accumulates those GEMMs in "
+         "full precision only)");
+  check_scale_desc(j.a_scale_inv, j.m, j.k, "gemm's a_scale_inv");
+  check_scale_desc(j.b_scale_inv, j.n, j.k, "gemm's b_scale_inv");
+  if (j.m * j.k > 0) require_arg(j.a_scale_inv.ptr, "a_scale_inv.ptr");
+  if (j.n * j.k > 0) require_arg(j.b_scale_inv.ptr, "b_scale_inv.ptr");
 }
 
 }  // namespace fp8

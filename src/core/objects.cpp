@@ -76,7 +76,7 @@ void update_scaling(Backend& backend, fp8_scaling* const* states, int32_t count,
   backend.scaling_update({items.data(), count, static_cast<int32_t>(recipe.get(FP8_RECIPE_AMAX_HISTORY_LEN)),
                           recipe.get(FP8_RECIPE_INTERVAL),
                           recipe.get(FP8_RECIPE_AMAX_COMPUTE_ALGO) == FP8_AMAX_ALGO_MAX,
-                          recipe.get(FP8_RECIPE_POWER_2_SCALES) == 1});
+                          recipe.power_2_scales()});
 }
 
 std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_ptr<Backend>& backend,
@@ -104,7 +104,7 @@ std::vector<std::unique_ptr<fp8_scaling>> make_scaling_arena(const std::shared_p
     s->current = recipe.get(FP8_RECIPE_SCALING) == FP8_SCALING_CURRENT;
     if (s->current) {
       s->current_fp8_max = scaled_fp8_max(s->dtype == FP8_DTYPE_E5M2, static_cast<int>(recipe.get(FP8_RECIPE_MARGIN)));
-      s->current_pow2 = recipe.get(FP8_RECIPE_POWER_2_SCALES) == 1;
+      s->current_pow2 = recipe.power_2_scales();
     }
     out.push_back(std::move(s));
   }

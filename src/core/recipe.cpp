@@ -17,7 +17,8 @@ const char* const kOptLevelNames[] = {"O1", "O2", "O3"};
 const char* const kFormatNames[] = {"E4M3", "HYBRID"};
 const char* const kAlgoNames[] = {"max", "most_recent"};
 const char* const kBoolNames[] = {"off", "on"};
-const char* const kScalingNames[] = {"delayed", "current"};
+const char* const kScalingNames[] = {"delayed", "current", "rowwise", "block"};
+const char* const kAutoBoolNames[] = {"auto", "off", "on"};  // -1, 0, 1
 
 // Indexed by fp8_recipe_attr_t; the static_assert below keeps it in step with the header.
 const AttrSpec kSpecs[] = {
@@ -33,8 +34,8 @@ const AttrSpec kSpecs[] = {
     {"override_wgrad", 0, 1, 0, kBoolNames},
     {"use_autocast_during_eval", 0, 1, 0, kBoolNames},
     {"small_layer_fallback", 0, 1, 1, kBoolNames},
-    {"power_2_scales", 0, 1, 0, kBoolNames},
-    {"scaling", FP8_SCALING_DELAYED, FP8_SCALING_CURRENT, FP8_SCALING_DELAYED, kScalingNames},
+    {"power_2_scales", FP8_POWER_2_SCALES_AUTO, 1, FP8_POWER_2_SCALES_AUTO, kAutoBoolNames},
+    {"scaling", FP8_SCALING_DELAYED, FP8_SCALING_BLOCK, FP8_SCALING_DELAYED, kScalingNames},
 };
 static_assert(sizeof(kSpecs) / sizeof(kSpecs[0]) == FP8_RECIPE_ATTR_COUNT, "one spec per attribute");
 
@@ -56,6 +57,7 @@ std::string trim(const std::string& s) {
 std::string allowed_values(const AttrSpec& s) {
   std::ostringstream os;
   if (s.names == kBoolNames) return "on, off, true, false, 1 or 0";
+  if (s.names == kAutoBoolNames) return "auto, on, off, true, false, 1 or 0";
   if (s.names) {
     for (int64_t v = s.min; v <= s.max; ++v) os << (v > s.min ? ", " : "") << s.names[v - s.min];
   } else {
@@ -81,9 +83,10 @@ std::string known_keys() {
 int64_t parse_value(fp8_recipe_attr_t a, const std::string& key, const std::string& raw) {
   const AttrSpec& s = kSpecs[a];
   const std::string v = lower(raw);
-  if (s.names == kBoolNames) {
+  if (s.names == kBoolNames || s.names == kAutoBoolNames) {
     if (v == "on" || v == "true" || v == "1") return 1;
     if (v == "off" || v == "false" || v == "0") return 0;
+    if (s.names == kAutoBoolNames && v == "auto") return FP8_POWER_2_SCALES_AUTO;
   } else if (s.names) {
     for (int64_t i = s.min; i <= s.max; ++i)
       if (v == lower(s.names[i - s.min])) return i;
@@ -169,6 +172,11 @@ std::string Recipe::to_string() const {
     else os << get(a);
   }
   return os.str();
+}
+
+bool Recipe::power_2_scales() const {
+  const int64_t v = get(FP8_RECIPE_POWER_2_SCALES);
+  return v == FP8_POWER_2_SCALES_AUTO ? get(FP8_RECIPE_SCALING) == FP8_SCALING_BLOCK : v == 1;
 }
 
 fp8_dtype_t Recipe::dtype_for(fp8_role_t role) const {

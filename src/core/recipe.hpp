@@ -28,6 +28,9 @@ struct Recipe {
   // All or nothing: on error throws and leaves *this unchanged.
   void parse(const std::string& text);
   std::string to_string() const;
+  // Whether scales are rounded down to powers of two: power_2_scales, whose default (auto) is on for
+  // block scaling and off for the others (as TransformerEngine and DeepSeek-V3 have it).
+  bool power_2_scales() const;
   // FP8 dtype of a tensor role under this recipe's format.
   fp8_dtype_t dtype_for(fp8_role_t role) const;
 };

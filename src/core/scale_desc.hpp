@@ -11,14 +11,17 @@
 //   kRow           one scale per row:                            [rows, 1]
 //   kBlock1x128    one scale per 1x128 block of a row:           [rows, ceil(cols / 128)]
 //   kBlock128x128  one scale per 128x128 block:                  [ceil(rows / 128), ceil(cols / 128)]
-// (scale_grid() is this rule.) The grid itself is row-major: the scale of grid cell (i, j) is
-// ptr[i * ld + j], with ld >= the grid's columns.
+// (scale_grid() is this rule.) The grid is row-major (the scale of grid cell (i, j) at
+// ptr[i * ld + j], ld >= the grid's columns) or, with col_major, column-major (at ptr[j * ld + i],
+// ld >= the grid's rows). cuBLASLt reads 1x128 scales column-major (the rows' scales of one K block
+// contiguous, ld = the operand's rows) and 128x128 scales row-major with ld a multiple of 4.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
 #include "core/error.hpp"
+#include "core/format.hpp"  // (FP8_HD)
 
 namespace fp8 {
 
@@ -71,13 +74,16 @@ struct ScaleDesc {
   float* ptr = nullptr;
   int64_t rows = 1, cols = 1;  // grid of scales
   int64_t ld = 1;              // leading dimension of the grid, in floats
+  bool col_major = false;      // cell (i, j) at ptr[j * ld + i] instead of ptr[i * ld + j]
 
   bool is_tensor() const { return mode == ScaleMode::kTensor; }
+  // Offset of grid cell (i, j) from ptr, in floats.
+  FP8_HD int64_t at(int64_t i, int64_t j) const { return col_major ? j * ld + i : i * ld + j; }
 };
 
 // One scale for the whole tensor at p (nullptr: none).
 inline ScaleDesc tensor_scale(float* p) {
-  return {ScaleMode::kTensor, p, 1, 1, 1};
+  return {ScaleMode::kTensor, p, 1, 1, 1, false};
 }
 // The same for a scale that the job only reads.
 inline ScaleDesc tensor_scale(const float* p) {
@@ -98,10 +104,11 @@ inline void check_scale_desc(const ScaleDesc& d, int64_t rows, int64_t cols, con
       fail(FP8_ERR_INVALID_ARGUMENT, what, " has scale mode ", static_cast<int32_t>(d.mode), ", not a ScaleMode");
   }
   const ScaleGrid want = scale_grid(d.mode, rows, cols);
-  if (d.rows != want.rows || d.cols != want.cols || d.ld < std::max<int64_t>(want.cols, 1))
-    fail(FP8_ERR_SHAPE, what, " has a ", scale_mode_name(d.mode), " scale grid of [", d.rows, ", ", d.cols, "] (ld ",
-         d.ld, "); a [", rows, ", ", cols, "] operand needs [", want.rows, ", ", want.cols,
-         "] (ld >= ", std::max<int64_t>(want.cols, 1), ")");
+  const int64_t min_ld = std::max<int64_t>(d.col_major ? want.rows : want.cols, 1);
+  if (d.rows != want.rows || d.cols != want.cols || d.ld < min_ld)
+    fail(FP8_ERR_SHAPE, what, " has a ", scale_mode_name(d.mode), d.col_major ? " column-major" : "", " scale grid of [",
+         d.rows, ", ", d.cols, "] (ld ", d.ld, "); a [", rows, ", ", cols, "] operand needs [", want.rows, ", ",
+         want.cols, "] (ld >= ", min_ld, ")");
 }
 
 // Throws FP8_ERR_UNSUPPORTED naming `what` and d's mode unless d is per-tensor: the only mode the

@@ -6,7 +6,9 @@
 //   backward  dy -> E5M2 under HYBRID (+ transposed copy + bias gradient, one pass)
 //             dgrad dx = dy8 W8t^T,  wgrad dW += dy8t x8t^T
 // The FP8 copy of W (and its transpose) is made once per weights version, i.e. once per optimizer
-// step, and reused by every micro-batch. What a backward needs of its forward (the plan, x's
+// step, and reused by every micro-batch. Under scaling=rowwise or block every cast makes a grid of
+// scales (per row, or per 1x128 / 128x128 block: "cell scaling") in the layout cuBLASLt reads, with
+// the transposed copies quantised along their own K from the high-precision source. What a backward needs of its forward (the plan, x's
 // transposed FP8 copy or its high-precision values) lives in a LinearSaved, so any number of
 // forwards can be in flight.
 #include <algorithm>
@@ -73,7 +75,9 @@ class Linear final : public Layer {
         qdy_(backend),
         qdyt_(backend),
         dy_si_(backend),
-        partials_(backend) {
+        partials_(backend),
+        w_grid_(backend),
+        workspace_(backend) {
     const int64_t w_shape[2] = {out, in};
     // The caller initialises the weights; zeros until then keep a forward defined.
     add_parameter("weight", 2, w_shape, 0.0f);
@@ -146,9 +150,10 @@ class Linear final : public Layer {
 
   int64_t input_features() const override { return in_; }
   int64_t output_features(int64_t) const override { return out_; }
-  // Under current scaling x's scale comes from x itself, so the layer before hands over a wide x.
+  // Only under delayed scaling: the other recipes take x's scales from x itself, so the layer before
+  // hands over a wide x.
   bool takes_fp8_input(const Step& step, int64_t rows) const override {
-    return decide(step, rows, true).fprop && !current_scaling();
+    return decide(step, rows, true).fprop && scaling() == FP8_SCALING_DELAYED;
   }
 
   std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
@@ -190,10 +195,11 @@ class Linear final : public Layer {
     const void* x_hp = x->data;
     const uint8_t* qx = static_cast<const uint8_t*>(x->data);
     const float* qx_si = x->scale_inv;
+    const bool cells = cell_scaling();
     if (want_qxt) {
       const size_t codes = static_cast<size_t>(m * in_);
       s.qxt_scale_at = scale_inv_offset(codes);
-      s.qxt = PooledBuffer(step.pool, s.qxt_scale_at + 16);
+      s.qxt = PooledBuffer(step.pool, s.qxt_scale_at + (cells ? gemm_grid_floats(act_mode(), in_, m) * 4 : 16));
     }
     uint8_t* qxt = want_qxt ? s.qxt.get<uint8_t>() : nullptr;
     if (x_fp8) {
@@ -203,6 +209,12 @@ class Linear final : public Layer {
         x_hp = s.x_copy.get();
         be.dequantize({qx, false, tensor_scale(x->scale_inv), s.x_copy.get(), act, m * in_});
       }
+    } else if (cells && (plan.fprop || want_qxt)) {
+      float* grid = x_si_.ensure<float>(gemm_grid_floats(act_mode(), m, in_) * 4);
+      cast_cells(be, x->data, act, m, in_, act_mode(), false, qx_.ensure<uint8_t>(static_cast<size_t>(m * in_)), grid,
+                 qxt, qxt ? s.xt_scale_inv() : nullptr, *s_x_);
+      qx = qx_.get<uint8_t>();
+      qx_si = grid;
     } else if (plan.fprop || want_qxt) {
       float* si = x_si_.ensure<float>(16);
       QuantizeJob q{};
@@ -230,7 +242,15 @@ class Linear final : public Layer {
     g.d = y->data;
     g.d_dtype = act;
     g.alpha = 1.0f;
-    if (plan.fprop) {
+    if (plan.fprop && cells) {
+      set_fp8_operands(g, qx, FP8_DTYPE_E4M3, gemm_grid(act_mode(), m, in_, const_cast<float*>(qx_si)),
+                       qw_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, weight_grid(false));
+      g.fast_accumulation = act_mode() == ScaleMode::kRow;  // cuBLASLt refuses it with block scales
+      if (bias_) {
+        g.bias = b_bf16_.ensure(0);
+        g.bias_dtype = FP8_DTYPE_BF16;
+      }
+    } else if (plan.fprop) {
       set_fp8_operands(g, qx, FP8_DTYPE_E4M3, qx_si, fp8_weight(), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
       g.fast_accumulation = true;
       if (bias_) {
@@ -272,8 +292,20 @@ class Linear final : public Layer {
     const bool dgrad8 = dx && plan.dgrad;
     uint8_t* qdy = nullptr;
     uint8_t* qdyt = nullptr;
-    float* dy_si = dy_si_.ensure<float>(kScaleSlots * sizeof(float));
-    if (dgrad8 || plan.wgrad) {
+    const bool cells = cell_scaling();
+    const size_t dy_grid = cells ? gemm_grid_floats(act_mode(), m, out_) : 0;
+    float* dy_si = dy_si_.ensure<float>(cells ? (dy_grid + gemm_grid_floats(act_mode(), out_, m)) * sizeof(float)
+                                              : kScaleSlots * sizeof(float));
+    float* dyt_si = cells ? dy_si + dy_grid : dy_si + kScaleSlot2;
+    if (cells && (dgrad8 || plan.wgrad)) {
+      qdy = qdy_.ensure<uint8_t>(static_cast<size_t>(m * out_));
+      qdyt = plan.wgrad ? qdyt_.ensure<uint8_t>(static_cast<size_t>(m * out_)) : nullptr;
+      if (m > 0) {
+        cast_cells(be, dy->data, act, m, out_, act_mode(), s_dy_->dtype == FP8_DTYPE_E5M2, qdy, dy_si, qdyt, dyt_si,
+                   *s_dy_);
+        if (dbias) be.bias_grad({dy->data, act, m, out_, dbias, partials});
+      }
+    } else if (dgrad8 || plan.wgrad) {
       QuantizeJob q{};
       q.in = dy->data;
       q.in_dtype = act;
@@ -285,7 +317,7 @@ class Linear final : public Layer {
       cast_through(q, *s_dy_);
       if (m > 0 && !s_dy_->current) s_dy_->pending = true;
       q.out_scale_inv = tensor_scale(dy_si);
-      q.out_t_scale_inv = tensor_scale(qdyt ? dy_si + kScaleSlot2 : nullptr);
+      q.out_t_scale_inv = tensor_scale(qdyt ? dyt_si : nullptr);
       q.dbias = dbias;
       q.dbias_partials = partials;
       if (m > 0) be.quantize(q);
@@ -302,7 +334,10 @@ class Linear final : public Layer {
       g.d_dtype = act;
       g.alpha = 1.0f;
       g.accumulate = accumulate_dx;
-      if (dgrad8) {
+      if (dgrad8 && cells) {
+        set_fp8_operands(g, qdy, s_dy_->dtype, gemm_grid(act_mode(), m, out_, dy_si), qwt_.ensure<uint8_t>(0),
+                         FP8_DTYPE_E4M3, weight_grid(true));
+      } else if (dgrad8) {
         set_fp8_operands(g, qdy, s_dy_->dtype, dy_si, qwt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
       } else {
         g.a = dy->data;
@@ -325,8 +360,11 @@ class Linear final : public Layer {
       g.d_dtype = FP8_DTYPE_F32;
       g.alpha = 1.0f;
       g.accumulate = !grad8;
-      if (plan.wgrad) {
-        set_fp8_operands(g, qdyt, s_dy_->dtype, dy_si + kScaleSlot2, s.xt(), FP8_DTYPE_E4M3, s.xt_scale_inv());
+      if (plan.wgrad && cells) {
+        set_fp8_operands(g, qdyt, s_dy_->dtype, gemm_grid(act_mode(), out_, m, dyt_si), s.xt(), FP8_DTYPE_E4M3,
+                         gemm_grid(act_mode(), in_, m, s.xt_scale_inv()));
+      } else if (plan.wgrad) {
+        set_fp8_operands(g, qdyt, s_dy_->dtype, dyt_si, s.xt(), FP8_DTYPE_E4M3, s.xt_scale_inv());
       } else {
         g.a = dy->data;
         g.b = s.x_hp;
@@ -346,17 +384,59 @@ class Linear final : public Layer {
   // The scale_inv of a cast and of its transposed copy, each in its own 16-byte slot.
   static constexpr size_t kScaleSlot2 = 4, kScaleSlots = 8;
 
-  static void set_fp8_operands(GemmJob& g, const void* a, fp8_dtype_t at, const float* a_si, const void* b,
-                               fp8_dtype_t bt, const float* b_si) {
+  static void set_fp8_operands(GemmJob& g, const void* a, fp8_dtype_t at, const ScaleDesc& a_si, const void* b,
+                               fp8_dtype_t bt, const ScaleDesc& b_si) {
     g.a = a;
     g.a_dtype = at;
-    g.a_scale_inv = tensor_scale(a_si);
+    g.a_scale_inv = a_si;
     g.b = b;
     g.b_dtype = bt;
-    g.b_scale_inv = tensor_scale(b_si);
+    g.b_scale_inv = b_si;
+  }
+  static void set_fp8_operands(GemmJob& g, const void* a, fp8_dtype_t at, const float* a_si, const void* b,
+                               fp8_dtype_t bt, const float* b_si) {
+    set_fp8_operands(g, a, at, tensor_scale(a_si), b, bt, tensor_scale(b_si));
   }
 
-  bool current_scaling() const { return converted_ && recipe_.get(FP8_RECIPE_SCALING) == FP8_SCALING_CURRENT; }
+  // The recipe's scaling (FP8_SCALING_*), and whether it makes grids of scales (rowwise, block).
+  int64_t scaling() const { return converted_ ? recipe_.get(FP8_RECIPE_SCALING) : FP8_SCALING_DELAYED; }
+  bool cell_scaling() const { return scaling() == FP8_SCALING_ROWWISE || scaling() == FP8_SCALING_BLOCK; }
+  // The scale mode of x and dy (and their transposed copies), and of W (and its transpose).
+  ScaleMode act_mode() const { return scaling() == FP8_SCALING_BLOCK ? ScaleMode::kBlock1x128 : ScaleMode::kRow; }
+  ScaleMode weight_mode() const {
+    return scaling() == FP8_SCALING_BLOCK ? ScaleMode::kBlock128x128 : ScaleMode::kRow;
+  }
+  // The grid of the weight copy ([out, in], fprop's b) or of its transpose ([in, out], dgrad's b).
+  ScaleDesc weight_grid(bool transposed) {
+    const size_t first = gemm_grid_floats(weight_mode(), out_, in_);
+    float* p = w_grid_.ensure<float>((first + gemm_grid_floats(weight_mode(), in_, out_)) * sizeof(float));
+    return transposed ? gemm_grid(weight_mode(), in_, out_, p + first) : gemm_grid(weight_mode(), out_, in_, p);
+  }
+
+  // One cast under cell scaling: in [rows, cols] -> out with `grid` (and out_t [cols, rows], quantised
+  // along its own K, with grid_t, when out_t is set), grids as gemm_grid lays them out; cells whose
+  // amax is not finite are counted in `state`.
+  void cast_cells(Backend& be, const void* in, fp8_dtype_t dt, int64_t rows, int64_t cols, ScaleMode mode, bool e5m2,
+                  uint8_t* out, float* grid, uint8_t* out_t, float* grid_t, fp8_scaling& state) {
+    RecipeQuantizeJob j{};
+    j.in = in;
+    j.in_dtype = dt;
+    j.rows = rows;
+    j.cols = cols;
+    j.e5m2 = e5m2;
+    j.margin = static_cast<int32_t>(recipe_.get(FP8_RECIPE_MARGIN));
+    j.pow2_scales = recipe_.power_2_scales();
+    j.out = out;
+    j.out_scale_inv = gemm_grid(mode, rows, cols, grid);
+    if (out_t) {
+      j.out_t = out_t;
+      j.out_t_scale_inv = gemm_grid(mode, cols, rows, grid_t);
+    }
+    j.nonfinite_cells = reinterpret_cast<int64_t*>(&state.state->nonfinite_count);
+    const size_t ws = recipe_quantize_workspace(mode, rows, cols);
+    if (ws > 0) j.workspace = workspace_.ensure<uint32_t>(ws);
+    be.recipe_quantize(j);
+  }
 
   // The rule of fp8.h (fp8_layer_forward): FP8 when the model is converted and FP8 is on, except
   // where the shape, alignment (`misaligned` names the tensor unless `aligned`) or size forbids it
@@ -376,6 +456,9 @@ class Linear final : public Layer {
         std::snprintf(why, sizeof why, "small: %s = %" PRId64 " is below %" PRId64 ", where FP8 starts to pay off",
                       in_ < kFp8MinFeatures ? "in_features" : "out_features", std::min(in_, out_), kFp8MinFeatures);
     }
+    else if (cell_scaling() && m % 8 != 0)  // cuBLASLt's limit for per-row and block scales
+      std::snprintf(why, sizeof why, "%" PRId64 " tokens is not a multiple of 8, which GEMMs with %s scales need", m,
+                    scaling() == FP8_SCALING_BLOCK ? "block" : "per-row");
     if (why[0]) {
       p.reason = why;
       return p;
@@ -411,7 +494,16 @@ class Linear final : public Layer {
     const fp8_tensor& w = *params_[0].value;
     const int64_t n = out_ * in_;
     const bool w8 = p.fprop || (step.training && p.dgrad);
-    if (w8 && !fp8_weight_.current(step, version)) {
+    if (w8 && cell_scaling() && !fp8_weight_.current(step, version)) {
+      // From the weight in high precision (O3's E4M3 weight dequantised), both layouts in one cast.
+      const bool wide = !dtype_is_fp8(w.dtype);
+      const void* src = wide ? w.data : weight_in(step, act);
+      const ScaleDesc g = weight_grid(false), gt = weight_grid(true);
+      cast_cells(be, src, wide ? w.dtype : act, out_, in_, weight_mode(), false,
+                 qw_.ensure<uint8_t>(static_cast<size_t>(n)), g.ptr, qwt_.ensure<uint8_t>(static_cast<size_t>(n)), gt.ptr,
+                 *s_w_);
+      fp8_weight_.made(version, step.capture_id);
+    } else if (w8 && !fp8_weight_.current(step, version)) {
       float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale
       uint8_t* qwt = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
       if (w.dtype == FP8_DTYPE_E4M3) {
@@ -437,7 +529,7 @@ class Linear final : public Layer {
       fp8_weight_.made(version, step.capture_id);
     }
     if (!p.fprop || (step.training && !p.dgrad)) weight_in(step, act);
-    const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);
+    const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);  // (cuBLASLt's FP8 bias is bf16)
     if (bf16_bias && !bf16_bias_.current(step, version)) {
       be.convert({params_[1].value->data, FP8_DTYPE_F32, b_bf16_.ensure(static_cast<size_t>(out_) * 2), FP8_DTYPE_BF16,
                   out_});
@@ -446,16 +538,16 @@ class Linear final : public Layer {
   }
 
   bool weight_copy_scale(uint64_t model_version, float* scale) const override {
-    if (!converted_ || params_[0].value->dtype == FP8_DTYPE_E4M3 ||
+    if (!converted_ || cell_scaling() || params_[0].value->dtype == FP8_DTYPE_E4M3 ||
         fp8_weight_.version != weights_version(model_version))
       return false;
     backend_->copy_to_host(scale, w_si_.get<float>() + kScaleSlot2, sizeof(float));
     return true;
   }
 
-  // (Under current scaling the copy's scale follows from the weights alone: nothing to pin.)
+  // (Under the other recipes the copy's scales follow from the weights alone: nothing to pin.)
   void pin_weight_copy_scale(float scale) override {
-    pinned_ = scale > 0.0f && !current_scaling();
+    pinned_ = scale > 0.0f && scaling() == FP8_SCALING_DELAYED;
     if (pinned_) pinned_w_ = new_state(recipe_, FP8_ROLE_FORWARD, scale);
   }
 
@@ -507,6 +599,8 @@ class Linear final : public Layer {
   fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;
   DeviceBuffer qx_, x_si_;                      // one forward's cast of x and its scale_inv
   DeviceBuffer qdy_, qdyt_, dy_si_, partials_;  // one backward's casts of dy, their scale_inv, dbias partials
+  DeviceBuffer w_grid_;     // cell scaling: the grids of the weight copy and of its transpose
+  DeviceBuffer workspace_;  // cell scaling: the per-row mode's row and column amaxes
 };
 
 }  // namespace

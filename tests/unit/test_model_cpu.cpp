@@ -4,6 +4,7 @@
 // read from the layer's state before the step, dequantised with scale_inv = 1/scale as float); where
 // it runs in high precision, on the unquantised values. Shapes are small (the CPU GEMM is a loop).
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -598,6 +599,115 @@ TEST(LinearCurrentScaling, NormHandsOverAWideYAndRefusesAnFp8One) {
   fp8_scaling_t* states[1] = {scaling_of(model.get(), fc, FP8_SCALING_INPUT)};
   EXPECT_REFUSED_WORDS(fp8_scaling_update(ctx.get(), states, 1, recipe.get()), FP8_ERR_INVALID_ARGUMENT,
                        "fp8_scaling_update", "states[0]", "current scaling");
+}
+
+// =================================================================================================
+// 2c. Rowwise and block scaling: a grid of scales per cast, each cell scaled by its own amax
+// =================================================================================================
+
+// v [rows, cols] quantised in cells of th x tw (clipped at the edges), each cell with the current
+// scaling rule on its amax (computed here: fp8_max * 2^-margin / amax as a float division, FLT_MAX
+// past overflow, 2^floor(log2) under pow2, 1 for a zero cell), and dequantised again.
+Vec cells_quantised(const std::vector<float>& v, int64_t rows, int64_t cols, int64_t th, int64_t tw, fp8_dtype_t dt,
+                    int margin, bool pow2) {
+  const float fp8_max = dt == FP8_DTYPE_E5M2 ? 57344.0f : 448.0f;
+  Vec q(v.size());
+  for (int64_t r0 = 0; r0 < rows; r0 += th)
+    for (int64_t c0 = 0; c0 < cols; c0 += tw) {
+      float amax = 0.0f;
+      for (int64_t r = r0; r < std::min(rows, r0 + th); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + tw); ++c) amax = std::max(amax, std::fabs(v[static_cast<size_t>(r * cols + c)]));
+      float s = amax > 0.0f ? std::ldexp(fp8_max, -margin) / amax : 1.0f;
+      if (std::isinf(s)) s = FLT_MAX;
+      if (pow2) s = std::ldexp(1.0f, static_cast<int>(std::floor(std::log2(static_cast<double>(s)))));
+      const double s_inv = static_cast<double>(1.0f / s);
+      for (int64_t r = r0; r < std::min(rows, r0 + th); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + tw); ++c) {
+          const size_t i = static_cast<size_t>(r * cols + c);
+          q[i] = static_cast<double>(fp8_decode(fp8_encode(v[i] * s, dt), dt)) * s_inv;
+        }
+    }
+  return q;
+}
+
+// Two steps of a Linear with partial 128-blocks in every dimension (208 tokens, 160 -> 144) under
+// rowwise and block scaling (and block without power-of-two scales, rowwise with a margin): y, dx,
+// dW and db match float64 on the operands quantised cell by cell as each GEMM takes them:
+//   y  = x (cells along in) . W (rows, or 128x128 blocks)^T + bf16(b)
+//   dx = dy (cells along out) . W^T (columns of W, or the same 128x128 blocks)
+//   dW = dy^T (cells along the tokens) . x^T (cells along the tokens)
+TEST(LinearCellScaling, RowwiseAndBlockMatchFloat64OnTheCellQuantisedValues) {
+  const int64_t in = 160, out = 144, tokens = 208;
+  struct Variant {
+    const char* text;
+    bool block, pow2;
+    int margin;
+  };
+  for (const Variant& v : {Variant{"scaling=rowwise", false, false, 0}, Variant{"scaling=rowwise, margin=1", false, false, 1},
+                           Variant{"scaling=block", true, true, 0},
+                           Variant{"scaling=block, power_2_scales=off", true, false, 0}}) {
+    SCOPED_TRACE(v.text);
+    Recipe r = fp8_recipe();
+    FP8_ASSERT_OK(fp8_recipe_parse(r.get(), v.text));
+    LinearCase c(in, out);
+    c.convert(r.get());
+    for (int step = 0; step < 2; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      c.set_weights(140 + step);
+      // Magnitudes that vary by row and by column block, so that every cell has its own scale.
+      std::vector<float> x = random_x(tokens, in, 150 + step), dy = random_dy(tokens, out, 160 + step);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t k = 0; k < in; ++k) x[static_cast<size_t>(t * in + k)] *= std::ldexp(1.0f, static_cast<int>((t % 5) + (k / 128) * 3) - 4);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t o = 0; o < out; ++o) dy[static_cast<size_t>(t * out + o)] *= std::ldexp(1.0f, static_cast<int>((t % 3) - (o / 128) * 2));
+      FP8_ASSERT_OK(fp8_model_zero_grad(c.model.get()));
+      const StepOut got = run_step(c, {tokens, in}, x, dy, true);
+      const int64_t bt = v.block ? 1 : 0;  // (rowwise cells span a whole row or column)
+      const auto along_rows = [&](const std::vector<float>& a, int64_t rows, int64_t cols, fp8_dtype_t dt) {
+        return cells_quantised(a, rows, cols, 1, bt ? 128 : cols, dt, v.margin, v.pow2);
+      };
+      const auto along_cols = [&](const std::vector<float>& a, int64_t rows, int64_t cols, fp8_dtype_t dt) {
+        return cells_quantised(a, rows, cols, bt ? 128 : rows, 1, dt, v.margin, v.pow2);
+      };
+      const Vec xq = along_rows(x, tokens, in, FP8_DTYPE_E4M3), xtq = along_cols(x, tokens, in, FP8_DTYPE_E4M3);
+      const Vec dyq = along_rows(dy, tokens, out, FP8_DTYPE_E5M2), dytq = along_cols(dy, tokens, out, FP8_DTYPE_E5M2);
+      const Vec wq = v.block ? cells_quantised(c.w, out, in, 128, 128, FP8_DTYPE_E4M3, v.margin, v.pow2)
+                             : along_rows(c.w, out, in, FP8_DTYPE_E4M3);
+      const Vec wtq = v.block ? wq : along_cols(c.w, out, in, FP8_DTYPE_E4M3);
+      EXPECT_LT(rel_err(got.y, y_ref(xq, wq, widen(bf16_rounded(c.b)), tokens, in, out)), 1e-5) << "y";
+      EXPECT_LT(rel_err(got.dx, dx_ref(dyq, wtq, tokens, in, out)), 1e-5) << "dx";
+      EXPECT_LT(rel_err(got.dw, dw_ref(dytq, xtq, tokens, in, out)), 1e-5) << "dW";
+      EXPECT_LT(rel_err(got.db, db_ref(dy, tokens, out)), 1e-6) << "db";
+      // The checks can tell the modes apart: per-tensor quantisation is far from this.
+      EXPECT_GT(rel_err(got.y, y_ref(quantised(x, 448.0f / amax_of(x), FP8_DTYPE_E4M3), wq, widen(bf16_rounded(c.b)),
+                                      tokens, in, out)), 1e-3);
+      expect_plan(c.report(), {1, 1, 1});
+    }
+  }
+}
+
+// A NaN in x: its cell gets scale 1 and is counted (one row under rowwise, one 1x128 block under
+// block); a token count that is not a multiple of 8 runs the layer in high precision with the reason.
+TEST(LinearCellScaling, NonFiniteCellsAreCountedAndOddTokenCountsFallBack) {
+  for (const char* text : {"scaling=rowwise", "scaling=block"}) {
+    SCOPED_TRACE(text);
+    Recipe r = fp8_recipe();
+    FP8_ASSERT_OK(fp8_recipe_parse(r.get(), text));
+    LinearCase c(kIn, kOut);
+    c.convert(r.get());
+    auto x = random_x(kTokens, kIn, 170);
+    x[3] = std::numeric_limits<float>::quiet_NaN();
+    run_step(c, {kTokens, kIn}, x, random_dy(kTokens, kOut, 171), true);
+    EXPECT_EQ(c.state(FP8_SCALING_INPUT).nonfinite_count, 1);
+    EXPECT_EQ(c.state(FP8_SCALING_GRAD_OUTPUT).nonfinite_count, 0);
+
+    const auto x2 = random_x(36, kIn, 172);
+    const StepOut got = run_step(c, {36, kIn}, x2, random_dy(36, kOut, 173), true);
+    const fp8_layer_report_t rep = c.report();
+    expect_plan(rep, {0, 0, 0});
+    EXPECT_NE(std::string(rep.reason).find("multiple of 8"), std::string::npos) << rep.reason;
+    EXPECT_LT(rel_err(got.y, y_ref(widen(x2), widen(c.w), widen(c.b), 36, kIn, kOut)), 1e-6);
+  }
 }
 
 // =================================================================================================

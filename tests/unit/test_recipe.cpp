@@ -81,8 +81,8 @@ const Expected kExpected[FP8_RECIPE_ATTR_COUNT] = {
     {FP8_RECIPE_OVERRIDE_WGRAD, 0, 1, 0},
     {FP8_RECIPE_USE_AUTOCAST_DURING_EVAL, 0, 1, 0},
     {FP8_RECIPE_SMALL_LAYER_FALLBACK, 0, 1, 1},
-    {FP8_RECIPE_POWER_2_SCALES, 0, 1, 0},
-    {FP8_RECIPE_SCALING, FP8_SCALING_DELAYED, FP8_SCALING_CURRENT, FP8_SCALING_DELAYED},
+    {FP8_RECIPE_POWER_2_SCALES, FP8_POWER_2_SCALES_AUTO, 1, FP8_POWER_2_SCALES_AUTO},
+    {FP8_RECIPE_SCALING, FP8_SCALING_DELAYED, FP8_SCALING_BLOCK, FP8_SCALING_DELAYED},
 };
 
 std::string key_of(fp8_recipe_attr_t a) {
@@ -117,7 +117,7 @@ TEST(Recipe, CreateHoldsAccelerateDefaults) {
   EXPECT_EQ(get(r.get(), FP8_RECIPE_OVERRIDE_WGRAD), 0);
   EXPECT_EQ(get(r.get(), FP8_RECIPE_USE_AUTOCAST_DURING_EVAL), 0);
   EXPECT_EQ(get(r.get(), FP8_RECIPE_SMALL_LAYER_FALLBACK), 1);
-  EXPECT_EQ(get(r.get(), FP8_RECIPE_POWER_2_SCALES), 0);
+  EXPECT_EQ(get(r.get(), FP8_RECIPE_POWER_2_SCALES), FP8_POWER_2_SCALES_AUTO);
   EXPECT_EQ(get(r.get(), FP8_RECIPE_SCALING), FP8_SCALING_DELAYED);
 }
 
@@ -341,6 +341,11 @@ TEST(Recipe, ParseAcceptsEveryEnumValueByName) {
       {"scaling=delayed", FP8_RECIPE_SCALING, FP8_SCALING_DELAYED},
       {"scaling=current", FP8_RECIPE_SCALING, FP8_SCALING_CURRENT},
       {"scaling=CURRENT", FP8_RECIPE_SCALING, FP8_SCALING_CURRENT},
+      {"scaling=rowwise", FP8_RECIPE_SCALING, FP8_SCALING_ROWWISE},
+      {"scaling=block", FP8_RECIPE_SCALING, FP8_SCALING_BLOCK},
+      {"power_2_scales=auto", FP8_RECIPE_POWER_2_SCALES, FP8_POWER_2_SCALES_AUTO},
+      {"power_2_scales=on", FP8_RECIPE_POWER_2_SCALES, 1},
+      {"power_2_scales=false", FP8_RECIPE_POWER_2_SCALES, 0},
   };
   for (const Case& c : cases) {
     int64_t mn = 0, mx = 0;
@@ -391,8 +396,9 @@ std::vector<BadText> bad_texts() {
       {"fp8_format=E5M2", {"fp8_format", "E5M2", "E4M3", "HYBRID"}},
       {"fp8_format=", {"fp8_format", "E4M3", "HYBRID"}},
       {"amax_compute_algo=min", {"amax_compute_algo", "min", "max", "most_recent"}},
-      {"scaling=dynamic", {"scaling", "dynamic", "delayed", "current"}},
-      {"scaling=1", {"scaling", "delayed", "current"}},
+      {"scaling=dynamic", {"scaling", "dynamic", "delayed", "current", "rowwise", "block"}},
+      {"scaling=1", {"scaling", "delayed", "current", "rowwise", "block"}},
+      {"power_2_scales=maybe", {"power_2_scales", "maybe", "auto", "on", "off"}},
       {"use_autocast_during_eval=yes", with(bools, {"use_autocast_during_eval", "yes"})},
       {"use_autocast_during_eval=2", with(bools, {"use_autocast_during_eval"})},
       // bad integers and out-of-range integers: name the key and give the range

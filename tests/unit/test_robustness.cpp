@@ -24,14 +24,14 @@ namespace {
 
 // ---- fp8_device_query: fp8_block_scaling --------------------------------------------------------
 
-TEST(DeviceInfo, BlockScalingOnHopperNeedsCublasLt129AndIsAlwaysOnBlackwell) {
-  // Hopper: cuBLASLt runs 1x128 / 128x128 block scales from 12.9 (cublasLtGetVersion() 120900) on.
+TEST(DeviceInfo, BlockScalingNeedsHopperAndCublasLt129) {
+  // Hopper: cuBLASLt runs per-row, 1x128 and 128x128 scales from 12.9 (cublasLtGetVersion() 120900) on.
   EXPECT_TRUE(fp8::fp8_block_scaling_supported(90, 120900));
   EXPECT_TRUE(fp8::fp8_block_scaling_supported(90, 130100));
   EXPECT_FALSE(fp8::fp8_block_scaling_supported(90, 120805));
-  // sm_100 and newer: with any cuBLASLt.
-  EXPECT_TRUE(fp8::fp8_block_scaling_supported(100, 120800));
-  EXPECT_TRUE(fp8::fp8_block_scaling_supported(120, 130000));
+  // Blackwell: cuBLASLt's block scaling there is MXFP8; these modes are refused.
+  EXPECT_FALSE(fp8::fp8_block_scaling_supported(100, 130100));
+  EXPECT_FALSE(fp8::fp8_block_scaling_supported(120, 130000));
   // Ada and older: never.
   EXPECT_FALSE(fp8::fp8_block_scaling_supported(89, 130100));
   EXPECT_FALSE(fp8::fp8_block_scaling_supported(80, 130100));

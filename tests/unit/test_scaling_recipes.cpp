@@ -941,3 +941,38 @@ TEST(CurrentScalingApi, OutputsCastInsideAnotherKernelRefuseACurrentState) {
   ASSERT_EQ(fp8_tensor_copy_to_host(d, after.data(), 256), FP8_OK);
   EXPECT_EQ(after, marker);
 }
+
+// A column-major grid (cuBLASLt's layout of 1x128 scales: the rows' scales of one K block side by
+// side) holds the same scale of each cell as the row-major one, at ptr[j * ld + i]; ld must cover
+// the grid's rows, and the codes do not change.
+TEST(RecipeQuantize, ColumnMajorGridsHoldTheSameScalesAtTheTransposedOffsets) {
+  for (ScaleMode mode : kModes) {
+    const int64_t rows = 200, cols = 300;
+    const std::vector<float> x = random_values(rows, cols, 77);
+    const ScaleGrid g = fp8::scale_grid(mode, rows, cols);
+    std::vector<float> row_major(static_cast<size_t>(g.rows * g.cols)), col_major(static_cast<size_t>(g.cols * (g.rows + 2)), kPadding);
+    std::vector<uint8_t> codes_r(static_cast<size_t>(rows * cols)), codes_c(codes_r.size());
+    fp8::RecipeQuantizeJob j{};
+    j.in = x.data();
+    j.in_dtype = FP8_DTYPE_F32;
+    j.rows = rows;
+    j.cols = cols;
+    j.out = codes_r.data();
+    j.out_scale_inv = {mode, row_major.data(), g.rows, g.cols, g.cols};
+    fp8::cpu_recipe_quantize(j);
+    j.out = codes_c.data();
+    j.out_scale_inv = {mode, col_major.data(), g.rows, g.cols, g.rows + 2, true};
+    fp8::cpu_recipe_quantize(j);
+    EXPECT_EQ(codes_c, codes_r) << fp8::scale_mode_name(mode);
+    for (int64_t i = 0; i < g.rows; ++i)
+      for (int64_t k = 0; k < g.cols; ++k) {
+        ASSERT_EQ(bits(col_major[static_cast<size_t>(k * (g.rows + 2) + i)]), bits(row_major[static_cast<size_t>(i * g.cols + k)]))
+            << fp8::scale_mode_name(mode) << " cell " << i << ", " << k;
+        EXPECT_EQ(col_major[static_cast<size_t>(k * (g.rows + 2) + g.rows)], kPadding) << "padding written";
+      }
+    j.out_scale_inv = {mode, col_major.data(), g.rows, g.cols, std::max<int64_t>(g.rows, 1) - 1, true};
+    if (g.rows > 1) {
+      EXPECT_THROW(fp8::cpu_recipe_quantize(j), fp8::Error) << "ld below the grid's rows";
+    }
+  }
+}

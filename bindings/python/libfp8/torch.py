@@ -55,7 +55,7 @@ _CHOICES = {
     "opt_level": {"O1": "O1", "O2": "O2", "O3": "O3"},
     "fp8_format": {"E4M3": "E4M3", "HYBRID": "HYBRID"},
     "amax_compute_algo": {"max": "max", "most_recent": "most_recent"},
-    "scaling": {"delayed": "delayed", "current": "current"},
+    "scaling": {"delayed": "delayed", "current": "current", "rowwise": "rowwise", "block": "block"},
 }
 _RANGES = {"margin": (0, 32), "interval": (1, 1000000), "amax_history_len": (1, 16384)}
 
@@ -63,8 +63,10 @@ _RANGES = {"margin": (0, 32), "interval": (1, 1000000), "amax_history_len": (1, 
 class Recipe:
     """How FP8 training is done: every field of Accelerate's FP8RecipeKwargs, with its defaults
     (backend "auto" prefers MS-AMP, as Accelerate documents), plus libfp8's small_layer_fallback,
-    power_2_scales and scaling ("delayed", Accelerate's and TransformerEngine's DelayedScaling, or
-    "current": each cast scaled by the amax of the tensor it casts).
+    power_2_scales (True, False or "auto": on for block scaling) and scaling ("delayed",
+    Accelerate's and TransformerEngine's DelayedScaling; "current": each cast scaled by the amax of
+    the tensor it casts; "rowwise": one scale per row along K; "block": 1x128 blocks of activations
+    and gradients, 128x128 blocks of weights).
 
     Immutable once made; equal recipes compare equal. A bad value raises ValueError (TypeError for
     a wrong type) naming the field and what it accepts."""
@@ -76,7 +78,7 @@ class Recipe:
     def __init__(self, backend="auto", opt_level="O2", margin=0, interval=1, fp8_format="HYBRID",
                  amax_history_len=1024, amax_compute_algo="most_recent",
                  override_linear_precision=(False, False, False), use_autocast_during_eval=False,
-                 small_layer_fallback=True, power_2_scales=False, scaling="delayed"):
+                 small_layer_fallback=True, power_2_scales="auto", scaling="delayed"):
         def choice(field, value):
             lower = ("backend", "amax_compute_algo", "scaling")
             key = value.lower() if isinstance(value, str) and field in lower else value
@@ -113,7 +115,7 @@ class Recipe:
         s(self, "override_linear_precision", tuple(flag("override_linear_precision", v) for v in olp))
         s(self, "use_autocast_during_eval", flag("use_autocast_during_eval", use_autocast_during_eval))
         s(self, "small_layer_fallback", flag("small_layer_fallback", small_layer_fallback))
-        s(self, "power_2_scales", flag("power_2_scales", power_2_scales))
+        s(self, "power_2_scales", "auto" if power_2_scales == "auto" else flag("power_2_scales", power_2_scales))
         s(self, "scaling", choice("scaling", scaling))
         c = _f.Recipe(self.text())  # libfp8 checks it again
         s(self, "_c", c)
@@ -143,7 +145,8 @@ class Recipe:
                 f"override_linear_precision={on(f)}/{on(d)}/{on(w)}, "
                 f"use_autocast_during_eval={on(self.use_autocast_during_eval)}, "
                 f"small_layer_fallback={on(self.small_layer_fallback)}, "
-                f"power_2_scales={on(self.power_2_scales)}, scaling={self.scaling}")
+                f"power_2_scales={'auto' if self.power_2_scales == 'auto' else on(self.power_2_scales)}, "
+                f"scaling={self.scaling}")
 
     def __eq__(self, other):
         return isinstance(other, Recipe) and str(self._c) == str(other._c)

@@ -137,6 +137,9 @@ pub const FP8_AMAX_ALGO_MAX: i32 = 0;
 pub const FP8_AMAX_ALGO_MOST_RECENT: i32 = 1;
 pub const FP8_SCALING_DELAYED: i32 = 0;
 pub const FP8_SCALING_CURRENT: i32 = 1;
+pub const FP8_SCALING_ROWWISE: i32 = 2;
+pub const FP8_SCALING_BLOCK: i32 = 3;
+pub const FP8_POWER_2_SCALES_AUTO: i32 = -1;
 
 pub type fp8_role_t = i32;
 pub const FP8_ROLE_FORWARD: fp8_role_t = 0;

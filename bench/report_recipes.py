@@ -1,0 +1,34 @@
+# Joins bench_recipes.json (libfp8's recipe quantize and scaled GEMMs) and peer_recipes.json
+# (torch._scaled_mm's modes) into issue 14's tables: quantize per mode as % of copy bandwidth (target
+# >= 85% at 8192x8192 and 16384x8192), and each GEMM mode's TFLOP/s against torch's same mode and
+# against libfp8's per-tensor GEMM. Missing rows print as "–". Usage: report_recipes.py ours.json peer.json
+import json, sys
+
+ours = json.load(open(sys.argv[1]))
+peer = {r["name"]: r for r in json.load(open(sys.argv[2]))} if len(sys.argv) > 2 else {}
+rows = {r["name"]: r for r in ours}
+copy = rows.get("d2d copy 1 GiB", {}).get("gbps")
+
+print("| quantize (bf16 in) | ms | GB/s | of copy | target |")
+print("|---|---|---|---|---|")
+for r in ours:
+    if not r["name"].startswith("recipe quantize"):
+        continue
+    share = r["gbps"] / copy if copy else None
+    print(f"| {r['name'][len('recipe quantize '):]} | {r['ms']:.4f} | {r['gbps']:.0f} | "
+          f"{'–' if share is None else f'{100 * share:.1f}%'} | >= 85%: {'met' if share and share >= 0.85 else 'NOT met'} |")
+
+print()
+print("| GEMM m x n x k | mode | libfp8 ms | TFLOP/s | torch._scaled_mm ms | vs torch | vs libfp8 per-tensor |")
+print("|---|---|---|---|---|---|---|")
+for r in ours:
+    if not r["name"].startswith("libfp8 gemm "):
+        continue
+    rest = r["name"][len("libfp8 gemm "):]
+    mode, shape = rest.rsplit(" ", 1)
+    t = peer.get(f"torch._scaled_mm {mode} {shape}")
+    base = rows.get(f"libfp8 gemm per-tensor{' fast' if mode.endswith('fast') else ''} {shape}")
+    vs_t = "–" if not t else f"{t['ms'] / r['ms']:.2f}x"
+    vs_b = "–" if not base else f"{base['ms'] / r['ms']:.2f}x"
+    print(f"| {shape} | {mode} | {r['ms']:.4f} | {r['tflops']:.0f} | {'–' if not t else round(t['ms'], 4)} | "
+          f"{vs_t} | {vs_b} |")
