@@ -1018,6 +1018,10 @@ typedef struct fp8_layer_report {
   int64_t fallback_calls; /**< forwards under FP8 that fell back in whole or in part */
   char reason[200];       /**< why the latest forward under FP8 fell back, or why conversion left the
                                layer in high precision ("not converted: ..."); "" otherwise */
+  /* Second release. */
+  int32_t scaling;        /**< FP8_SCALING_* of the layer's FP8 casts (the conversion recipe's); -1
+                               when the layer is not converted */
+  int32_t reserved;       /**< 0 */
 } fp8_layer_report_t;
 FP8_API void fp8_layer_report_init(fp8_layer_report_t *report);
 FP8_API fp8_status_t fp8_layer_get_report(const fp8_model_t *model, int32_t layer_id, fp8_layer_report_t *report);

@@ -127,6 +127,27 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// A thread's share of a 128 x 128 tile of a row-major input, loaded 16 bytes at a time: chunk k is
+// the 16 columns from (tid & 7) * 16 of row tid / 8 + k * THREADS / 8. Every load is issued before
+// any is used, so a kernel can have the next tile's loads in flight while it works on this one.
+template <fp8_dtype_t DT, int THREADS>
+struct TileLoads128 {
+  static constexpr int kChunks = 128 * 128 / 16 / THREADS;  // 16-column chunks per thread
+  Vec8<DT> x[kChunks][2];
+  // Issues all loads of this thread's chunks of the tile at (R0, C0) (a whole tile, 16-byte aligned rows).
+  __device__ __forceinline__ void issue(const typename Wide<DT>::Raw* in, int64_t cols, int64_t R0, int64_t C0) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int ch = threadIdx.x + k * THREADS, r = ch >> 3, c = (ch & 7) * 16;
+      const typename Wide<DT>::Raw* p = in + (R0 + r) * cols + C0 + c;
+      x[k][0].load(p);
+      x[k][1].load(p + 8);
+    }
+  }
+  // Element i (0..15) of chunk k.
+  __device__ __forceinline__ float get(int k, int i) const { return x[k][i >> 3].get(i & 7); }
+};
+
 // The write half of a 128 x 128 byte-tile transpose (FP8 codes in shared memory, rows PITCH bytes
 // apart): 8 lanes write one output row (a tile column) of 16 codes each, one 16-byte store when
 // rows_aligned, else byte by byte. Used by cast_transpose and by the plain FP8 transpose.

@@ -19,20 +19,7 @@ constexpr int kThreads = 256;
 constexpr int kTile = 128, kTilePitch = 144;
 
 template <fp8_dtype_t DT>
-struct TileLoads {
-  static constexpr int kChunks = kTile * kTile / 16 / kThreads;  // 16-column chunks per thread
-  Vec8<DT> x[kChunks][2];
-  // Issues all loads of this thread's chunks of the tile at (R0, C0).
-  __device__ __forceinline__ void issue(const typename Wide<DT>::Raw* in, int64_t cols, int64_t R0, int64_t C0) {
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      const int ch = threadIdx.x + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
-      const typename Wide<DT>::Raw* p = in + (R0 + r) * cols + C0 + c;
-      x[k][0].load(p);
-      x[k][1].load(p + 8);
-    }
-  }
-};
+using TileLoads = TileLoads128<DT, kThreads>;
 
 static_assert(kTile == kBiasGradRows, "one partial column sum per tile row");
 

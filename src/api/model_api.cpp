@@ -449,6 +449,7 @@ FP8_API fp8_status_t fp8_layer_get_report(const fp8_model_t* model, int32_t laye
     r.fp8_calls = s.fp8_calls;
     r.fallback_calls = s.fallback_calls;
     std::snprintf(r.reason, sizeof r.reason, "%s", s.reason.c_str());
+    r.scaling = layer.converted() && model->recipe ? static_cast<int32_t>(model->recipe->get(FP8_RECIPE_SCALING)) : -1;
     fp8::write_versioned(report, r);
   });
 }

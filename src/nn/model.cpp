@@ -444,13 +444,20 @@ Parameter* find_parameter(fp8_model& m, const std::string& full_name) {
 std::string model_report(const fp8_model& m) {
   std::ostringstream os;
   char line[512];
-  std::snprintf(line, sizeof line, "%-16s %-10s %-9s %-5s %-5s %-5s %9s %9s  %s\n", "layer", "kind", "converted",
-                "fprop", "dgrad", "wgrad", "fp8 calls", "fallbacks", "reason");
+  std::snprintf(line, sizeof line, "%-16s %-10s %-9s %-8s %-5s %-5s %-5s %9s %9s  %s\n", "layer", "kind", "converted",
+                "scaling", "fprop", "dgrad", "wgrad", "fp8 calls", "fallbacks", "reason");
   os << line;
+  // The recipe's scaling names, as its text form has them.
+  const char* scaling = "-";
+  if (m.recipe) {
+    const AttrSpec* spec = recipe_attr_spec(FP8_RECIPE_SCALING);
+    scaling = spec->names[m.recipe->get(FP8_RECIPE_SCALING) - spec->min];
+  }
   for (const auto& l : m.layers) {
     const LayerStats& s = l->stats();
-    std::snprintf(line, sizeof line, "%-16s %-10s %-9s %-5s %-5s %-5s %9lld %9lld  %s\n", l->name().c_str(),
-                  kind_name(l->kind()), l->converted() ? "yes" : "no", precision(s.fprop), precision(s.dgrad),
+    std::snprintf(line, sizeof line, "%-16s %-10s %-9s %-8s %-5s %-5s %-5s %9lld %9lld  %s\n", l->name().c_str(),
+                  kind_name(l->kind()), l->converted() ? "yes" : "no", l->converted() ? scaling : "-",
+                  precision(s.fprop), precision(s.dgrad),
                   precision(s.wgrad), static_cast<long long>(s.fp8_calls), static_cast<long long>(s.fallback_calls),
                   s.reason.c_str());
     os << line;

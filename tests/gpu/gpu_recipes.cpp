@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -354,9 +355,14 @@ void check_scaled_gemm(ScaleMode ma, ScaleMode mb, int64_t m, int64_t n, int64_t
         sum += a.values[static_cast<size_t>(i * k + kk)] * b.values[static_cast<size_t>(j * k + kk)];
       want[static_cast<size_t>(i * n + j)] = sum;
     }
-  // FP32 accumulation of dequantised products (k up to 1040): ~1e-6; a bf16 D rounds once more.
+  // The bounds of gpu_gemm's per-tensor cases: the tensor cores' FP8 accumulation (promoted to FP32
+  // every 128 K under block scales), looser with fast accumulation; a bf16 D rounds once more.
   const double err = fp8test::relative_error(got, want);
-  EXPECT_LT(err, bf16_out ? 4e-3 : 1e-4);
+  const double bound = bf16_out ? 5e-3 : g.fast_accumulation ? 3e-3 : 5e-4;
+  EXPECT_LT(err, bound);
+  std::printf("  %s x %s m=%lld n=%lld k=%lld %s%s: rel err %.2e (bound %.0e)\n", fp8::scale_mode_name(ma),
+              fp8::scale_mode_name(mb), static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+              bf16_out ? "bf16 + bias" : "f32", g.fast_accumulation ? " fast" : "", err, bound);
   EXPECT_GT(fp8test::norm2(want), 0.0);
 }
 

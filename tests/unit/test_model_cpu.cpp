@@ -1756,6 +1756,10 @@ TEST(ModelReport, ListsEveryLayerWithItsPrecisionAndReason) {
   EXPECT_NE(l_odd.find("in_features"), std::string::npos) << l_odd;
   EXPECT_NE(l_ln.find("layernorm"), std::string::npos) << l_ln;
   EXPECT_NE(l_ln.find("high"), std::string::npos) << l_ln;  // a wide y
+  EXPECT_NE(l_fc1.find("delayed"), std::string::npos) << l_fc1;
+  EXPECT_EQ(l_odd.find("delayed"), std::string::npos) << l_odd;  // not converted
+  EXPECT_EQ(report_of(model.get(), fc1).scaling, FP8_SCALING_DELAYED);
+  EXPECT_EQ(report_of(model.get(), odd).scaling, -1);
 }
 
 TEST(ModelLayout, LayersAndParametersInOrderOfAddition) {

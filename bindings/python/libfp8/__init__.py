@@ -672,7 +672,7 @@ class LayerReport(ctypes.Structure):
     """fp8_layer_report_t."""
     _fields_ = [("struct_size", ctypes.c_uint32), ("kind", _i32), ("converted", _i32), ("fprop", _i32),
                 ("dgrad", _i32), ("wgrad", _i32), ("fp8_calls", _i64), ("fallback_calls", _i64),
-                ("reason", ctypes.c_char * 200)]
+                ("reason", ctypes.c_char * 200), ("scaling", _i32), ("reserved", _i32)]
 
 
 def layer_report(model, layer_id):

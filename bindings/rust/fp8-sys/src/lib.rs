@@ -251,6 +251,8 @@ pub struct fp8_layer_report {
     pub fp8_calls: i64,
     pub fallback_calls: i64,
     pub reason: [c_char; 200],
+    pub scaling: i32,
+    pub reserved: i32,
 }
 pub type fp8_layer_report_t = fp8_layer_report;
 
