@@ -1100,7 +1100,8 @@ fn rust_layouts() -> Vec<Layout> {
             nonfinite_count }
         fp8_gemm_options { struct_size, alpha, accumulate, fast_accumulation }
         fp8_convert_options { struct_size, to_fp8, linear, norm, activation }
-        fp8_layer_report { struct_size, kind, converted, fprop, dgrad, wgrad, fp8_calls, fallback_calls, reason }
+        fp8_layer_report { struct_size, kind, converted, fprop, dgrad, wgrad, fp8_calls, fallback_calls, reason,
+            scaling, reserved }
         fp8_optimizer_stats { struct_size, steps, skipped_steps, last_skipped, last_grad_norm, parameters,
             state_bytes, opt_level, training_bytes }
         fp8_comm_id { bytes }
