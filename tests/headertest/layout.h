@@ -54,7 +54,9 @@
   X(fp8_layer_report_t, fp8_calls, 24, 8)            \
   X(fp8_layer_report_t, fallback_calls, 32, 8)       \
   X(fp8_layer_report_t, reason, 40, 200)             \
-  S(fp8_layer_report_t, 240)                         \
+  X(fp8_layer_report_t, scaling, 240, 4)             \
+  X(fp8_layer_report_t, reserved, 244, 4)            \
+  S(fp8_layer_report_t, 248)                         \
   X(fp8_optimizer_stats_t, struct_size, 0, 4)        \
   X(fp8_optimizer_stats_t, steps, 8, 8)              \
   X(fp8_optimizer_stats_t, skipped_steps, 16, 8)     \
