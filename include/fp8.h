@@ -89,7 +89,7 @@ struct CUstream_st;
  * --------------------------------------------------------------------------------------------- */
 
 #define FP8_VERSION_MAJOR 0
-#define FP8_VERSION_MINOR 1
+#define FP8_VERSION_MINOR 2
 #define FP8_VERSION_PATCH 0
 /** MAJOR*10000 + MINOR*100 + PATCH, the same formula as fp8_version_number(). */
 #define FP8_VERSION_NUMBER (FP8_VERSION_MAJOR * 10000 + FP8_VERSION_MINOR * 100 + FP8_VERSION_PATCH)
@@ -622,6 +622,67 @@ FP8_API void fp8_gemm_options_init(fp8_gemm_options_t *options);
 FP8_API fp8_status_t fp8_gemm(fp8_context_t *ctx, const fp8_tensor_t *a, const fp8_tensor_t *b,
                               const fp8_tensor_t *bias, fp8_tensor_t *d, fp8_scaling_t *d_scaling,
                               const fp8_gemm_options_t *options);
+
+/* ------------------------------------------------------------------------------------------------
+ * Scale grids: casts and GEMMs with a scale per row or per block (the rowwise and block recipes'
+ * operands, for callers that drive the GEMMs themselves). Since 0.2.
+ *
+ * An FP8 operand viewed as a matrix [rows, cols] (cols = its last dimension, the K of the GEMM that
+ * reads it) has a grid of dequantisation scales, one per cell of the mode:
+ *   FP8_SCALE_MODE_ROW            one row;
+ *   FP8_SCALE_MODE_BLOCK_1X128    128 consecutive elements of a row (the last may be shorter);
+ *   FP8_SCALE_MODE_BLOCK_128X128  a 128 x 128 block (shorter at the bottom and right edges).
+ * The grid is an F32 tensor whose shape fp8_scale_grid_shape gives, laid out as fp8_gemm_scaled
+ * (cuBLASLt) reads it, with c = ceil(cols / 128):
+ *   ROW            [rows, 1]: the scale of row r at r;
+ *   BLOCK_1X128    [c, rows]: the scale of row r's block j at j * rows + r (one block of K, every row);
+ *   BLOCK_128X128  [ceil(rows / 128), c rounded up to a multiple of 4]: block (i, j) at i * ld + j
+ *                  (the padding columns are never read or written).
+ * fp8_quantize_scaled's tensor `out` keeps its own scale_inv unchanged (the grid holds the scales).
+ * --------------------------------------------------------------------------------------------- */
+
+typedef int32_t fp8_scale_mode_t;
+#define FP8_SCALE_MODE_ROW 1
+#define FP8_SCALE_MODE_BLOCK_1X128 2
+#define FP8_SCALE_MODE_BLOCK_128X128 3
+
+/** [out] shape: the 2 sizes of the F32 grid of an FP8 operand of [rows, cols] (rows, cols >= 0) in
+ *  `mode`, as above. */
+FP8_API fp8_status_t fp8_scale_grid_shape(fp8_scale_mode_t mode, int64_t rows, int64_t cols, int64_t *shape);
+
+/**
+ * Quantises `in` (F32, F16 or BF16, viewed as [rows, cols]) into `out` (E4M3 or E5M2, in's shape)
+ * with a scale per cell of `mode`: each the current-scaling rule (see "Current scaling") applied to
+ * the amax of the cell's elements, with `recipe`'s margin and power_2_scales (auto: on for the
+ * block modes, off for ROW); out_scales (F32, fp8_scale_grid_shape(mode, rows, cols)) receives
+ * 1/scale per cell. [out] out_transposed (may be NULL): the [cols, rows] copy for a GEMM that reads
+ * the operand transposed, quantised along its own rows from `in` (not transposed codes, except for
+ * BLOCK_128X128, where the two are the same), with out_t_scales of fp8_scale_grid_shape(mode, cols,
+ * rows) (NULL exactly when out_transposed is). A cell whose amax is NaN or infinite gets scale 1.
+ * Bit-identical on the CPU and the GPU. The per-row mode reads `in` twice (its amaxes span tiles);
+ * its first call on a context of a given rows + cols allocates the context's workspace for them
+ * (synchronous, not during graph capture). Asynchronous. Outputs must not overlap `in` or each
+ * other.
+ */
+FP8_API fp8_status_t fp8_quantize_scaled(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_scale_mode_t mode,
+                                         const fp8_recipe_t *recipe, fp8_tensor_t *out, fp8_tensor_t *out_scales,
+                                         fp8_tensor_t *out_transposed, fp8_tensor_t *out_t_scales);
+
+/**
+ * D = alpha * A * B^T (+ bias) (+ D if options->accumulate) with grids of scales: a [m, k] FP8 with
+ * a_scales in a_mode, b [n, k] FP8 with b_scales in b_mode (2-D, as fp8_quantize_scaled makes
+ * them), d [m, n] F32, F16 or BF16 (not FP8: its scale would need all of D first), bias as for
+ * fp8_gemm. The mode pairs: ROW x ROW, BLOCK_1X128 x BLOCK_1X128, BLOCK_1X128 x BLOCK_128X128 and
+ * BLOCK_128X128 x BLOCK_1X128 (cuBLASLt has no 128x128 x 128x128 GEMM); E5M2 x E5M2 is refused.
+ * options->fast_accumulation with ROW scales only (cuBLASLt accumulates block-scaled GEMMs in full
+ * precision). On the GPU it needs fp8_device_info_t.fp8_block_scaling (sm_90, cuBLASLt >= 12.9;
+ * FP8_ERR_UNSUPPORTED naming the device otherwise), m and n multiples of 8 and k of 16
+ * (FP8_ERR_SHAPE); the CPU backend takes any shape. Asynchronous.
+ */
+FP8_API fp8_status_t fp8_gemm_scaled(fp8_context_t *ctx, const fp8_tensor_t *a, fp8_scale_mode_t a_mode,
+                                     const fp8_tensor_t *a_scales, const fp8_tensor_t *b, fp8_scale_mode_t b_mode,
+                                     const fp8_tensor_t *b_scales, const fp8_tensor_t *bias, fp8_tensor_t *d,
+                                     const fp8_gemm_options_t *options);
 
 /* ------------------------------------------------------------------------------------------------
  * Activations (forward and backward), with an optional FP8 output for the GEMM that follows

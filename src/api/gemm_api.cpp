@@ -120,4 +120,75 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
   });
 }
 
+FP8_API fp8_status_t fp8_gemm_scaled(fp8_context_t* ctx, const fp8_tensor_t* a, fp8_scale_mode_t a_mode,
+                                     const fp8_tensor_t* a_scales, const fp8_tensor_t* b, fp8_scale_mode_t b_mode,
+                                     const fp8_tensor_t* b_scales, const fp8_tensor_t* bias, fp8_tensor_t* d,
+                                     const fp8_gemm_options_t* options) {
+  return guard("fp8_gemm_scaled", [&] {
+    require_arg(ctx, "ctx");
+    require_arg(a, "a");
+    require_arg(a_scales, "a_scales");
+    require_arg(b, "b");
+    require_arg(b_scales, "b_scales");
+    require_arg(d, "d");
+    const fp8::ScaleMode am = fp8::scale_mode_of(a_mode, "a_mode"), bm = fp8::scale_mode_of(b_mode, "b_mode");
+    fp8_gemm_options_t opts;
+    fp8_gemm_options_init(&opts);
+    if (options) fp8::read_versioned(opts, options, fp8::kGemmOptionsV1Size, "options", "fp8_gemm_options_init");
+    for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"}, {a_scales, "a_scales"}, {b, "b"},
+                           {b_scales, "b_scales"}, {d, "d"}, {bias, "bias"}})
+      if (t) fp8::require_same_context(ctx, t, name);
+    fp8::require_fp8(a, "a");
+    fp8::require_fp8(b, "b");
+    if (a->dtype == FP8_DTYPE_E5M2 && b->dtype == FP8_DTYPE_E5M2)
+      fp8::fail(FP8_ERR_DTYPE, "a and b are both e5m2; FP8 GEMMs take e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3");
+    if (d->dtype != FP8_DTYPE_F32 && d->dtype != FP8_DTYPE_BF16)
+      fp8::fail(FP8_ERR_DTYPE, "d has dtype ", fp8::dtype_name(d->dtype), "; expected bf16 or f32 (GEMMs with scale grids "
+                "write no FP8 D)");
+    if (a->ndim < 1) fp8::fail(FP8_ERR_SHAPE, "a has shape [] (a scalar); expected [.., k]");
+    const int64_t k = a->cols(), m = a->rows();
+    if (b->ndim != 2 || b->shape[1] != k)
+      fp8::fail(FP8_ERR_SHAPE, "b has shape ", fp8::shape_string(b->ndim, b->shape), ", expected [n, ", k,
+                "] (k = the last dimension of a)");
+    const int64_t n = b->shape[0];
+    if (k == 0) fp8::fail(FP8_ERR_SHAPE, "k = 0 (the last dimension of a and b); expected k > 0");
+    const int64_t want_d[2] = {m, n};
+    if (d->ndim != 2 || d->shape[0] != m || d->shape[1] != n)
+      fp8::fail(FP8_ERR_SHAPE, "d has shape ", fp8::shape_string(d->ndim, d->shape), ", expected ",
+                fp8::shape_string(2, want_d), " (m rows of a, n rows of b)");
+    if (bias) {
+      if (bias->dtype != FP8_DTYPE_BF16)
+        fp8::fail(FP8_ERR_DTYPE, "bias has dtype ", fp8::dtype_name(bias->dtype), "; expected bf16");
+      if (bias->ndim != 1 || bias->shape[0] != n)
+        fp8::fail(FP8_ERR_SHAPE, "bias has shape ", fp8::shape_string(bias->ndim, bias->shape), ", expected [", n, "]");
+    }
+    fp8::GemmJob job{};
+    job.a_scale_inv = fp8::require_grid(a_scales, "a_scales", am, m, k, "a");
+    job.b_scale_inv = fp8::require_grid(b_scales, "b_scales", bm, n, k, "b");
+    for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"}, {b, "b"}, {d, "d"}, {bias, "bias"},
+                           {a_scales, "a_scales"}, {b_scales, "b_scales"}})
+      if (t) require_aligned(t, name);
+    for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"}, {b, "b"}, {bias, "bias"},
+                           {a_scales, "a_scales"}, {b_scales, "b_scales"}})
+      if (t) fp8::require_disjoint(d, "d", t, name);
+    job.a = a->data;
+    job.b = b->data;
+    job.a_dtype = a->dtype;
+    job.b_dtype = b->dtype;
+    job.m = m;
+    job.n = n;
+    job.k = k;
+    job.bias = bias ? bias->data : nullptr;
+    job.bias_dtype = FP8_DTYPE_BF16;
+    job.d = d->data;
+    job.d_dtype = d->dtype;
+    job.alpha = opts.alpha;
+    job.accumulate = opts.accumulate != 0;
+    job.fast_accumulation = opts.fast_accumulation != 0;
+    fp8::check_gemm_scales(job, ctx->backend->describe().c_str());  // the pairs and settings, before any work
+    if (m == 0 || n == 0) return;  // nothing to compute
+    ctx->backend->gemm(job);
+  });
+}
+
 }  // extern "C"

@@ -164,4 +164,41 @@ void read_versioned(T& opts, const T* s, size_t v1_size, const char* name, const
   opts.struct_size = static_cast<uint32_t>(sizeof(T));
 }
 
+// An fp8_scale_mode_t as the backends' ScaleMode; FP8_ERR_INVALID_ARGUMENT naming `name` otherwise.
+inline ScaleMode scale_mode_of(fp8_scale_mode_t mode, const char* name) {
+  switch (mode) {
+    case FP8_SCALE_MODE_ROW: return ScaleMode::kRow;
+    case FP8_SCALE_MODE_BLOCK_1X128: return ScaleMode::kBlock1x128;
+    case FP8_SCALE_MODE_BLOCK_128X128: return ScaleMode::kBlock128x128;
+    default:
+      fail(FP8_ERR_INVALID_ARGUMENT, name, " = ", mode, "; expected FP8_SCALE_MODE_ROW (1), FP8_SCALE_MODE_BLOCK_1X128 (2) "
+           "or FP8_SCALE_MODE_BLOCK_128X128 (3)");
+  }
+}
+
+// The shape of the F32 tensor that holds the grid of an operand of [rows, cols] in `mode`, laid out
+// as gemm_grid (backend/jobs.hpp) reads it (fp8.h, "Scale grids").
+inline void grid_tensor_shape(ScaleMode mode, int64_t rows, int64_t cols, int64_t shape[2]) {
+  const ScaleDesc d = gemm_grid(mode, rows, cols, nullptr);
+  if (mode == ScaleMode::kBlock1x128) {
+    shape[0] = d.cols, shape[1] = rows;  // column-major: a row of the tensor per block of K
+  } else {
+    shape[0] = d.rows, shape[1] = d.cols == 0 ? 0 : d.ld;
+  }
+}
+
+// Checks that `grid` is a 2-D F32 tensor of the shape an operand of [rows, cols] has in `mode`
+// (naming `name`, `operand` and the expected shape), and returns its descriptor.
+inline ScaleDesc require_grid(const fp8_tensor* grid, const char* name, ScaleMode mode, int64_t rows, int64_t cols,
+                              const char* operand) {
+  int64_t want[2];
+  grid_tensor_shape(mode, rows, cols, want);
+  if (grid->dtype != FP8_DTYPE_F32)
+    fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(grid->dtype), "; scale grids are f32");
+  if (grid->ndim != 2 || grid->shape[0] != want[0] || grid->shape[1] != want[1])
+    fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(grid->ndim, grid->shape), ", expected ", shape_string(2, want),
+         " (the ", scale_mode_name(mode), " grid of ", operand, ", [", rows, ", ", cols, "]: fp8_scale_grid_shape)");
+  return gemm_grid(mode, rows, cols, static_cast<float*>(grid->data));
+}
+
 }  // namespace fp8

@@ -54,6 +54,7 @@ class CudaBackend final : public Backend {
       }
     gemm_.reset();
     cudaFree(scratch_);
+    cudaFree(recipe_workspace_);
   }
 
   int32_t device() const override { return limits_.device; }
@@ -206,10 +207,21 @@ class CudaBackend final : public Backend {
   }
   void recipe_quantize(const RecipeQuantizeJob& job) override {
     check_recipe_quantize(job);
-    const size_t ws = recipe_quantize_workspace(job.out_scale_inv.mode, job.rows, job.cols);
-    if (ws > 0) require_arg(job.workspace, "workspace");
     DeviceScope scope(limits_.device);
-    kernels::recipe_quantize(job, limits_, stream_);
+    const size_t ws = recipe_quantize_workspace(job.out_scale_inv.mode, job.rows, job.cols);
+    if (ws == 0 || job.workspace) return kernels::recipe_quantize(job, limits_, stream_);
+    // A caller without a workspace (fp8_quantize_scaled) gets the context's, grown on demand: after
+    // the work queued so far, since earlier casts on this stream may still read the old one.
+    if (ws > recipe_workspace_bytes_) {
+      wait(stream_, "cudaStreamSynchronize (growing the recipe workspace)");
+      void* fresh = native_allocate(ws);
+      native_release(recipe_workspace_);
+      recipe_workspace_ = fresh;
+      recipe_workspace_bytes_ = ws;
+    }
+    RecipeQuantizeJob j = job;
+    j.workspace = static_cast<uint32_t*>(recipe_workspace_);
+    kernels::recipe_quantize(j, limits_, stream_);
   }
   void bias_grad(const BiasGradJob& job) override {
     DeviceScope scope(limits_.device);
@@ -375,6 +387,8 @@ class CudaBackend final : public Backend {
   // size: see kMaxNormBackwardDim): 16 MiB, allocated once so that no call allocates.
   static constexpr size_t kScratchFloats = kNormScratchFloats;
   float* scratch_ = nullptr;
+  void* recipe_workspace_ = nullptr;  // recipe_quantize's amaxes for callers without a workspace
+  size_t recipe_workspace_bytes_ = 0;
 };
 
 }  // namespace

@@ -420,5 +420,56 @@ TEST(GpuScaledGemm, LayoutsAndShapesCublasLtCannotTakeAreRefused) {
   refused(odd, FP8_ERR_SHAPE, "multiples of 8");
 }
 
+// ---- The scale-grid API on both backends -------------------------------------------------------
+
+// fp8_quantize_scaled bit for bit on the GPU and the CPU (codes and grids of both layouts), then
+// fp8_gemm_scaled on those operands within gpu_gemm's bounds of the CPU's float64 sums.
+TEST(GpuScaleGridApi, QuantizeScaledIsBitExactAndGemmScaledMatchesTheCpu) {
+  if (!scaled_gemms_here()) GTEST_SKIP() << "per-row and block-scaled GEMMs need sm_90 and cuBLASLt >= 12.9";
+  using fp8test::Tensor;
+  fp8test::Context cpu = fp8test::make_context(FP8_DEVICE_CPU), gpu = fp8test::make_context(0);
+  fp8test::Recipe recipe = fp8test::make_recipe("");
+  const int64_t m = 264, n = 136, k = 528;
+  const auto grid = [](fp8_context_t* ctx, fp8_scale_mode_t mode, int64_t rows, int64_t cols) {
+    int64_t shape[2];
+    EXPECT_EQ(fp8_scale_grid_shape(mode, rows, cols, shape), FP8_OK);
+    return fp8test::make_tensor(ctx, FP8_DTYPE_F32, {shape[0], shape[1]});
+  };
+  const std::vector<uint8_t> xa = fp8test::to_wide_bytes(FP8_DTYPE_BF16, fp8test::normal_floats(m * k, 5, 0.0f, 3.0f));
+  const std::vector<uint8_t> xb = fp8test::to_wide_bytes(FP8_DTYPE_BF16, fp8test::normal_floats(n * k, 6, 0.0f, 0.01f));
+  for (auto [am, bm] : {std::pair{FP8_SCALE_MODE_ROW, FP8_SCALE_MODE_ROW},
+                        std::pair{FP8_SCALE_MODE_BLOCK_1X128, FP8_SCALE_MODE_BLOCK_128X128},
+                        std::pair{FP8_SCALE_MODE_BLOCK_128X128, FP8_SCALE_MODE_BLOCK_1X128},
+                        std::pair{FP8_SCALE_MODE_BLOCK_1X128, FP8_SCALE_MODE_BLOCK_1X128}}) {
+    SCOPED_TRACE(std::to_string(am) + " x " + std::to_string(bm));
+    std::vector<std::vector<float>> d_values;
+    std::vector<std::vector<uint8_t>> bytes;
+    for (fp8_context_t* ctx : {cpu.get(), gpu.get()}) {
+      Tensor a_in = fp8test::make_tensor(ctx, FP8_DTYPE_BF16, {m, k}), b_in = fp8test::make_tensor(ctx, FP8_DTYPE_BF16, {n, k});
+      fp8test::upload(a_in.get(), xa);
+      fp8test::upload(b_in.get(), xb);
+      Tensor a = fp8test::make_tensor(ctx, FP8_DTYPE_E4M3, {m, k}), at = fp8test::make_tensor(ctx, FP8_DTYPE_E4M3, {k, m});
+      Tensor b = fp8test::make_tensor(ctx, FP8_DTYPE_E5M2, {n, k}), d = fp8test::make_tensor(ctx, FP8_DTYPE_F32, {m, n});
+      Tensor ga = grid(ctx, am, m, k), gat = grid(ctx, am, k, m), gb = grid(ctx, bm, n, k);
+      ASSERT_EQ(fp8_quantize_scaled(ctx, a_in.get(), am, recipe.get(), a.get(), ga.get(), at.get(), gat.get()), FP8_OK)
+          << fp8_last_error_message();
+      ASSERT_EQ(fp8_quantize_scaled(ctx, b_in.get(), bm, recipe.get(), b.get(), gb.get(), nullptr, nullptr), FP8_OK)
+          << fp8_last_error_message();
+      ASSERT_EQ(fp8_gemm_scaled(ctx, a.get(), am, ga.get(), b.get(), bm, gb.get(), nullptr, d.get(), nullptr), FP8_OK)
+          << fp8_last_error_message();
+      std::vector<uint8_t> all;
+      for (const fp8_tensor_t* t : {a.get(), at.get(), ga.get(), gat.get(), b.get(), gb.get()}) {
+        const auto v = fp8test::download<uint8_t>(t);
+        all.insert(all.end(), v.begin(), v.end());
+      }
+      bytes.push_back(all);
+      d_values.push_back(fp8test::download<float>(d.get()));
+    }
+    EXPECT_EQ(bytes[1], bytes[0]) << "codes and grids differ between the GPU and the CPU";
+    const std::vector<double> want(d_values[0].begin(), d_values[0].end()), got(d_values[1].begin(), d_values[1].end());
+    EXPECT_LT(fp8test::relative_error(got, want), 5e-4);
+  }
+}
+
 }  // namespace
 

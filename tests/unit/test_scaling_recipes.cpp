@@ -976,3 +976,236 @@ TEST(RecipeQuantize, ColumnMajorGridsHoldTheSameScalesAtTheTransposedOffsets) {
     }
   }
 }
+
+// ---- The scale-grid API: fp8_scale_grid_shape, fp8_quantize_scaled, fp8_gemm_scaled ------------
+
+namespace api {
+
+struct Cpu {
+  Owned<fp8_context_t> ctx;
+  Owned<fp8_recipe_t> recipe;
+  Cpu() {
+    fp8_context_t* c = nullptr;
+    EXPECT_EQ(fp8_context_create(&c, FP8_DEVICE_CPU), FP8_OK);
+    ctx.reset(c);
+    fp8_recipe_t* r = nullptr;
+    EXPECT_EQ(fp8_recipe_create(&r), FP8_OK);
+    recipe.reset(r);
+  }
+  Owned<fp8_tensor_t> tensor(fp8_dtype_t dt, std::vector<int64_t> shape) {
+    fp8_tensor_t* t = nullptr;
+    EXPECT_EQ(fp8_tensor_create(&t, ctx.get(), dt, static_cast<int32_t>(shape.size()), shape.data()), FP8_OK)
+        << fp8_last_error_message();
+    return Owned<fp8_tensor_t>(t);
+  }
+  Owned<fp8_tensor_t> grid(fp8_scale_mode_t mode, int64_t rows, int64_t cols) {
+    int64_t shape[2] = {-1, -1};
+    EXPECT_EQ(fp8_scale_grid_shape(mode, rows, cols, shape), FP8_OK) << fp8_last_error_message();
+    return tensor(FP8_DTYPE_F32, {shape[0], shape[1]});
+  }
+};
+
+template <typename T>
+std::vector<T> host_of(const fp8_tensor_t* t) {
+  int64_t n = 0;
+  fp8_dtype_t dt = 0;
+  fp8_tensor_numel(t, &n);
+  fp8_tensor_dtype(t, &dt);
+  std::vector<T> v(static_cast<size_t>(n) * fp8_dtype_size(dt) / sizeof(T));
+  EXPECT_EQ(fp8_tensor_copy_to_host(t, v.data(), v.size() * sizeof(T)), FP8_OK);
+  return v;
+}
+
+ScaleMode mode_of(fp8_scale_mode_t m) {
+  return m == FP8_SCALE_MODE_ROW ? ScaleMode::kRow : m == FP8_SCALE_MODE_BLOCK_1X128 ? ScaleMode::kBlock1x128 : ScaleMode::kBlock128x128;
+}
+
+}  // namespace api
+
+// The grid shapes of fp8.h's "Scale grids" (cuBLASLt's layouts), and the refusals.
+TEST(ScaleGridApi, ShapesFollowTheLayoutCublasLtReads) {
+  struct Case {
+    fp8_scale_mode_t mode;
+    int64_t rows, cols, want0, want1;
+  };
+  const Case cases[] = {{FP8_SCALE_MODE_ROW, 300, 1000, 300, 1},         {FP8_SCALE_MODE_BLOCK_1X128, 300, 1000, 8, 300},
+                        {FP8_SCALE_MODE_BLOCK_128X128, 300, 1000, 3, 8}, {FP8_SCALE_MODE_BLOCK_128X128, 300, 300, 3, 4},
+                        {FP8_SCALE_MODE_BLOCK_128X128, 128, 640, 1, 8},  {FP8_SCALE_MODE_BLOCK_1X128, 7, 0, 0, 7},
+                        {FP8_SCALE_MODE_ROW, 7, 0, 7, 1},                {FP8_SCALE_MODE_BLOCK_128X128, 0, 5, 0, 4}};
+  for (const Case& c : cases) {
+    int64_t shape[2] = {-1, -1};
+    ASSERT_EQ(fp8_scale_grid_shape(c.mode, c.rows, c.cols, shape), FP8_OK) << fp8_last_error_message();
+    EXPECT_EQ(shape[0], c.want0) << c.mode << " [" << c.rows << ", " << c.cols << "]";
+    EXPECT_EQ(shape[1], c.want1) << c.mode << " [" << c.rows << ", " << c.cols << "]";
+  }
+  int64_t shape[2] = {-1, -1};
+  EXPECT_EQ(fp8_scale_grid_shape(0, 4, 4, shape), FP8_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fp8_last_error_message()).find("FP8_SCALE_MODE_ROW"), std::string::npos);
+  EXPECT_EQ(fp8_scale_grid_shape(FP8_SCALE_MODE_ROW, -1, 4, shape), FP8_ERR_SHAPE);
+  EXPECT_EQ(fp8_scale_grid_shape(FP8_SCALE_MODE_ROW, 4, 4, nullptr), FP8_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(shape[0], -1) << "a refusal writes nothing";
+}
+
+// fp8_quantize_scaled is the reference of each mode, in cuBLASLt's grid layout: the same codes and
+// the same scale per cell as the CPU reference with row-major grids, for both layouts.
+TEST(ScaleGridApi, QuantizeScaledIsTheReferenceInTheGemmLayout) {
+  api::Cpu cpu;
+  const int64_t rows = 200, cols = 300;
+  const std::vector<float> x = random_values(rows, cols, 91);
+  auto in = cpu.tensor(FP8_DTYPE_F32, {rows, cols});
+  ASSERT_EQ(fp8_tensor_copy_from_host(in.get(), x.data(), x.size() * 4), FP8_OK);
+  for (fp8_scale_mode_t m : {FP8_SCALE_MODE_ROW, FP8_SCALE_MODE_BLOCK_1X128, FP8_SCALE_MODE_BLOCK_128X128}) {
+    SCOPED_TRACE(m);
+    const ScaleMode mode = api::mode_of(m);
+    auto out = cpu.tensor(FP8_DTYPE_E5M2, {rows, cols}), out_t = cpu.tensor(FP8_DTYPE_E5M2, {cols, rows});
+    auto g = cpu.grid(m, rows, cols), gt = cpu.grid(m, cols, rows);
+    ASSERT_EQ(fp8_quantize_scaled(cpu.ctx.get(), in.get(), m, cpu.recipe.get(), out.get(), g.get(), out_t.get(), gt.get()),
+              FP8_OK)
+        << fp8_last_error_message();
+    Case k;
+    k.mode = mode;
+    k.e5m2 = true;
+    k.pow2 = mode != ScaleMode::kRow;  // power_2_scales=auto
+    const Result want = run_reference(x, rows, cols, k);
+    EXPECT_EQ(api::host_of<uint8_t>(out.get()), want.out.codes);
+    EXPECT_EQ(api::host_of<uint8_t>(out_t.get()), want.out_t.codes);
+    const std::vector<float> grid = api::host_of<float>(g.get()), grid_t = api::host_of<float>(gt.get());
+    const fp8::ScaleDesc d = fp8::gemm_grid(mode, rows, cols, nullptr), dt = fp8::gemm_grid(mode, cols, rows, nullptr);
+    for (int64_t i = 0; i < want.out.grid_rows; ++i)
+      for (int64_t j = 0; j < want.out.grid_cols; ++j)
+        ASSERT_EQ(bits(grid[static_cast<size_t>(d.at(i, j))]), bits(want.out.scale_inv[static_cast<size_t>(i * want.out.grid_cols + j)]))
+            << "cell " << i << ", " << j;
+    for (int64_t i = 0; i < want.out_t.grid_rows; ++i)
+      for (int64_t j = 0; j < want.out_t.grid_cols; ++j)
+        ASSERT_EQ(bits(grid_t[static_cast<size_t>(dt.at(i, j))]),
+                  bits(want.out_t.scale_inv[static_cast<size_t>(i * want.out_t.grid_cols + j)]))
+            << "transposed cell " << i << ", " << j;
+  }
+}
+
+// fp8_gemm_scaled on operands fp8_quantize_scaled made: the float64 sum of the dequantised
+// products (the CPU backend accumulates in double), plus a bf16 bias, for every pair.
+TEST(ScaleGridApi, GemmScaledIsTheSumOfTheDequantisedProducts) {
+  api::Cpu cpu;
+  const int64_t m = 40, n = 24, k = 300;
+  const std::vector<float> xa = random_values(m, k, 92, -4, 4), xb = random_values(n, k, 93, -4, 4);
+  auto a_in = cpu.tensor(FP8_DTYPE_F32, {m, k}), b_in = cpu.tensor(FP8_DTYPE_F32, {n, k});
+  ASSERT_EQ(fp8_tensor_copy_from_host(a_in.get(), xa.data(), xa.size() * 4), FP8_OK);
+  ASSERT_EQ(fp8_tensor_copy_from_host(b_in.get(), xb.data(), xb.size() * 4), FP8_OK);
+  std::vector<uint16_t> bias_bits(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) bias_bits[static_cast<size_t>(j)] = fp8::float_to_bf16(0.5f * static_cast<float>(j % 5) - 1.0f);
+  auto bias = cpu.tensor(FP8_DTYPE_BF16, {n});
+  ASSERT_EQ(fp8_tensor_copy_from_host(bias.get(), bias_bits.data(), bias_bits.size() * 2), FP8_OK);
+  for (auto [am, bm] : {std::pair{FP8_SCALE_MODE_ROW, FP8_SCALE_MODE_ROW},
+                        std::pair{FP8_SCALE_MODE_BLOCK_1X128, FP8_SCALE_MODE_BLOCK_1X128},
+                        std::pair{FP8_SCALE_MODE_BLOCK_1X128, FP8_SCALE_MODE_BLOCK_128X128},
+                        std::pair{FP8_SCALE_MODE_BLOCK_128X128, FP8_SCALE_MODE_BLOCK_1X128}}) {
+    SCOPED_TRACE(std::to_string(am) + " x " + std::to_string(bm));
+    auto a = cpu.tensor(FP8_DTYPE_E4M3, {m, k}), b = cpu.tensor(FP8_DTYPE_E5M2, {n, k});
+    auto ga = cpu.grid(am, m, k), gb = cpu.grid(bm, n, k);
+    ASSERT_EQ(fp8_quantize_scaled(cpu.ctx.get(), a_in.get(), am, cpu.recipe.get(), a.get(), ga.get(), nullptr, nullptr), FP8_OK);
+    ASSERT_EQ(fp8_quantize_scaled(cpu.ctx.get(), b_in.get(), bm, cpu.recipe.get(), b.get(), gb.get(), nullptr, nullptr), FP8_OK);
+    auto d = cpu.tensor(FP8_DTYPE_F32, {m, n});
+    ASSERT_EQ(fp8_gemm_scaled(cpu.ctx.get(), a.get(), am, ga.get(), b.get(), bm, gb.get(), bias.get(), d.get(), nullptr),
+              FP8_OK)
+        << fp8_last_error_message();
+    // Dequantise each operand through its grid, then sum in double.
+    const auto dequantised = [](const fp8_tensor_t* q, const fp8_tensor_t* grid, ScaleMode mode, int64_t rows, int64_t kk,
+                                bool e5m2) {
+      const std::vector<uint8_t> codes = api::host_of<uint8_t>(q);
+      const std::vector<float> g = api::host_of<float>(grid);
+      const fp8::ScaleDesc desc = fp8::gemm_grid(mode, rows, kk, nullptr);
+      const fp8::ScaleBlock blk = fp8::scale_block(mode, rows, kk);
+      std::vector<double> v(codes.size());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < kk; ++c)
+          v[static_cast<size_t>(r * kk + c)] = static_cast<double>(fp8::decode_fp8(codes[static_cast<size_t>(r * kk + c)], e5m2)) *
+                                               g[static_cast<size_t>(desc.at(r / blk.rows, c / blk.cols))];
+      return v;
+    };
+    const std::vector<double> va = dequantised(a.get(), ga.get(), api::mode_of(am), m, k, false),
+                              vb = dequantised(b.get(), gb.get(), api::mode_of(bm), n, k, true);
+    const std::vector<float> got = api::host_of<float>(d.get());
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double want = 0.0;
+        for (int64_t c = 0; c < k; ++c) want += va[static_cast<size_t>(i * k + c)] * vb[static_cast<size_t>(j * k + c)];
+        want += fp8::bf16_to_float(bias_bits[static_cast<size_t>(j)]);
+        ASSERT_NEAR(got[static_cast<size_t>(i * n + j)], want, 1e-6 * (std::fabs(want) + 1.0)) << i << ", " << j;
+      }
+  }
+}
+
+// Every misuse is refused naming the argument, D untouched.
+TEST(ScaleGridApi, MisuseIsRefusedNamingTheArgument) {
+  api::Cpu cpu;
+  const int64_t m = 16, n = 16, k = 256;
+  auto in = cpu.tensor(FP8_DTYPE_F32, {m, k}), a = cpu.tensor(FP8_DTYPE_E4M3, {m, k}), b = cpu.tensor(FP8_DTYPE_E4M3, {n, k});
+  auto b5 = cpu.tensor(FP8_DTYPE_E5M2, {n, k}), a5 = cpu.tensor(FP8_DTYPE_E5M2, {m, k});
+  auto g_row = cpu.grid(FP8_SCALE_MODE_ROW, m, k), g_1x = cpu.grid(FP8_SCALE_MODE_BLOCK_1X128, m, k);
+  auto g_2d = cpu.grid(FP8_SCALE_MODE_BLOCK_128X128, n, k), g_2d_a = cpu.grid(FP8_SCALE_MODE_BLOCK_128X128, m, k);
+  auto d = cpu.tensor(FP8_DTYPE_F32, {m, n}), d8 = cpu.tensor(FP8_DTYPE_E4M3, {m, n});
+  auto wrong = cpu.tensor(FP8_DTYPE_F32, {3, 3}), out_t = cpu.tensor(FP8_DTYPE_E4M3, {k, m});
+  const std::vector<float> marker(static_cast<size_t>(m * n), -5.0f);
+  ASSERT_EQ(fp8_tensor_copy_from_host(d.get(), marker.data(), marker.size() * 4), FP8_OK);
+  fp8_context_t* c = cpu.ctx.get();
+  struct Bad {
+    fp8_status_t status;
+    const char* fn;
+    std::vector<std::string> words;
+    fp8_status_t got;
+  };
+  fp8_gemm_options_t fast;
+  fp8_gemm_options_init(&fast);
+  fast.fast_accumulation = 1;
+  const Bad bad[] = {
+      {FP8_ERR_INVALID_ARGUMENT, "fp8_quantize_scaled", {"mode", "FP8_SCALE_MODE_ROW"},
+       fp8_quantize_scaled(c, in.get(), 7, cpu.recipe.get(), a.get(), g_row.get(), nullptr, nullptr)},
+      {FP8_ERR_SHAPE, "fp8_quantize_scaled", {"out_scales", "[16, 1]"},
+       fp8_quantize_scaled(c, in.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a.get(), wrong.get(), nullptr, nullptr)},
+      {FP8_ERR_INVALID_ARGUMENT, "fp8_quantize_scaled", {"out_t_scales"},
+       fp8_quantize_scaled(c, in.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a.get(), g_row.get(), out_t.get(), nullptr)},
+      {FP8_ERR_DTYPE, "fp8_quantize_scaled", {"in"},
+       fp8_quantize_scaled(c, a.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a5.get(), g_row.get(), nullptr, nullptr)},
+      {FP8_ERR_UNSUPPORTED, "fp8_gemm_scaled", {"128x128"},
+       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_128X128, g_2d_a.get(), b.get(), FP8_SCALE_MODE_BLOCK_128X128,
+                       g_2d.get(), nullptr, d.get(), nullptr)},
+      {FP8_ERR_UNSUPPORTED, "fp8_gemm_scaled", {"per-row", "1x128"},
+       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(),
+                       nullptr, d.get(), nullptr)},
+      {FP8_ERR_SHAPE, "fp8_gemm_scaled", {"b_scales"},
+       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(), b.get(), FP8_SCALE_MODE_BLOCK_128X128,
+                       wrong.get(), nullptr, d.get(), nullptr)},
+      {FP8_ERR_INVALID_ARGUMENT, "fp8_gemm_scaled", {"fast accumulation"},
+       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(), b.get(), FP8_SCALE_MODE_BLOCK_128X128,
+                       g_2d.get(), nullptr, d.get(), &fast)},
+      {FP8_ERR_DTYPE, "fp8_gemm_scaled", {"d", "bf16 or f32"},
+       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), FP8_SCALE_MODE_ROW, g_row.get(), nullptr,
+                       d8.get(), nullptr)},
+      {FP8_ERR_DTYPE, "fp8_gemm_scaled", {"e5m2"},
+       fp8_gemm_scaled(c, a5.get(), FP8_SCALE_MODE_ROW, g_row.get(), b5.get(), FP8_SCALE_MODE_ROW, g_row.get(), nullptr,
+                       d.get(), nullptr)},
+      {FP8_ERR_INVALID_ARGUMENT, "fp8_gemm_scaled", {"b_mode"},
+       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), 0, g_row.get(), nullptr, d.get(), nullptr)},
+  };
+  (void)fast;
+  for (const Bad& x : bad) {
+    EXPECT_EQ(x.got, x.status) << x.fn << " " << x.words.front();
+  }
+  // (The messages, each right after its call.)
+  for (const auto& [call, words] :
+       std::vector<std::pair<std::function<fp8_status_t()>, std::vector<std::string>>>{
+           {[&] { return fp8_quantize_scaled(c, in.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a.get(), wrong.get(), nullptr, nullptr); },
+            {"fp8_quantize_scaled", "out_scales", "[16, 1]"}},
+           {[&] { return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_128X128, g_2d_a.get(), b.get(),
+                                         FP8_SCALE_MODE_BLOCK_128X128, g_2d.get(), nullptr, d.get(), nullptr); },
+            {"fp8_gemm_scaled", "128x128", "1x128"}},
+           {[&] { return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(), b.get(),
+                                         FP8_SCALE_MODE_BLOCK_128X128, wrong.get(), nullptr, d.get(), nullptr); },
+            {"fp8_gemm_scaled", "b_scales", "fp8_scale_grid_shape"}}}) {
+    EXPECT_NE(call(), FP8_OK);
+    const std::string msg = fp8_last_error_message();
+    for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "no \"" << w << "\" in: " << msg;
+  }
+  EXPECT_EQ(api::host_of<float>(d.get()), marker) << "a refused GEMM wrote D";
+}

@@ -35,7 +35,7 @@ macro_rules! opaque {
 /* ---- version ------------------------------------------------------------------------------- */
 
 pub const FP8_VERSION_MAJOR: u32 = 0;
-pub const FP8_VERSION_MINOR: u32 = 1;
+pub const FP8_VERSION_MINOR: u32 = 2;
 pub const FP8_VERSION_PATCH: u32 = 0;
 /// MAJOR*10000 + MINOR*100 + PATCH, the same formula as `fp8_version_number()`.
 pub const FP8_VERSION_NUMBER: u32 = FP8_VERSION_MAJOR * 10000 + FP8_VERSION_MINOR * 100 + FP8_VERSION_PATCH;
@@ -140,6 +140,11 @@ pub const FP8_SCALING_CURRENT: i32 = 1;
 pub const FP8_SCALING_ROWWISE: i32 = 2;
 pub const FP8_SCALING_BLOCK: i32 = 3;
 pub const FP8_POWER_2_SCALES_AUTO: i32 = -1;
+
+pub type fp8_scale_mode_t = i32;
+pub const FP8_SCALE_MODE_ROW: fp8_scale_mode_t = 1;
+pub const FP8_SCALE_MODE_BLOCK_1X128: fp8_scale_mode_t = 2;
+pub const FP8_SCALE_MODE_BLOCK_128X128: fp8_scale_mode_t = 3;
 
 pub type fp8_role_t = i32;
 pub const FP8_ROLE_FORWARD: fp8_role_t = 0;
@@ -454,6 +459,30 @@ extern "C" {
         bias: *const fp8_tensor_t,
         d: *mut fp8_tensor_t,
         d_scaling: *mut fp8_scaling_t,
+        options: *const fp8_gemm_options_t,
+    ) -> fp8_status_t;
+
+    pub fn fp8_scale_grid_shape(mode: fp8_scale_mode_t, rows: i64, cols: i64, shape: *mut i64) -> fp8_status_t;
+    pub fn fp8_quantize_scaled(
+        ctx: *mut fp8_context_t,
+        in_: *const fp8_tensor_t,
+        mode: fp8_scale_mode_t,
+        recipe: *const fp8_recipe_t,
+        out: *mut fp8_tensor_t,
+        out_scales: *mut fp8_tensor_t,
+        out_transposed: *mut fp8_tensor_t,
+        out_t_scales: *mut fp8_tensor_t,
+    ) -> fp8_status_t;
+    pub fn fp8_gemm_scaled(
+        ctx: *mut fp8_context_t,
+        a: *const fp8_tensor_t,
+        a_mode: fp8_scale_mode_t,
+        a_scales: *const fp8_tensor_t,
+        b: *const fp8_tensor_t,
+        b_mode: fp8_scale_mode_t,
+        b_scales: *const fp8_tensor_t,
+        bias: *const fp8_tensor_t,
+        d: *mut fp8_tensor_t,
         options: *const fp8_gemm_options_t,
     ) -> fp8_status_t;
 
