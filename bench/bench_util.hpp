@@ -154,4 +154,19 @@ inline double median_ms(cudaStream_t stream, const std::function<void(int)>& fn,
   return ms[ms.size() / 2];
 }
 
+// The device's copy bandwidth, the ceiling of the memory-bound kernels' figures: a device-to-device
+// copy of 1 GiB on `stream`, in GB/s of bytes read plus bytes written (median_ms's timing).
+inline double copy_bandwidth_gbps(cudaStream_t stream, double* ms_out = nullptr) {
+  const size_t n = size_t{1} << 30;
+  void *src = nullptr, *dst = nullptr;
+  RCHECK_CUDA(cudaMalloc(&src, n));
+  RCHECK_CUDA(cudaMalloc(&dst, n));
+  RCHECK_CUDA(cudaMemset(src, 0x5A, n));
+  const double ms = median_ms(stream, [&](int) { RCHECK_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream)); });
+  cudaFree(src);
+  cudaFree(dst);
+  if (ms_out) *ms_out = ms;
+  return 2.0 * static_cast<double>(n) / ms / 1e6;
+}
+
 }  // namespace fp8bench

@@ -41,6 +41,37 @@ __device__ __forceinline__ void load_edge(Tile<DT>& t, const typename Wide<DT>::
   }
 }
 
+// The largest of m over the 8 lanes that hold one row of the tile (every one of them gets it).
+__device__ __forceinline__ uint32_t row_max8(uint32_t m) {
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+  return max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
+}
+
+// The amax of each of the tile's 128 columns, from every thread's maxima of its 16 columns (cm):
+// thread c < 128 gets column c's (the others 0). Ends with the block's threads past a barrier
+// after writing col_part; a caller that writes col_part again needs no other barrier for that, as
+// each thread reads only its own column's entries.
+__device__ __forceinline__ uint32_t tile_column_max(uint32_t (&cm)[16], uint32_t (*col_part)[kTile]) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c0 = (tid & 7) * 16;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    cm[i] = max(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 8));
+    cm[i] = max(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 16));
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) col_part[warp][c0 + i] = cm[i];
+  }
+  __syncthreads();
+  uint32_t m = 0;
+  if (tid < kTile) {
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = max(m, col_part[w][tid]);
+  }
+  return m;
+}
+
 // Row and column amaxes (abs bits) for the per-row mode: atomic maxima of each tile's.
 template <fp8_dtype_t DT>
 __global__ void __launch_bounds__(kThreads) line_amax_kernel(const typename Wide<DT>::Raw* __restrict__ in,
@@ -49,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) line_amax_kernel(const typename Wide
   __shared__ uint32_t col_part[kThreads / 32][kTile];
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
   const int64_t R0 = (blockIdx.x / tiles_c) * kTile, C0 = (blockIdx.x % tiles_c) * kTile;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c0 = (tid & 7) * 16;
+  const int tid = threadIdx.x;
   Tile<DT> v;
   if (vec_ok && R0 + kTile <= rows && C0 + kTile <= cols) v.issue(in, cols, R0, C0);
   else load_edge<DT>(v, in, rows, cols, R0, C0);
@@ -63,28 +94,12 @@ __global__ void __launch_bounds__(kThreads) line_amax_kernel(const typename Wide
       m = max(m, a);
       cm[i] = max(cm[i], a);
     }
-    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
+    m = row_max8(m);
     const int64_t r = R0 + (tid >> 3) + 32 * k;
     if ((tid & 7) == 0 && r < rows && m != 0u) atomicMax(row_amax + r, m);
   }
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    cm[i] = max(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 8));
-    cm[i] = max(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 16));
-  }
-  if (lane < 8) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) col_part[warp][c0 + i] = cm[i];
-  }
-  __syncthreads();
-  if (tid < kTile && C0 + tid < cols) {
-    uint32_t m = 0;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) m = max(m, col_part[w][tid]);
-    if (m != 0u) atomicMax(col_amax + C0 + tid, m);
-  }
+  const uint32_t m = tile_column_max(cm, col_part);
+  if (tid < kTile && C0 + tid < cols && m != 0u) atomicMax(col_amax + C0 + tid, m);
 }
 
 struct Params {
@@ -165,9 +180,7 @@ __global__ void __launch_bounds__(kThreads) recipe_quantize_kernel(const typenam
         uint32_t m = 0;
 #pragma unroll
         for (int i = 0; i < 16; ++i) m = max(m, abs_bits(cur.get(k, i)));
-        m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-        m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-        row_amax[k] = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
+        row_amax[k] = row_max8(m);
       }
     } else if constexpr (MODE == ScaleMode::kRow) {
 #pragma unroll
@@ -183,22 +196,8 @@ __global__ void __launch_bounds__(kThreads) recipe_quantize_kernel(const typenam
       for (int k = 0; k < kChunks; ++k)
 #pragma unroll
         for (int i = 0; i < 16; ++i) cm[i] = max(cm[i], abs_bits(cur.get(k, i)));
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        cm[i] = max(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 8));
-        cm[i] = max(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 16));
-      }
-      if (lane < 8) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) col_part[warp][c0 + i] = cm[i];
-      }
-      __syncthreads();
-      if (tid < kTile) {
-        uint32_t m = 0;
-#pragma unroll
-        for (int w = 0; w < kThreads / 32; ++w) m = max(m, col_part[w][tid]);
-        col_part[0][tid] = m;  // (read by this thread only until the barrier below)
-      }
+      const uint32_t m = tile_column_max(cm, col_part);
+      if (tid < kTile) col_part[0][tid] = m;  // (column tid's entries are this thread's alone)
       __syncthreads();
       if constexpr (MODE == ScaleMode::kBlock128x128) {
         if (warp == 0) {

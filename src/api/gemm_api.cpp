@@ -20,6 +20,26 @@ void require_aligned(const fp8_tensor* t, const char* name) {
     fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, "'s data is not 16-byte aligned, which FP8 GEMMs need");
 }
 
+// m, n, k of D [m, n] = A [.., k] (m = the product of a's other dimensions) x B [n, k]^T, checked
+// against the shapes of a, b and d (refusals name the argument and the shape expected).
+struct GemmShape {
+  int64_t m, n, k;
+};
+GemmShape require_gemm_shapes(const fp8_tensor* a, const fp8_tensor* b, const fp8_tensor* d) {
+  if (a->ndim < 1) fp8::fail(FP8_ERR_SHAPE, "a has shape [] (a scalar); expected [.., k]");
+  const int64_t k = a->cols(), m = a->rows();
+  if (b->ndim != 2 || b->shape[1] != k)
+    fp8::fail(FP8_ERR_SHAPE, "b has shape ", fp8::shape_string(b->ndim, b->shape), ", expected [n, ", k,
+              "] (k = the last dimension of a)");
+  const int64_t n = b->shape[0];
+  if (k == 0) fp8::fail(FP8_ERR_SHAPE, "k = 0 (the last dimension of a and b); expected k > 0");
+  const int64_t want_d[2] = {m, n};
+  if (d->ndim != 2 || d->shape[0] != m || d->shape[1] != n)
+    fp8::fail(FP8_ERR_SHAPE, "d has shape ", fp8::shape_string(d->ndim, d->shape), ", expected ",
+              fp8::shape_string(2, want_d), " (m rows of a, n rows of b)");
+  return {m, n, k};
+}
+
 }  // namespace
 
 extern "C" {
@@ -65,17 +85,7 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
                 fp8_in ? "bf16, f32, e4m3 or e5m2 for FP8 operands"
                        : (std::string(fp8::dtype_name(a->dtype)) + " or f32 for " + fp8::dtype_name(a->dtype) + " operands").c_str());
 
-    const int64_t k = a->cols(), m = a->rows();
-    if (a->ndim < 1) fp8::fail(FP8_ERR_SHAPE, "a has shape [] (a scalar); expected [.., k]");
-    if (b->ndim != 2 || b->shape[1] != k)
-      fp8::fail(FP8_ERR_SHAPE, "b has shape ", fp8::shape_string(b->ndim, b->shape), ", expected [n, ", k,
-                "] (k = the last dimension of a)");
-    const int64_t n = b->shape[0];
-    if (k == 0) fp8::fail(FP8_ERR_SHAPE, "k = 0 (the last dimension of a and b); expected k > 0");
-    const int64_t want_d[2] = {m, n};
-    if (d->ndim != 2 || d->shape[0] != m || d->shape[1] != n)
-      fp8::fail(FP8_ERR_SHAPE, "d has shape ", fp8::shape_string(d->ndim, d->shape), ", expected ",
-                fp8::shape_string(2, want_d), " (m rows of a, n rows of b)");
+    const auto [m, n, k] = require_gemm_shapes(a, b, d);
     if (bias) {
       const fp8_dtype_t want = fp8_in ? FP8_DTYPE_BF16 : d->dtype;
       if (bias->dtype != want)
@@ -145,17 +155,7 @@ FP8_API fp8_status_t fp8_gemm_scaled(fp8_context_t* ctx, const fp8_tensor_t* a, 
     if (d->dtype != FP8_DTYPE_F32 && d->dtype != FP8_DTYPE_BF16)
       fp8::fail(FP8_ERR_DTYPE, "d has dtype ", fp8::dtype_name(d->dtype), "; expected bf16 or f32 (GEMMs with scale grids "
                 "write no FP8 D)");
-    if (a->ndim < 1) fp8::fail(FP8_ERR_SHAPE, "a has shape [] (a scalar); expected [.., k]");
-    const int64_t k = a->cols(), m = a->rows();
-    if (b->ndim != 2 || b->shape[1] != k)
-      fp8::fail(FP8_ERR_SHAPE, "b has shape ", fp8::shape_string(b->ndim, b->shape), ", expected [n, ", k,
-                "] (k = the last dimension of a)");
-    const int64_t n = b->shape[0];
-    if (k == 0) fp8::fail(FP8_ERR_SHAPE, "k = 0 (the last dimension of a and b); expected k > 0");
-    const int64_t want_d[2] = {m, n};
-    if (d->ndim != 2 || d->shape[0] != m || d->shape[1] != n)
-      fp8::fail(FP8_ERR_SHAPE, "d has shape ", fp8::shape_string(d->ndim, d->shape), ", expected ",
-                fp8::shape_string(2, want_d), " (m rows of a, n rows of b)");
+    const auto [m, n, k] = require_gemm_shapes(a, b, d);
     if (bias) {
       if (bias->dtype != FP8_DTYPE_BF16)
         fp8::fail(FP8_ERR_DTYPE, "bias has dtype ", fp8::dtype_name(bias->dtype), "; expected bf16");

@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu_recipe_quantize.hpp"
@@ -23,6 +24,7 @@
 #include "core/recipe_scaling_rule.hpp"
 #include "core/scale_desc.hpp"
 #include "core/scaling_rule.hpp"
+#include "fp8_test_util.hpp"
 
 namespace {
 
@@ -762,14 +764,10 @@ float amax_of_values(const std::vector<float>& v) {
 
 namespace api {
 
-struct Deleters {
-  void operator()(fp8_context_t* p) const { fp8_context_destroy(p); }
-  void operator()(fp8_recipe_t* p) const { fp8_recipe_destroy(p); }
-  void operator()(fp8_tensor_t* p) const { fp8_tensor_destroy(p); }
-  void operator()(fp8_scaling_t* p) const { fp8_scaling_destroy(p); }
-};
-template <typename T>
-using Owned = std::unique_ptr<T, Deleters>;
+using fp8test::Context;
+using fp8test::Recipe;
+using fp8test::Scaling;
+using fp8test::Tensor;
 
 // One fp8_quantize (with its transposed copy) of `x` in dtype k.dtype through a current-scaling
 // state of k's format, margin and power_2_scales, on the CPU backend: the codes and scale_inv of
@@ -780,25 +778,17 @@ struct ApiResult {
   fp8_scaling_info_t info{};
 };
 ApiResult quantize_current(const std::vector<std::vector<float>>& inputs, int64_t rows, int64_t cols, const Case& k) {
-  fp8_context_t* c = nullptr;
-  EXPECT_EQ(fp8_context_create(&c, FP8_DEVICE_CPU), FP8_OK);
-  Owned<fp8_context_t> ctx(c);
-  fp8_recipe_t* r = nullptr;
-  EXPECT_EQ(fp8_recipe_create(&r), FP8_OK);
-  Owned<fp8_recipe_t> recipe(r);
+  Context ctx = fp8test::make_context(FP8_DEVICE_CPU);
+  fp8_context_t* c = ctx.get();
   const std::string text = "scaling=current, fp8_format=HYBRID, margin=" + std::to_string(k.margin) +
                            ", power_2_scales=" + (k.pow2 ? "on" : "off");
-  EXPECT_EQ(fp8_recipe_parse(r, text.c_str()), FP8_OK) << fp8_last_error_message();
-  fp8_scaling_t* s = nullptr;
-  EXPECT_EQ(fp8_scaling_create(&s, c, r, k.e5m2 ? FP8_ROLE_BACKWARD : FP8_ROLE_FORWARD), FP8_OK);
-  Owned<fp8_scaling_t> state(s);
+  Recipe recipe = fp8test::make_recipe(text.c_str());
+  Scaling state = fp8test::make_scaling(c, recipe.get(), k.e5m2 ? FP8_ROLE_BACKWARD : FP8_ROLE_FORWARD);
+  fp8_scaling_t* s = state.get();
   const fp8_dtype_t q = k.e5m2 ? FP8_DTYPE_E5M2 : FP8_DTYPE_E4M3;
-  const int64_t shape[2] = {rows, cols}, shape_t[2] = {cols, rows};
-  fp8_tensor_t *in = nullptr, *out = nullptr, *out_t = nullptr;
-  EXPECT_EQ(fp8_tensor_create(&in, c, k.dtype, 2, shape), FP8_OK);
-  EXPECT_EQ(fp8_tensor_create(&out, c, q, 2, shape), FP8_OK);
-  EXPECT_EQ(fp8_tensor_create(&out_t, c, q, 2, shape_t), FP8_OK);
-  Owned<fp8_tensor_t> tin(in), tout(out), tout_t(out_t);
+  Tensor tin = fp8test::make_tensor(c, k.dtype, {rows, cols}), tout = fp8test::make_tensor(c, q, {rows, cols}),
+         tout_t = fp8test::make_tensor(c, q, {cols, rows});
+  fp8_tensor_t *in = tin.get(), *out = tout.get(), *out_t = tout_t.get();
   ApiResult res;
   for (const std::vector<float>& x : inputs) {
     const Input input = make_input(x, k.dtype);
@@ -902,23 +892,14 @@ TEST(CurrentScalingApi, NonFiniteZeroAndTinyInputsFollowTheRule) {
 // scale before the output exists: a current-scaling state is refused there with FP8_ERR_UNSUPPORTED
 // naming the argument, and the output keeps its bytes.
 TEST(CurrentScalingApi, OutputsCastInsideAnotherKernelRefuseACurrentState) {
-  fp8_context_t* c = nullptr;
-  ASSERT_EQ(fp8_context_create(&c, FP8_DEVICE_CPU), FP8_OK);
-  api::Owned<fp8_context_t> ctx(c);
-  fp8_recipe_t* r = nullptr;
-  ASSERT_EQ(fp8_recipe_create(&r), FP8_OK);
-  api::Owned<fp8_recipe_t> recipe(r);
-  ASSERT_EQ(fp8_recipe_parse(r, "scaling=current"), FP8_OK);
-  fp8_scaling_t* s = nullptr;
-  ASSERT_EQ(fp8_scaling_create(&s, c, r, FP8_ROLE_FORWARD), FP8_OK);
-  api::Owned<fp8_scaling_t> state(s);
-  const int64_t shape[2] = {16, 16}, row[1] = {16};
-  fp8_tensor_t *a = nullptr, *a8 = nullptr, *d = nullptr, *gamma = nullptr;
-  ASSERT_EQ(fp8_tensor_create(&a, c, FP8_DTYPE_F32, 2, shape), FP8_OK);
-  ASSERT_EQ(fp8_tensor_create(&a8, c, FP8_DTYPE_E4M3, 2, shape), FP8_OK);
-  ASSERT_EQ(fp8_tensor_create(&d, c, FP8_DTYPE_E4M3, 2, shape), FP8_OK);
-  ASSERT_EQ(fp8_tensor_create(&gamma, c, FP8_DTYPE_F32, 1, row), FP8_OK);
-  api::Owned<fp8_tensor_t> ta(a), ta8(a8), td(d), tg(gamma);
+  api::Context ctx = fp8test::make_context(FP8_DEVICE_CPU);
+  fp8_context_t* c = ctx.get();
+  api::Recipe recipe = fp8test::make_recipe("scaling=current");
+  api::Scaling state = fp8test::make_scaling(c, recipe.get(), FP8_ROLE_FORWARD);
+  fp8_scaling_t* s = state.get();
+  api::Tensor ta = fp8test::make_tensor(c, FP8_DTYPE_F32, {16, 16}), ta8 = fp8test::make_tensor(c, FP8_DTYPE_E4M3, {16, 16}),
+              td = fp8test::make_tensor(c, FP8_DTYPE_E4M3, {16, 16}), tg = fp8test::make_tensor(c, FP8_DTYPE_F32, {16});
+  fp8_tensor_t *a = ta.get(), *a8 = ta8.get(), *d = td.get(), *gamma = tg.get();
   const std::vector<float> ones(256, 1.0f), gammas(16, 1.0f);
   const std::vector<uint8_t> marker(256, 0x5A);
   ASSERT_EQ(fp8_tensor_copy_from_host(a, ones.data(), 1024), FP8_OK);
@@ -981,40 +962,19 @@ TEST(RecipeQuantize, ColumnMajorGridsHoldTheSameScalesAtTheTransposedOffsets) {
 
 namespace api {
 
+// A CPU context with the default recipe, and tensors on it.
 struct Cpu {
-  Owned<fp8_context_t> ctx;
-  Owned<fp8_recipe_t> recipe;
-  Cpu() {
-    fp8_context_t* c = nullptr;
-    EXPECT_EQ(fp8_context_create(&c, FP8_DEVICE_CPU), FP8_OK);
-    ctx.reset(c);
-    fp8_recipe_t* r = nullptr;
-    EXPECT_EQ(fp8_recipe_create(&r), FP8_OK);
-    recipe.reset(r);
-  }
-  Owned<fp8_tensor_t> tensor(fp8_dtype_t dt, std::vector<int64_t> shape) {
-    fp8_tensor_t* t = nullptr;
-    EXPECT_EQ(fp8_tensor_create(&t, ctx.get(), dt, static_cast<int32_t>(shape.size()), shape.data()), FP8_OK)
-        << fp8_last_error_message();
-    return Owned<fp8_tensor_t>(t);
-  }
-  Owned<fp8_tensor_t> grid(fp8_scale_mode_t mode, int64_t rows, int64_t cols) {
+  Context ctx = fp8test::make_context(FP8_DEVICE_CPU);
+  Recipe recipe = fp8test::make_recipe();
+  Tensor tensor(fp8_dtype_t dt, std::vector<int64_t> shape) { return fp8test::make_tensor(ctx.get(), dt, std::move(shape)); }
+  Tensor grid(fp8_scale_mode_t mode, int64_t rows, int64_t cols) {
     int64_t shape[2] = {-1, -1};
     EXPECT_EQ(fp8_scale_grid_shape(mode, rows, cols, shape), FP8_OK) << fp8_last_error_message();
     return tensor(FP8_DTYPE_F32, {shape[0], shape[1]});
   }
 };
 
-template <typename T>
-std::vector<T> host_of(const fp8_tensor_t* t) {
-  int64_t n = 0;
-  fp8_dtype_t dt = 0;
-  fp8_tensor_numel(t, &n);
-  fp8_tensor_dtype(t, &dt);
-  std::vector<T> v(static_cast<size_t>(n) * fp8_dtype_size(dt) / sizeof(T));
-  EXPECT_EQ(fp8_tensor_copy_to_host(t, v.data(), v.size() * sizeof(T)), FP8_OK);
-  return v;
-}
+using fp8test::download;
 
 ScaleMode mode_of(fp8_scale_mode_t m) {
   return m == FP8_SCALE_MODE_ROW ? ScaleMode::kRow : m == FP8_SCALE_MODE_BLOCK_1X128 ? ScaleMode::kBlock1x128 : ScaleMode::kBlock128x128;
@@ -1067,9 +1027,9 @@ TEST(ScaleGridApi, QuantizeScaledIsTheReferenceInTheGemmLayout) {
     k.e5m2 = true;
     k.pow2 = mode != ScaleMode::kRow;  // power_2_scales=auto
     const Result want = run_reference(x, rows, cols, k);
-    EXPECT_EQ(api::host_of<uint8_t>(out.get()), want.out.codes);
-    EXPECT_EQ(api::host_of<uint8_t>(out_t.get()), want.out_t.codes);
-    const std::vector<float> grid = api::host_of<float>(g.get()), grid_t = api::host_of<float>(gt.get());
+    EXPECT_EQ(api::download<uint8_t>(out.get()), want.out.codes);
+    EXPECT_EQ(api::download<uint8_t>(out_t.get()), want.out_t.codes);
+    const std::vector<float> grid = api::download<float>(g.get()), grid_t = api::download<float>(gt.get());
     const fp8::ScaleDesc d = fp8::gemm_grid(mode, rows, cols, nullptr), dt = fp8::gemm_grid(mode, cols, rows, nullptr);
     for (int64_t i = 0; i < want.out.grid_rows; ++i)
       for (int64_t j = 0; j < want.out.grid_cols; ++j)
@@ -1112,8 +1072,8 @@ TEST(ScaleGridApi, GemmScaledIsTheSumOfTheDequantisedProducts) {
     // Dequantise each operand through its grid, then sum in double.
     const auto dequantised = [](const fp8_tensor_t* q, const fp8_tensor_t* grid, ScaleMode mode, int64_t rows, int64_t kk,
                                 bool e5m2) {
-      const std::vector<uint8_t> codes = api::host_of<uint8_t>(q);
-      const std::vector<float> g = api::host_of<float>(grid);
+      const std::vector<uint8_t> codes = api::download<uint8_t>(q);
+      const std::vector<float> g = api::download<float>(grid);
       const fp8::ScaleDesc desc = fp8::gemm_grid(mode, rows, kk, nullptr);
       const fp8::ScaleBlock blk = fp8::scale_block(mode, rows, kk);
       std::vector<double> v(codes.size());
@@ -1125,7 +1085,7 @@ TEST(ScaleGridApi, GemmScaledIsTheSumOfTheDequantisedProducts) {
     };
     const std::vector<double> va = dequantised(a.get(), ga.get(), api::mode_of(am), m, k, false),
                               vb = dequantised(b.get(), gb.get(), api::mode_of(bm), n, k, true);
-    const std::vector<float> got = api::host_of<float>(d.get());
+    const std::vector<float> got = api::download<float>(d.get());
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) {
         double want = 0.0;
@@ -1207,5 +1167,5 @@ TEST(ScaleGridApi, MisuseIsRefusedNamingTheArgument) {
     const std::string msg = fp8_last_error_message();
     for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "no \"" << w << "\" in: " << msg;
   }
-  EXPECT_EQ(api::host_of<float>(d.get()), marker) << "a refused GEMM wrote D";
+  EXPECT_EQ(api::download<float>(d.get()), marker) << "a refused GEMM wrote D";
 }
