@@ -142,16 +142,21 @@ __global__ void empty_operand_kernel(const Params p, bool per_tensor) {
   }
 }
 
+// Two blocks per SM where the registers allow it without spilling (bf16 inputs: 128 registers);
+// f16 and f32 tiles take more.
+template <fp8_dtype_t DT>
+constexpr int kMinBlocks = DT == FP8_DTYPE_BF16 ? 2 : 1;
+
 // Grid-stride over the tiles, the next whole tile's loads in flight while this one is reduced,
 // cast and stored (as cast_transpose does).
 template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE>
-__global__ void __launch_bounds__(kThreads) recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in,
-                                                                   const Params p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
+    recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
   constexpr int kChunks = Tile<DT>::kChunks;
   __shared__ __align__(16) uint8_t tile[kTile * kPitch];
   __shared__ uint32_t col_part[kThreads / 32][kTile];
   __shared__ float col_scale[kTile];
-  __shared__ uint32_t tile_amax;
+  __shared__ uint32_t warp_max[kTile / 32];  // 128x128: the column maxima's, per warp of the first four
   const int64_t tiles_c = (p.cols + kTile - 1) / kTile, tiles = ((p.rows + kTile - 1) / kTile) * tiles_c;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c0 = (tid & 7) * 16;
   const bool with_t = p.out_t != nullptr;
@@ -189,36 +194,32 @@ __global__ void __launch_bounds__(kThreads) recipe_quantize_kernel(const typenam
         row_amax[k] = r < p.rows ? p.ws[r] : 0u;
       }
     }
-    // ... and of the tile's columns (the transposed layout), or of the whole cell.
-    if constexpr (MODE == ScaleMode::kBlock1x128 || MODE == ScaleMode::kBlock128x128) {
+    // ... and of the tile's columns (1x128's transposed copy), or of the whole tile (128x128).
+    uint32_t col_max = 0;  // thread c < 128: column c's amax
+    if (MODE == ScaleMode::kBlock128x128 || (MODE == ScaleMode::kBlock1x128 && with_t)) {
       uint32_t cm[16] = {};
 #pragma unroll
       for (int k = 0; k < kChunks; ++k)
 #pragma unroll
         for (int i = 0; i < 16; ++i) cm[i] = max(cm[i], abs_bits(cur.get(k, i)));
-      const uint32_t m = tile_column_max(cm, col_part);
-      if (tid < kTile) col_part[0][tid] = m;  // (column tid's entries are this thread's alone)
-      __syncthreads();
-      if constexpr (MODE == ScaleMode::kBlock128x128) {
-        if (warp == 0) {
-          uint32_t m = 0;
-          for (int c = lane; c < kTile; c += 32) m = max(m, col_part[0][c]);
-          m = __reduce_max_sync(0xFFFFFFFFu, m);
-          if (lane == 0) tile_amax = m;
-        }
-        __syncthreads();
-      }
+      col_max = tile_column_max(cm, col_part);
     }
     uint32_t cell_amax = 0;  // per-tensor and 128x128: the one cell's
     if constexpr (MODE == ScaleMode::kTensor) cell_amax = p.ws[0];
-    if constexpr (MODE == ScaleMode::kBlock128x128) cell_amax = tile_amax;
+    if constexpr (MODE == ScaleMode::kBlock128x128) {
+      const uint32_t w = __reduce_max_sync(0xFFFFFFFFu, col_max);  // (0 in warps 4..7)
+      if (lane == 0 && warp < kTile / 32) warp_max[warp] = w;
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kTile / 32; ++i) cell_amax = max(cell_amax, warp_max[i]);
+    }
     const float cell_scale = recipe_scale(bits_float(cell_amax), p.fp8_max, p.pow2);
 #pragma unroll
     for (int k = 0; k < kChunks; ++k)
       row_scale[k] = per_column ? recipe_scale(bits_float(row_amax[k]), p.fp8_max, p.pow2) : cell_scale;
     if (with_t && per_column && tid < kTile) {
       uint32_t m = 0;
-      if (C0 + tid < p.cols) m = MODE == ScaleMode::kRow ? p.ws[p.rows + C0 + tid] : col_part[0][tid];
+      if (C0 + tid < p.cols) m = MODE == ScaleMode::kRow ? p.ws[p.rows + C0 + tid] : col_max;
       col_scale[tid] = recipe_scale(bits_float(m), p.fp8_max, p.pow2);
       if (C0 + tid < p.cols && (MODE != ScaleMode::kRow || tr == 0))
         put_cell_t(p, C0 + tid, MODE == ScaleMode::kRow ? 0 : tr, col_scale[tid]);
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) recipe_quantize_kernel(const typenam
         }
       }
     }
-    __syncthreads();  // the shared tile and column partials are reused by the next tile
+    __syncthreads();  // the shared tile, column partials and warp maxima are reused by the next tile
   }
 }
 
