@@ -155,8 +155,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
   constexpr int kChunks = Tile<DT>::kChunks;
   __shared__ __align__(16) uint8_t tile[kTile * kPitch];
   __shared__ uint32_t col_part[kThreads / 32][kTile];
-  __shared__ float col_scale[kTile];
-  __shared__ uint32_t warp_max[kTile / 32];  // 128x128: the column maxima's, per warp of the first four
+  __shared__ __align__(16) float col_scale[kTile];
+  __shared__ uint32_t warp_max[kThreads / 32];  // 128x128: each warp's maximum
   const int64_t tiles_c = (p.cols + kTile - 1) / kTile, tiles = ((p.rows + kTile - 1) / kTile) * tiles_c;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c0 = (tid & 7) * 16;
   const bool with_t = p.out_t != nullptr;
@@ -194,9 +194,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
         row_amax[k] = r < p.rows ? p.ws[r] : 0u;
       }
     }
-    // ... and of the tile's columns (1x128's transposed copy), or of the whole tile (128x128).
+    // ... and of the tile's columns (1x128's transposed copy), or of the whole tile (128x128: each
+    // thread's maximum, then the warps', through shared memory).
     uint32_t col_max = 0;  // thread c < 128: column c's amax
-    if (MODE == ScaleMode::kBlock128x128 || (MODE == ScaleMode::kBlock1x128 && with_t)) {
+    if (MODE == ScaleMode::kBlock1x128 && with_t) {
       uint32_t cm[16] = {};
 #pragma unroll
       for (int k = 0; k < kChunks; ++k)
@@ -207,11 +208,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     uint32_t cell_amax = 0;  // per-tensor and 128x128: the one cell's
     if constexpr (MODE == ScaleMode::kTensor) cell_amax = p.ws[0];
     if constexpr (MODE == ScaleMode::kBlock128x128) {
-      const uint32_t w = __reduce_max_sync(0xFFFFFFFFu, col_max);  // (0 in warps 4..7)
-      if (lane == 0 && warp < kTile / 32) warp_max[warp] = w;
+      uint32_t m = 0;
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) m = max(m, abs_bits(cur.get(k, i)));
+      m = __reduce_max_sync(0xFFFFFFFFu, m);
+      if (lane == 0) warp_max[warp] = m;
       __syncthreads();
 #pragma unroll
-      for (int i = 0; i < kTile / 32; ++i) cell_amax = max(cell_amax, warp_max[i]);
+      for (int i = 0; i < kThreads / 32; ++i) cell_amax = max(cell_amax, warp_max[i]);
     }
     const float cell_scale = recipe_scale(bits_float(cell_amax), p.fp8_max, p.pow2);
 #pragma unroll
@@ -240,6 +246,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     }
     if (with_t) __syncthreads();  // col_scale
 
+    // The column scales of this thread's 16 columns, read once (4 x 16 bytes) for its four rows.
+    float cs[16];
+    if (per_column && with_t) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 v4 = *reinterpret_cast<const float4*>(col_scale + c0 + 4 * q);
+        cs[4 * q] = v4.x, cs[4 * q + 1] = v4.y, cs[4 * q + 2] = v4.z, cs[4 * q + 3] = v4.w;
+      }
+    }
     // The codes: out row-major; the transposed copy's codes into the shared tile.
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
@@ -260,9 +275,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
         if constexpr (per_column) {
 #pragma unroll
           for (int q = 0; q < 4; ++q)
-            w[q] = cast4<E5M2>(cur.get(k, 4 * q) * col_scale[c0 + 4 * q], cur.get(k, 4 * q + 1) * col_scale[c0 + 4 * q + 1],
-                               cur.get(k, 4 * q + 2) * col_scale[c0 + 4 * q + 2],
-                               cur.get(k, 4 * q + 3) * col_scale[c0 + 4 * q + 3]);
+            w[q] = cast4<E5M2>(cur.get(k, 4 * q) * cs[4 * q], cur.get(k, 4 * q + 1) * cs[4 * q + 1],
+                               cur.get(k, 4 * q + 2) * cs[4 * q + 2], cur.get(k, 4 * q + 3) * cs[4 * q + 3]);
         }
         *reinterpret_cast<uint4*>(tile + r * kPitch + c0) = make_uint4(w[0], w[1], w[2], w[3]);
       }
