@@ -165,21 +165,24 @@ class NumericsTest(unittest.TestCase):
 
     def test_fp8_forward_and_backward_within_fp8_bounds(self):
         # E4M3 keeps 3 mantissa bits (relative rounding <= 2^-4), E5M2 2 (<= 2^-3); errors of a
-        # whole layer average out: the bounds below are a few times the expected RMS error.
-        ref, m = self._pair(lt.Recipe(backend="te", **FP8))
-        x = torch.randn(64, 32, device=DEVICE)
-        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
-        yr = ref(xr)
-        with lt.fp8_autocast():
-            ym = m(xm)
-        self.assertEqual(fprops(m)[1:], [1, 1])
-        e = rel_err(ym, yr)
-        self.assertLess(e, 0.08)
-        self.assertGreater(e, 1e-4)  # FP8 did run
-        yr.square().sum().backward()
-        ym.square().sum().backward()
-        self.assertLess(rel_err(xm.grad, xr.grad), 0.15)
-        self.assertLess(rel_err(m[1].weight.grad, ref[1].weight.grad), 0.15)
+        # whole layer average out: the bounds below are a few times the expected RMS error. Every
+        # scaling recipe, each within the same bounds.
+        for scaling in ("delayed", "current", "rowwise", "block"):
+            with self.subTest(scaling=scaling):
+                ref, m = self._pair(lt.Recipe(backend="te", scaling=scaling, **FP8))
+                x = torch.randn(64, 32, device=DEVICE)
+                xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+                yr = ref(xr)
+                with lt.fp8_autocast():
+                    ym = m(xm)
+                self.assertEqual(fprops(m)[1:], [1, 1])
+                e = rel_err(ym, yr)
+                self.assertLess(e, 0.08)
+                self.assertGreater(e, 1e-4)  # FP8 did run
+                yr.square().sum().backward()
+                ym.square().sum().backward()
+                self.assertLess(rel_err(xm.grad, xr.grad), 0.15)
+                self.assertLess(rel_err(m[1].weight.grad, ref[1].weight.grad), 0.15)
 
     def test_autocast_and_eval_rules(self):
         m = mlp(norm=False)
