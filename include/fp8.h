@@ -671,8 +671,8 @@ FP8_API fp8_status_t fp8_quantize_scaled(fp8_context_t *ctx, const fp8_tensor_t 
 /**
  * D = alpha * A * B^T (+ bias) (+ D if options->accumulate) with grids of scales: a [m, k] FP8 with
  * a_scales in a_mode, b [n, k] FP8 with b_scales in b_mode (2-D, as fp8_quantize_scaled makes
- * them), d [m, n] F32, F16 or BF16 (not FP8: its scale would need all of D first), bias as for
- * fp8_gemm. The mode pairs: ROW x ROW, BLOCK_1X128 x BLOCK_1X128, BLOCK_1X128 x BLOCK_128X128 and
+ * them), d [m, n] F32 or BF16 (not FP8: its scale would need all of D first), bias (may be NULL)
+ * BF16 [n]; every tensor's data 16-byte aligned (as fp8_tensor_create makes it). The mode pairs: ROW x ROW, BLOCK_1X128 x BLOCK_1X128, BLOCK_1X128 x BLOCK_128X128 and
  * BLOCK_128X128 x BLOCK_1X128 (cuBLASLt has no 128x128 x 128x128 GEMM); E5M2 x E5M2 is refused.
  * options->fast_accumulation with ROW scales only (cuBLASLt accumulates block-scaled GEMMs in full
  * precision). On the GPU it needs fp8_device_info_t.fp8_block_scaling (sm_90, cuBLASLt >= 12.9;
