@@ -49,9 +49,8 @@ __device__ __forceinline__ uint32_t row_max8(uint32_t m) {
 }
 
 // The amax of each of the tile's 128 columns, from every thread's maxima of its 16 columns (cm):
-// thread c < 128 gets column c's (the others 0). Ends with the block's threads past a barrier
-// after writing col_part; a caller that writes col_part again needs no other barrier for that, as
-// each thread reads only its own column's entries.
+// thread c < 128 gets column c's (the others 0), read from every warp's entries in col_part after
+// a barrier. A caller needs another barrier before col_part is written again (the tile loop's last).
 __device__ __forceinline__ uint32_t tile_column_max(uint32_t (&cm)[16], uint32_t (*col_part)[kTile]) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c0 = (tid & 7) * 16;
 #pragma unroll

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <new>
 #include <thread>
+#include <vector>
 
 #include "backend/backend.hpp"
 #include "backend/cpu_recipe_quantize.hpp"  // (check_recipe_quantize)
@@ -55,6 +56,7 @@ class CudaBackend final : public Backend {
     gemm_.reset();
     cudaFree(scratch_);
     cudaFree(recipe_workspace_);
+    for (void* p : retired_workspaces_) cudaFree(p);
   }
 
   int32_t device() const override { return limits_.device; }
@@ -209,13 +211,18 @@ class CudaBackend final : public Backend {
     check_recipe_quantize(job);
     DeviceScope scope(limits_.device);
     const size_t ws = recipe_quantize_workspace(job.out_scale_inv.mode, job.rows, job.cols);
-    if (ws == 0 || job.workspace) return kernels::recipe_quantize(job, limits_, stream_);
-    // A caller without a workspace (fp8_quantize_scaled) gets the context's, grown on demand: after
-    // the work queued so far, since earlier casts on this stream may still read the old one.
+    // (An empty operand's cells need no amaxes.)
+    if (ws == 0 || job.workspace || job.rows * job.cols == 0) return kernels::recipe_quantize(job, limits_, stream_);
+    // A caller without a workspace (fp8_quantize_scaled) gets the context's, grown on demand. A
+    // smaller one is kept until the context goes, not freed: work queued before, or a CUDA graph
+    // captured with it, may still use it. Growing allocates, which a graph capture cannot.
     if (ws > recipe_workspace_bytes_) {
-      wait(stream_, "cudaStreamSynchronize (growing the recipe workspace)");
+      if (capture_id() != 0)
+        fail(FP8_ERR_INVALID_STATE, "the per-row mode of ", job.rows, " x ", job.cols, " needs ", ws,
+             " bytes of the context's workspace, which has ", recipe_workspace_bytes_,
+             "; growing it allocates, which a CUDA graph capture cannot: run the call once before capturing");
       void* fresh = native_allocate(ws);
-      native_release(recipe_workspace_);
+      if (recipe_workspace_) retired_workspaces_.push_back(recipe_workspace_);
       recipe_workspace_ = fresh;
       recipe_workspace_bytes_ = ws;
     }
@@ -389,6 +396,7 @@ class CudaBackend final : public Backend {
   float* scratch_ = nullptr;
   void* recipe_workspace_ = nullptr;  // recipe_quantize's amaxes for callers without a workspace
   size_t recipe_workspace_bytes_ = 0;
+  std::vector<void*> retired_workspaces_;  // smaller ones, kept for work and graphs that used them
 };
 
 }  // namespace

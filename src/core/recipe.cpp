@@ -86,7 +86,7 @@ int64_t parse_value(fp8_recipe_attr_t a, const std::string& key, const std::stri
   if (s.names == kBoolNames || s.names == kAutoBoolNames) {
     if (v == "on" || v == "true" || v == "1") return 1;
     if (v == "off" || v == "false" || v == "0") return 0;
-    if (s.names == kAutoBoolNames && v == "auto") return FP8_POWER_2_SCALES_AUTO;
+    if (s.names == kAutoBoolNames && (v == "auto" || v == "-1")) return FP8_POWER_2_SCALES_AUTO;
   } else if (s.names) {
     for (int64_t i = s.min; i <= s.max; ++i)
       if (v == lower(s.names[i - s.min])) return i;

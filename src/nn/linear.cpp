@@ -202,19 +202,22 @@ class Linear final : public Layer {
       s.qxt = PooledBuffer(step.pool, s.qxt_scale_at + (cells ? gemm_grid_floats(act_mode(), in_, m) * 4 : 16));
     }
     uint8_t* qxt = want_qxt ? s.qxt.get<uint8_t>() : nullptr;
-    if (x_fp8) {
-      if (want_qxt) be.transpose({qx, m, in_, qxt, tensor_scale(x->scale_inv), tensor_scale(s.xt_scale_inv())});
-      if (need_x_hp) {
-        s.x_copy = PooledBuffer(step.pool, static_cast<size_t>(m * in_) * dtype_size(act));
-        x_hp = s.x_copy.get();
-        be.dequantize({qx, false, tensor_scale(x->scale_inv), s.x_copy.get(), act, m * in_});
-      }
-    } else if (cells && (plan.fprop || want_qxt)) {
+    // An FP8 x (a caller's E4M3 tensor: the layers before hand over FP8 under delayed scaling only)
+    // is dequantised where high precision needs it, and under cell scaling, whose grids come from
+    // the values.
+    if (x_fp8 && (need_x_hp || cells)) {
+      s.x_copy = PooledBuffer(step.pool, static_cast<size_t>(m * in_) * dtype_size(act));
+      x_hp = s.x_copy.get();
+      be.dequantize({qx, false, tensor_scale(x->scale_inv), s.x_copy.get(), act, m * in_});
+    }
+    if (cells && (plan.fprop || want_qxt)) {
       float* grid = x_si_.ensure<float>(gemm_grid_floats(act_mode(), m, in_) * 4);
-      cast_cells(be, x->data, act, m, in_, act_mode(), false, qx_.ensure<uint8_t>(static_cast<size_t>(m * in_)), grid,
+      cast_cells(be, x_hp, act, m, in_, act_mode(), false, qx_.ensure<uint8_t>(static_cast<size_t>(m * in_)), grid,
                  qxt, qxt ? s.xt_scale_inv() : nullptr, *s_x_);
       qx = qx_.get<uint8_t>();
       qx_si = grid;
+    } else if (x_fp8) {
+      if (want_qxt) be.transpose({qx, m, in_, qxt, tensor_scale(x->scale_inv), tensor_scale(s.xt_scale_inv())});
     } else if (plan.fprop || want_qxt) {
       float* si = x_si_.ensure<float>(16);
       QuantizeJob q{};

@@ -686,6 +686,41 @@ TEST(LinearCellScaling, RowwiseAndBlockMatchFloat64OnTheCellQuantisedValues) {
   }
 }
 
+// A caller's E4M3 x under cell scaling is dequantised first, its grids made from those values: the
+// step equals, bit for bit, the same step given the dequantised values in f32.
+TEST(LinearCellScaling, AnFp8XIsDequantisedThenCastByItsCells) {
+  for (const char* text : {"scaling=rowwise", "scaling=block"}) {
+    SCOPED_TRACE(text);
+    Recipe r = fp8_recipe();
+    FP8_ASSERT_OK(fp8_recipe_parse(r.get(), text));
+    LinearCase a(kIn, kOut), b(kIn, kOut);
+    b.copy_weights_from(a);
+    a.convert(r.get());
+    b.convert(r.get());
+    std::vector<uint8_t> codes(static_cast<size_t>(kTokens * kIn));
+    std::vector<float> values(codes.size());
+    for (size_t i = 0; i < codes.size(); ++i) {
+      codes[i] = static_cast<uint8_t>((i * 37 + 11) % 256) & 0xF7;  // no NaN codes
+      values[i] = fp8_decode(codes[i], FP8_DTYPE_E4M3) * 0.25f;
+    }
+    Tensor x8 = make_tensor(a.ctx.get(), FP8_DTYPE_E4M3, {kTokens, kIn});
+    upload(x8.get(), codes);
+    FP8_ASSERT_OK(fp8_tensor_set_scale_inv(x8.get(), 0.25f));
+    const auto dy = random_dy(kTokens, kOut, 180);
+    Tensor ya = f32_tensor(a.ctx.get(), {kTokens, kOut}), dya = f32_tensor(a.ctx.get(), {kTokens, kOut}, dy);
+    Tensor dxa = f32_tensor(a.ctx.get(), {kTokens, kIn});
+    FP8_ASSERT_OK(fp8_autocast_begin(a.model.get()));
+    FP8_ASSERT_OK(fp8_layer_forward(a.model.get(), a.id, x8.get(), ya.get()));
+    FP8_ASSERT_OK(fp8_layer_backward(a.model.get(), a.id, dya.get(), dxa.get()));
+    FP8_ASSERT_OK(fp8_autocast_end(a.model.get()));
+    const StepOut want = run_step(b, {kTokens, kIn}, values, dy, true);
+    expect_plan(a.report(), {1, 1, 1});
+    EXPECT_EQ(download<float>(ya.get()), want.y);
+    EXPECT_EQ(download<float>(dxa.get()), want.dx);
+    EXPECT_EQ(param_grad(a.model.get(), "fc.weight"), want.dw);
+  }
+}
+
 // A NaN in x: its cell gets scale 1 and is counted (one row under rowwise, one 1x128 block under
 // block); a token count that is not a multiple of 8 runs the layer in high precision with the reason.
 TEST(LinearCellScaling, NonFiniteCellsAreCountedAndOddTokenCountsFallBack) {
