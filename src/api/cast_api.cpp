@@ -137,14 +137,13 @@ FP8_API fp8_status_t fp8_quantize_scaled(fp8_context_t* ctx, const fp8_tensor_t*
       for (size_t j = 0; j < i; ++j)
         if (outputs[j].first) fp8::require_disjoint(outputs[i].first, outputs[i].second, outputs[j].first, outputs[j].second);
     }
-    const int64_t p2 = recipe->recipe.get(FP8_RECIPE_POWER_2_SCALES);
     job.in = in->data;
     job.in_dtype = in->dtype;
     job.rows = rows;
     job.cols = cols;
     job.e5m2 = out->dtype == FP8_DTYPE_E5M2;
     job.margin = static_cast<int32_t>(recipe->recipe.get(FP8_RECIPE_MARGIN));
-    job.pow2_scales = p2 == FP8_POWER_2_SCALES_AUTO ? m != fp8::ScaleMode::kRow : p2 == 1;
+    job.pow2_scales = recipe->recipe.power_2_scales(m != fp8::ScaleMode::kRow);  // (auto: on for the block modes)
     job.out = static_cast<uint8_t*>(out->data);
     ctx->backend->recipe_quantize(job);  // (the per-row mode's workspace: the backend's own)
   });

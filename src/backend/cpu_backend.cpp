@@ -273,11 +273,9 @@ class CpuBackend final : public Backend {
 
   void quantize(const QuantizeJob& j) override {
     require_tensor_scales(j, "CPU");
-    if (j.current) {  // the amax first, then the scale made from it (recipe_scaling_rule.hpp)
-      uint32_t bits = 0;
-      for (int64_t i = 0; i < j.rows * j.cols; ++i) bits = std::max(bits, abs_bits(load_wide(j.in, j.in_dtype, i)));
-      const float a = bits_float(bits);
-      scaling_history(j.state)[0] = a;
+    if (j.current) {  // slot 0 := amax(in), as the CUDA backend does, then the scale made from it
+      amax({j.in, j.in_dtype, j.rows * j.cols, scaling_history(j.state), nullptr});
+      const float a = scaling_history(j.state)[0];
       record_current_scale(j.state, a, recipe_scale(a, j.current_fp8_max, j.current_pow2));
     }
     const float scale = j.state->scale;

@@ -92,14 +92,11 @@ void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T
 }  // namespace
 
 CublasLtGemm::CublasLtGemm(int device) {
-  // (the caller has made `device` current)
-  int major = 0, minor = 0;
-  kernels::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
-  kernels::cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
-  cudaDeviceProp prop{};
-  kernels::cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
-  device_name_ = prop.name;
-  scaled_modes_ = fp8_block_scaling_supported(major * 10 + minor, static_cast<int64_t>(cublasLtGetVersion()));
+  // (the caller has made `device` current) What the device can run, as fp8_device_query says.
+  fp8_device_info_t info{};
+  query_device(device, &info);
+  description_ = std::string(info.name) + " with cuBLASLt " + std::to_string(info.cublaslt_version);
+  scaled_modes_ = info.fp8_block_scaling != 0;
   check(cublasLtCreate(&handle_), "cublasLtCreate");
   try {
     kernels::cuda_check(cudaMalloc(&workspace_, kWorkspaceBytes), "cudaMalloc of the GEMM workspace");
@@ -200,10 +197,6 @@ CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
     throw;
   }
   return plans_.emplace(key, p).first->second;
-}
-
-std::string CublasLtGemm::describe() const {
-  return device_name_ + " with cuBLASLt " + std::to_string(cublasLtGetVersion());
 }
 
 void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {

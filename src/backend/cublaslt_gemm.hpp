@@ -24,7 +24,7 @@ class CublasLtGemm {
   void run(const GemmJob& job, cudaStream_t stream);
   // Whether per-row and block scales run here, and the device and cuBLASLt in words.
   bool scaled_modes() const { return scaled_modes_; }
-  std::string describe() const;
+  const std::string& describe() const { return description_; }
 
  private:
   // m, n, k, a, b, d, bias dtypes (-1: none), accumulate, fast accumulation, a and b transposed, the
@@ -42,7 +42,7 @@ class CublasLtGemm {
 
   cublasLtHandle_t handle_ = nullptr;
   bool scaled_modes_ = false;  // per-row and block scales run here (fp8_block_scaling_supported)
-  std::string device_name_;    // for the refusal when they do not
+  std::string description_;    // the device and its cuBLASLt, for refusals
   void* workspace_ = nullptr;
   float* amax_ = nullptr;  // cuBLASLt's amax of an FP8 output, folded into the state afterwards
   std::map<Key, Plan> plans_;

@@ -174,9 +174,9 @@ std::string Recipe::to_string() const {
   return os.str();
 }
 
-bool Recipe::power_2_scales() const {
+bool Recipe::power_2_scales(bool auto_on) const {
   const int64_t v = get(FP8_RECIPE_POWER_2_SCALES);
-  return v == FP8_POWER_2_SCALES_AUTO ? get(FP8_RECIPE_SCALING) == FP8_SCALING_BLOCK : v == 1;
+  return v == FP8_POWER_2_SCALES_AUTO ? auto_on : v == 1;
 }
 
 fp8_dtype_t Recipe::dtype_for(fp8_role_t role) const {

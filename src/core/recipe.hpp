@@ -29,8 +29,10 @@ struct Recipe {
   void parse(const std::string& text);
   std::string to_string() const;
   // Whether scales are rounded down to powers of two: power_2_scales, whose default (auto) is on for
-  // block scaling and off for the others (as TransformerEngine and DeepSeek-V3 have it).
-  bool power_2_scales() const;
+  // block scaling and off for the others (as TransformerEngine and DeepSeek-V3 have it). The second
+  // form says what auto means for a cast the recipe's scaling does not decide (fp8_quantize_scaled's).
+  bool power_2_scales() const { return power_2_scales(get(FP8_RECIPE_SCALING) == FP8_SCALING_BLOCK); }
+  bool power_2_scales(bool auto_on) const;
   // FP8 dtype of a tensor role under this recipe's format.
   fp8_dtype_t dtype_for(fp8_role_t role) const;
 };
