@@ -4,8 +4,11 @@
 //  - libfp8: one Linear "fc" (no bias, rows x cols = count) converted with "backend=msamp,
 //    opt_level=O2, small_layer_fallback=0" (HYBRID: E5M2 gradients), data-parallel over a borrowed
 //    NCCL communicator (fp8_comm_wrap_nccl); rank k's gradient is fp8_model_accumulate_grad of
-//    N(0, (1e-3 (1 + k))^2) values; timed: fp8_model_sync_grads alone (in slices: all-to-all of the
-//    codes with the scales, FP32 sums and requantisation on a second stream, all-gather);
+//    N(0, (1e-3 (1 + k))^2) values; timed: fp8_model_sync_grads alone, twice: the peer exchange
+//    (FP8_PEER_EXCHANGE=on: each rank reads its piece of every rank's codes over NVLink, sums,
+//    requantises and writes the result into every rank's gradient, between two GPU barriers), and
+//    over NCCL's collectives (FP8_PEER_EXCHANGE=off: in slices, all-to-all of the codes with the
+//    scales, FP32 sums and requantisation on a second stream, all-gather);
 //  - NCCL fp32 and bf16 all-reduce (sum, then / N);
 //  - NCCL transfers alone (N > 1): the bytes libfp8's exchange moves, by NCCL without any sums
 //    (an all-to-all of the codes as grouped ncclSend/ncclRecv, then ncclAllGather of the pieces);
@@ -67,12 +70,16 @@ bool error_size(int lg) {
   return lg == 20 || lg == 24;
 }
 
-enum Path { kLibfp8 = 0, kF32 = 1, kBf16 = 2, kE5m2 = 3, kE4m3 = 4, kTransfers = 5, kPaths = 6 };
-const char* const kPathName[kPaths] = {"libfp8 FP8 exchange (E5M2)", "NCCL fp32", "NCCL bf16", "NCCL fp8 e5m2",
-                                       "NCCL fp8 e4m3", "NCCL transfers alone"};
-const char* const kPathKey[kPaths] = {"libfp8",        "nccl_fp32",     "nccl_bf16",
-                                      "nccl_fp8_e5m2", "nccl_fp8_e4m3", "nccl_transfers"};
-constexpr int kWire[kPaths] = {1, 4, 2, 1, 1, 1};  // bytes per element on the wire
+enum Path { kLibfp8 = 0, kF32 = 1, kBf16 = 2, kE5m2 = 3, kE4m3 = 4, kTransfers = 5, kLibfp8Nccl = 6, kPaths = 7 };
+const char* const kPathName[kPaths] = {"libfp8 FP8 exchange (E5M2)", "NCCL fp32",
+                                       "NCCL bf16",
+                                       "NCCL fp8 e5m2",
+                                       "NCCL fp8 e4m3",
+                                       "NCCL transfers alone",
+                                       "libfp8 FP8 exchange over NCCL"};
+const char* const kPathKey[kPaths] = {"libfp8",         "nccl_fp32",     "nccl_bf16",  "nccl_fp8_e5m2",
+                                      "nccl_fp8_e4m3",  "nccl_transfers", "libfp8_nccl"};
+constexpr int kWire[kPaths] = {1, 4, 2, 1, 1, 1, 1};  // bytes per element on the wire
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 using fp8bench::die;
@@ -334,7 +341,12 @@ void rank_main(Shared& s, int k) {
     const int64_t rows = int64_t{1} << (lg / 2), cols = count / rows;
     const size_t bytes = static_cast<size_t>(count);
 
-    // 1. libfp8.
+    // 1. libfp8: the peer exchange, then the exchange over NCCL's collectives.
+    for (const int path : {kLibfp8, kLibfp8Nccl}) {
+    // (Read once per layout, by each rank's first exchange below: set for all of them here.)
+    s.barrier->wait();  // (every rank is done with the previous mode)
+    if (k == 0) setenv("FP8_PEER_EXCHANGE", path == kLibfp8 ? "on" : "off", 1);
+    s.barrier->wait();
     fp8_model_t* model = nullptr;
     RCHECK_FP8(fp8_model_create(&model, c));
     RCHECK_FP8(fp8_model_add_linear(model, "fc", cols, rows, 0, nullptr));
@@ -374,11 +386,12 @@ void rank_main(Shared& s, int k) {
     RCHECK_FP8(fp8_tensor_get_scale_inv(grad, &s.out_scale_inv[kk]));
     s.barrier->wait();
     const double libfp8_error = k == 0 ? check_libfp8(s, lg) : kNaN;
-    time_path(s, k, lg, kLibfp8, st, a, b, prepare, [&] { RCHECK_FP8(fp8_model_sync_grads(model)); });
+    time_path(s, k, lg, path, st, a, b, prepare, [&] { RCHECK_FP8(fp8_model_sync_grads(model)); });
     if (k == 0) s.rows.back().err_wire = s.rows.back().err_stored = libfp8_error;
     fp8_tensor_destroy(g);
     fp8_model_destroy(model);
     std::vector<uint8_t>().swap(s.out_codes[kk]);  // (rank 0 read them before the barriers above)
+    }
 
     // 2-5. NCCL, from the same inputs.
     float max_amax = 0;  // (every rank stored its amax before the first barrier above)
@@ -386,7 +399,7 @@ void rank_main(Shared& s, int k) {
     void *send = nullptr, *recv = nullptr;
     RCHECK_CUDA(cudaMalloc(&send, 4 * bytes));
     RCHECK_CUDA(cudaMalloc(&recv, 4 * bytes));
-    for (int path = kF32; path < kPaths; ++path) {
+    for (int path = kF32; path <= kTransfers; ++path) {
       if (path == kTransfers) {
         // libfp8's bytes moved by NCCL alone, unsliced: the codes' all-to-all (grouped send/recv),
         // then the all-gather of the pieces; no sums (the wire's share of the exchange's time).
@@ -478,16 +491,19 @@ void report(const Shared& s, FILE* json) {
   }
   std::fprintf(json, "\n]\n");
   std::fclose(json);
-  double lib28 = kNaN;
-  for (const Row& r : s.rows)
-    if (r.lg == 28 && r.path == kLibfp8) lib28 = r.ms;
-  const double ratio = lib28 / bf16_ms(28);
-  if (std::isnan(ratio))
-    std::printf("\nlibfp8 time / NCCL bf16 time at 2^28: not measured\n");
-  else
-    std::printf("\nlibfp8 time / NCCL bf16 time at 2^28, %d GPU%s: %.3f (issue target <= %.2f: %s)%s\n", n,
-                n > 1 ? "s" : "", ratio, kTarget, ratio <= kTarget ? "met" : "NOT met",
-                n == 1 ? " (one GPU: nothing crosses a link)" : "");
+  for (const int path : {kLibfp8, kLibfp8Nccl}) {
+    double lib28 = kNaN;
+    for (const Row& r : s.rows)
+      if (r.lg == 28 && r.path == path) lib28 = r.ms;
+    const double ratio = lib28 / bf16_ms(28);
+    if (std::isnan(ratio))
+      std::printf("\n%s time / NCCL bf16 time at 2^28: not measured", kPathName[path]);
+    else
+      std::printf("\n%s time / NCCL bf16 time at 2^28, %d GPU%s: %.3f (issue target <= %.2f: %s)%s", kPathName[path],
+                  n, n > 1 ? "s" : "", ratio, kTarget, ratio <= kTarget ? "met" : "NOT met",
+                  n == 1 ? " (one GPU: nothing crosses a link)" : "");
+  }
+  std::printf("\n");
   std::printf("checks: %d of %d passed%s\n", s.checks - s.failures, s.checks, s.failures ? " (see FAIL above)" : "");
   std::fflush(stdout);
 }

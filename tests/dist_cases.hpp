@@ -216,25 +216,37 @@ struct ExchangeCase {
   size_t bucket_bytes = 0;
   bool backward_sync = false;
   int64_t hidden = kHidden;
+  const char* peer_exchange = nullptr;  // FP8_PEER_EXCHANGE (nullptr: unset)
+};
+
+// Sets an environment variable for a scope (nullptr: unset), unset again after.
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* value) : name(n) {
+    if (value)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() { unsetenv(name); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 };
 
 // Every rank's state after one forward and backward and fp8_model_sync_grads, rank k on devices[k]
 // (join_ranks), the exchange cut in slices of FP8_EXCHANGE_SLICE_BYTES = `slice_bytes` (nullptr:
-// the default); checks that the ranks agree and returns rank 0's.
+// the default), through the peer exchange or not as c.peer_exchange says; checks that the ranks
+// agree and returns rank 0's.
 inline std::vector<unsigned char> exchanged_grads(const std::vector<int32_t>& devices, const char* slice_bytes,
                                                   const ExchangeCase& c = {}) {
   const int n = static_cast<int>(devices.size());
-  if (slice_bytes)
-    setenv("FP8_EXCHANGE_SLICE_BYTES", slice_bytes, 1);
-  else
-    unsetenv("FP8_EXCHANGE_SLICE_BYTES");
+  const ScopedEnv slices("FP8_EXCHANGE_SLICE_BYTES", slice_bytes), peers("FP8_PEER_EXCHANGE", c.peer_exchange);
   Group g(devices, c.recipe, FP8_OPTIMIZER_ADAM, 0.0f, c.bucket_bytes, c.backward_sync, c.hidden);
   on_ranks(n, [&](int k) {
     Rank& r = g.ranks[k];
     forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
     EXPECT_OK(fp8_model_sync_grads(r.model.get()));
   });
-  unsetenv("FP8_EXCHANGE_SLICE_BYTES");
   const std::vector<unsigned char> want = state_bytes(g.ranks[0], true);
   for (int k = 1; k < n; ++k) EXPECT_EQ(state_bytes(g.ranks[k], true), want) << "rank " << k;
   return want;

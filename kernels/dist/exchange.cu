@@ -5,11 +5,17 @@
 //     thread reads its elements' codes from every sender's piece (4-byte loads), sums them in rank
 //     order, divides, and encodes with the bound's scale (4-byte code stores): N + 1 bytes per element.
 //   divide: a grid-stride pass, 4 elements per 16-byte access.
+// The peer exchange (dist::PeerWindows) runs the same chunk kernel over the other GPUs' memory:
+// each rank's codes read where that rank keeps them and the means written into every rank's arena
+// (NVLink loads and stores instead of NCCL's transfers), after gather_peer_scales and between two
+// peer_barrier kernels.
 // In the chunk kernel thread t takes the 4 consecutive elements at 4 * (t + kThreads * g) of its
 // chunk for g = 0..3, so that each warp's loads and stores are contiguous: 16-byte stores at a
 // 64-byte stride per thread instead reach 1.34 TB/s on an H100, contiguous ones 3.2 TB/s.
 // Codes that are not 4-byte aligned (pieces, piece_bytes or the output) and a chunk's last partial
 // group of 4 take scalar paths; the sums are the same in every path.
+#include <type_traits>
+
 #include "core/exchange_rule.hpp"
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
@@ -39,26 +45,38 @@ __device__ __forceinline__ float2 dequantize2(uint32_t pair, float scale_inv) {
   return make_float2(mul_rn(f.x, scale_inv), mul_rn(f.y, scale_inv));
 }
 
+// Where sender k's codes of a chunk start: in the buffer of received pieces (one after another),
+// or in the sender's own memory (the peer exchange).
+struct ReceivedPieces {
+  const uint8_t* first;  // sender 0's code of the chunk's first element
+  int64_t piece_bytes;
+  __device__ __forceinline__ const uint8_t* operator()(int32_t k) const { return first + k * piece_bytes; }
+};
+struct PeerPieces {
+  const uint8_t* const* peers;  // every rank's codes arena
+  int64_t at;                   // the chunk's first element in each
+  __device__ __forceinline__ const uint8_t* operator()(int32_t k) const { return peers[k] + at; }
+};
+
 // The codes of the thread's first `groups` groups from senders [k, k + n), n <= kInFlight: one 4-byte
-// load per group and sender, or 4 byte loads where the codes are not 4-byte aligned. `codes` points
-// at sender 0's code of the chunk's first element. FULL: aligned and all groups, the case of every
-// thread but at a tensor's end, compiled without a branch per load.
-template <bool FULL>
-__device__ __forceinline__ void load_codes(uint32_t (&q)[kInFlight][kGroups], const uint8_t* codes, int64_t piece_bytes,
-                                           bool aligned, int groups, int32_t k, int n) {
+// load per group and sender, or 4 byte loads where the codes are not 4-byte aligned. FULL: aligned
+// and all groups, the case of every thread but at a tensor's end, compiled without a branch per load.
+template <bool FULL, class Src>
+__device__ __forceinline__ void load_codes(uint32_t (&q)[kInFlight][kGroups], const Src& src, bool aligned, int groups,
+                                           int32_t k, int n) {
 #pragma unroll
   for (int u = 0; u < kInFlight; ++u) {
     if (u >= n) continue;
-    const uint8_t* piece = codes + static_cast<int64_t>(k + u) * piece_bytes;
+    const uint8_t* piece = src(k + u);
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       if (!FULL && g >= groups) continue;
-      const uint8_t* src = piece + group_offset(g);
+      const uint8_t* at = piece + group_offset(g);
       if (FULL || aligned) {
-        q[u][g] = __ldg(reinterpret_cast<const uint32_t*>(src));
+        q[u][g] = __ldg(reinterpret_cast<const uint32_t*>(at));
       } else {
-        q[u][g] = static_cast<uint32_t>(__ldg(src)) | static_cast<uint32_t>(__ldg(src + 1)) << 8 |
-                  static_cast<uint32_t>(__ldg(src + 2)) << 16 | static_cast<uint32_t>(__ldg(src + 3)) << 24;
+        q[u][g] = static_cast<uint32_t>(__ldg(at)) | static_cast<uint32_t>(__ldg(at + 1)) << 8 |
+                  static_cast<uint32_t>(__ldg(at + 2)) << 16 | static_cast<uint32_t>(__ldg(at + 3)) << 24;
       }
     }
   }
@@ -97,23 +115,30 @@ __global__ void __launch_bounds__(kThreads) exchange_bounds(GradExchangeJob j) {
 }
 
 // One chunk (by one block): the means of its elements, encoded with the scale of their tensor's bound.
-template <bool E5M2>
+// PEERS: the senders' codes are read from every rank's arena and the codes written to every rank's
+// (GradExchangeJob's peer fields).
+template <bool E5M2, bool PEERS>
 __device__ __forceinline__ void exchange_chunk(const GradExchangeJob& j, const OptimChunk ch, float* scale_inv,
                                                bool codes_aligned, bool out_aligned) {
   // Groups wholly inside the chunk: a prefix of the thread's groups (all of them but at a tensor's end).
   int groups = 0;
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) groups += group_offset(g) + 4 <= ch.len;
-  const uint8_t* codes = j.pieces + ch.offset;
+  using Src = std::conditional_t<PEERS, PeerPieces, ReceivedPieces>;
+  Src src;
+  if constexpr (PEERS)
+    src = {j.peer_codes, j.peer_at + ch.offset};
+  else
+    src = {j.pieces + ch.offset, j.piece_bytes};
   const bool codes_vec = codes_aligned && ch.offset % 4 == 0;
   const bool full = codes_vec && groups == kGroups;  // the thread's loads need no check
   // The first senders' codes are on their way while the block gathers their scales.
   uint32_t q[kInFlight][kGroups];
   const int n0 = min(kInFlight, j.nranks);
   if (full)
-    load_codes<true>(q, codes, j.piece_bytes, true, kGroups, 0, n0);
+    load_codes<true>(q, src, true, kGroups, 0, n0);
   else if (groups > 0)
-    load_codes<false>(q, codes, j.piece_bytes, codes_vec, groups, 0, n0);
+    load_codes<false>(q, src, codes_vec, groups, 0, n0);
   // The rule starts from sender 0's value; -0 + x is x, bit for bit, for every x (+0 and -0
   // included; any NaN comes out as the GPU's one NaN either way), so the sums start at -0.
   float sum[kGroups][4];
@@ -132,10 +157,10 @@ __device__ __forceinline__ void exchange_chunk(const GradExchangeJob& j, const O
     for (int k = 0; k < count; k += kInFlight) {
       const int n = min(kInFlight, count - k);
       if (full) {
-        if (k0 + k > 0) load_codes<true>(q, codes, j.piece_bytes, true, kGroups, k0 + k, n);
+        if (k0 + k > 0) load_codes<true>(q, src, true, kGroups, k0 + k, n);
         add_codes<E5M2, true>(sum, q, scale_inv + k, kGroups, n);
       } else {
-        if (k0 + k > 0) load_codes<false>(q, codes, j.piece_bytes, codes_vec, groups, k0 + k, n);
+        if (k0 + k > 0) load_codes<false>(q, src, codes_vec, groups, k0 + k, n);
         add_codes<E5M2, false>(sum, q, scale_inv + k, groups, n);
       }
     }
@@ -147,6 +172,13 @@ __device__ __forceinline__ void exchange_chunk(const GradExchangeJob& j, const O
   const bool pow2 = (j.nranks & (j.nranks - 1)) == 0;
   const float inv = 1.0f / n;
   const bool out_vec = out_aligned && ch.offset % 4 == 0;
+  // Element i's code goes to this rank's slice, or to every rank's arena.
+  const int32_t outputs = PEERS && j.peer_outputs ? j.nranks : 1;
+  const auto out = [&](int32_t k, int64_t i) {
+    if constexpr (PEERS)
+      if (j.peer_outputs) return j.peer_outputs[k] + j.peer_at + i;
+    return j.codes + i;
+  };
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
     const int64_t i = ch.offset + group_offset(g);
@@ -155,17 +187,26 @@ __device__ __forceinline__ void exchange_chunk(const GradExchangeJob& j, const O
 #pragma unroll
       for (int e = 0; e < 4; ++e) m[e] = pow2 ? mul_rn(sum[g][e], inv) : div_rn(sum[g][e], n);
       if (out_vec) {
-        *reinterpret_cast<uint32_t*>(j.codes + i) =
+        const uint32_t packed =
             cast4<E5M2>(mul_rn(m[0], scale), mul_rn(m[1], scale), mul_rn(m[2], scale), mul_rn(m[3], scale));
+        for (int32_t k = 0; k < outputs; ++k) *reinterpret_cast<uint32_t*>(out(k, i)) = packed;
       } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) j.codes[i + e] = encode_fp8_rn(mul_rn(m[e], scale), E5M2);
+        for (int e = 0; e < 4; ++e) {
+          const uint8_t code = encode_fp8_rn(mul_rn(m[e], scale), E5M2);
+          for (int32_t k = 0; k < outputs; ++k) *out(k, i + e) = code;
+        }
       }
     } else {  // the chunk's last few elements (at a tensor's end), by the rule itself
       for (int64_t x = i; x < ch.offset + ch.len && x < i + 4; ++x) {
-        const float m =
-            exchange_mean(j.pieces, j.piece_bytes, j.nranks, x, j.sender_scales, j.tensor_count, ch.tensor, E5M2);
-        j.codes[x] = encode_fp8_rn(mul_rn(m, scale), E5M2);
+        float m;
+        if constexpr (PEERS)
+          m = exchange_mean_of([&](int32_t k) { return j.peer_codes[k][j.peer_at + x]; }, j.nranks, j.sender_scales,
+                               j.tensor_count, ch.tensor, E5M2);
+        else
+          m = exchange_mean(j.pieces, j.piece_bytes, j.nranks, x, j.sender_scales, j.tensor_count, ch.tensor, E5M2);
+        const uint8_t code = encode_fp8_rn(mul_rn(m, scale), E5M2);
+        for (int32_t k = 0; k < outputs; ++k) *out(k, x) = code;
       }
     }
   }
@@ -173,11 +214,49 @@ __device__ __forceinline__ void exchange_chunk(const GradExchangeJob& j, const O
 
 // One block per chunk. (A grid that leaves 32 SMs to NCCL's kernels running beside it, blocks
 // taking chunks in turn, made the pass 45% slower and the exchange no faster on 2 x H200.)
-template <bool E5M2>
+template <bool E5M2, bool PEERS>
 __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
     exchange_kernel(GradExchangeJob j, bool codes_aligned, bool out_aligned) {
   __shared__ float scale_inv[kScaleBatch];
-  exchange_chunk<E5M2>(j, j.chunks[blockIdx.x], scale_inv, codes_aligned, out_aligned);
+  exchange_chunk<E5M2, PEERS>(j, j.chunks[blockIdx.x], scale_inv, codes_aligned, out_aligned);
+}
+
+// The peer exchange's scales of a bucket, one thread per tensor.
+__global__ void __launch_bounds__(kThreads) gather_peer_scales_kernel(PeerScalesJob j) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (t >= j.tensor_count) return;
+  for (int32_t k = 0; k < j.nranks; ++k)
+    j.senders[static_cast<int64_t>(k) * j.tensor_count + t] = j.peer_scales[k][j.first + t];
+  j.bounds[t] = exchange_bound(j.senders, j.nranks, j.tensor_count, static_cast<int32_t>(t));
+}
+
+// Release and acquire at system scope: the other ranks' GPUs (and processes) observe them.
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Thread k signals rank k and waits for rank k's signal; the epoch is the rank's count of barriers
+// (on the device, so that a captured barrier replays with the next one). Kernel boundaries order the
+// stream's work before and after (the fence makes the earlier kernels' writes, to any rank's memory,
+// visible before the signal).
+__global__ void peer_barrier_kernel(uint32_t* const* signals, int32_t rank, int32_t nranks, uint32_t* epochs,
+                                    const volatile uint32_t* abort) {
+  const int32_t k = static_cast<int32_t>(threadIdx.x);
+  const uint32_t epoch = *epochs + 1;
+  if (k < nranks) {
+    __threadfence_system();
+    store_release_sys(signals[k] + rank, epoch);
+    const uint32_t* mine = signals[rank] + k;
+    // (Epochs wrap: compared by their difference.)
+    while (static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0 && !*abort) __nanosleep(128);
+  }
+  __syncthreads();
+  if (k == 0) *epochs = epoch;
 }
 
 __global__ void __launch_bounds__(kThreads) divide_kernel(float* x, int64_t n, float divisor, bool aligned) {
@@ -205,11 +284,34 @@ void grad_exchange(const GradExchangeJob& j, cudaStream_t stream) {
     cuda_check(cudaGetLastError(), "gradient exchange bounds kernel launch");
   }
   if (j.chunk_count <= 0) return;
-  const bool codes_aligned = (reinterpret_cast<uintptr_t>(j.pieces) & 3u) == 0 && j.piece_bytes % 4 == 0;
-  const bool out_aligned = (reinterpret_cast<uintptr_t>(j.codes) & 3u) == 0;
-  (j.e5m2 ? exchange_kernel<true> : exchange_kernel<false>)<<<static_cast<unsigned>(j.chunk_count), kThreads, 0,
-                                                                stream>>>(j, codes_aligned, out_aligned);
+  const auto aligned4 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; };
+  bool codes_aligned, out_aligned;
+  if (j.peer_codes) {
+    // (The tables are device memory: the host knows the alignment from where they came from.)
+    codes_aligned = j.peer_at % 4 == 0 && j.peer_codes_aligned;
+    out_aligned = j.peer_outputs ? codes_aligned : aligned4(j.codes);
+  } else {
+    codes_aligned = aligned4(j.pieces) && j.piece_bytes % 4 == 0;
+    out_aligned = aligned4(j.codes);
+  }
+  const auto kernel = j.peer_codes ? (j.e5m2 ? exchange_kernel<true, true> : exchange_kernel<false, true>)
+                                   : (j.e5m2 ? exchange_kernel<true, false> : exchange_kernel<false, false>);
+  kernel<<<static_cast<unsigned>(j.chunk_count), kThreads, 0, stream>>>(j, codes_aligned, out_aligned);
   cuda_check(cudaGetLastError(), "gradient exchange kernel launch");
+}
+
+void gather_peer_scales(const PeerScalesJob& j, cudaStream_t stream) {
+  if (j.nranks <= 0 || j.tensor_count <= 0) return;
+  const auto blocks = static_cast<unsigned>((j.tensor_count + kThreads - 1) / kThreads);
+  gather_peer_scales_kernel<<<blocks, kThreads, 0, stream>>>(j);
+  cuda_check(cudaGetLastError(), "peer exchange scales kernel launch");
+}
+
+void peer_barrier(uint32_t* const* signals, int32_t rank, int32_t nranks, uint32_t* epochs,
+                  const volatile uint32_t* abort, cudaStream_t stream) {
+  const unsigned threads = static_cast<unsigned>((nranks + 31) / 32 * 32);
+  peer_barrier_kernel<<<1, threads, 0, stream>>>(signals, rank, nranks, epochs, abort);
+  cuda_check(cudaGetLastError(), "peer exchange barrier kernel launch");
 }
 
 void divide(const DivideJob& j, const LaunchLimits& lim, cudaStream_t stream) {

@@ -90,6 +90,7 @@ class Backend {
   virtual void grad_accumulate(const GradAccumulateJob& job) = 0;
   // The FP8 gradient exchange's local pass (core/exchange_rule.hpp) and the FP32 gradients' mean.
   virtual void grad_exchange(const GradExchangeJob& job) = 0;
+  virtual void gather_peer_scales(const PeerScalesJob& job) = 0;
   virtual void divide(const DivideJob& job) = 0;
   // `height` rows of `width` bytes from src (rows `spitch` bytes apart) to dst (`dpitch` apart):
   // how one slot of every scaling state is gathered and scattered (asynchronously on the GPU).
@@ -119,6 +120,7 @@ void cpu_optimizer_update(const OptimizerStepJob& job);
 void cpu_optimizer_promote(const OptimizerStepJob& job);
 void cpu_grad_accumulate(const GradAccumulateJob& job);
 void cpu_grad_exchange(const GradExchangeJob& job);
+void cpu_gather_peer_scales(const PeerScalesJob& job);
 // Throws FP8_ERR_NO_DEVICE / FP8_ERR_UNSUPPORTED when `device` cannot run libfp8.
 std::unique_ptr<Backend> make_cuda_backend(int32_t device);
 

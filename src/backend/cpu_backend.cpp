@@ -323,6 +323,7 @@ class CpuBackend final : public Backend {
   void optimizer_promote(const OptimizerStepJob& j) override { cpu_optimizer_promote(j); }
   void grad_accumulate(const GradAccumulateJob& j) override { cpu_grad_accumulate(j); }
   void grad_exchange(const GradExchangeJob& j) override { cpu_grad_exchange(j); }
+  void gather_peer_scales(const PeerScalesJob& j) override { cpu_gather_peer_scales(j); }
   void divide(const DivideJob& j) override {
     for (int64_t i = 0; i < j.n; ++i) {
       const float q = j.x[i] / j.divisor;

@@ -263,6 +263,10 @@ class CudaBackend final : public Backend {
     DeviceScope scope(limits_.device);
     kernels::grad_exchange(job, stream_);
   }
+  void gather_peer_scales(const PeerScalesJob& job) override {
+    DeviceScope scope(limits_.device);
+    kernels::gather_peer_scales(job, stream_);
+  }
   void divide(const DivideJob& job) override {
     DeviceScope scope(limits_.device);
     kernels::divide(job, limits_, stream_);

@@ -254,6 +254,10 @@ struct OptimizerStepJob {
 //   with `scales` (a bucket's first slice): bounds[t] = exchange_bound(t) and
 //     exchange_finish(scales[t], bounds[t]) for every tensor t, first (each rank sets all alike);
 //   codes[i] = encode(exchange_mean(i) * fp8_scale_for_bound(bounds[tensor])).
+// The peer exchange (dist::PeerWindows) reads the senders' codes where they are: with `peer_codes`,
+// sender k's code of slice element i is peer_codes[k][peer_at + i] (pieces and piece_bytes unused),
+// and with `peer_outputs` the encoded mean goes to peer_outputs[k][peer_at + i] for every rank k
+// instead of to codes[i]. Both are tables of nranks pointers in the backend's memory.
 struct GradExchangeJob {
   const uint8_t* pieces;  // nranks pieces of piece_bytes: sender k's codes of this slice at k * piece_bytes
   int32_t nranks;
@@ -266,6 +270,23 @@ struct GradExchangeJob {
   float* bounds;       // tensor_count: written with `scales`, read by every slice of the bucket
   uint8_t* codes;      // this rank's codes of the slice
   GradScales* scales;  // tensor_count, or nullptr: the bucket's bounds are already in `bounds`
+  const uint8_t* const* peer_codes = nullptr;
+  uint8_t* const* peer_outputs = nullptr;
+  int64_t peer_at = 0;
+  bool peer_codes_aligned = false;  // every pointer of both tables is 4-byte aligned
+};
+
+// The peer exchange's scales (a bucket's, before its codes): every sender's scales of tensors
+// [first, first + tensor_count), read from each rank's own scale array (peer_scales: a table of
+// nranks pointers in the backend's memory), into senders[k * tensor_count + t], and
+// bounds[t] = exchange_bound(t).
+struct PeerScalesJob {
+  const GradScales* const* peer_scales;
+  int32_t nranks;
+  int64_t first;
+  int32_t tensor_count;
+  GradScales* senders;
+  float* bounds;
 };
 
 // x[i] = x[i] / divisor (round to nearest): the mean of an FP32 gradient sum over the ranks.

@@ -17,18 +17,27 @@
 
 namespace fp8 {
 
-// Rank k's gradient element i of this shard, decoded with k's scale_inv of the element's tensor,
-// summed over the senders in rank order and divided by their count.
-FP8_OPTIM_FN float exchange_mean(const uint8_t* pieces, int64_t piece_bytes, int32_t nranks, int64_t i,
-                                 const GradScales* sender_scales, int32_t tensor_count, int32_t tensor, bool e5m2) {
-  float sum = dequantize_rn(pieces[i], e5m2, sender_scales[tensor].scale_inv);
+// The mean of one element over the senders: code(k) is sender k's code of it, decoded with k's
+// scale_inv of the element's tensor, summed in rank order and divided by their count. (Wherever
+// the codes are: a buffer of received pieces, or the senders' own memory in the peer exchange.)
+template <class Code>
+FP8_OPTIM_FN float exchange_mean_of(Code&& code, int32_t nranks, const GradScales* sender_scales, int32_t tensor_count,
+                                    int32_t tensor, bool e5m2) {
+  float sum = dequantize_rn(code(0), e5m2, sender_scales[tensor].scale_inv);
   for (int32_t k = 1; k < nranks; ++k)
-    sum = add_rn(sum, dequantize_rn(pieces[k * piece_bytes + i], e5m2,
+    sum = add_rn(sum, dequantize_rn(code(k), e5m2,
                                     sender_scales[static_cast<int64_t>(k) * tensor_count + tensor].scale_inv));
   // A NaN comes out canonical (0x7FFFFFFF), as the GPU's division gives it (+inf + -inf on the CPU
   // would give another NaN's bits).
   const float mean = div_rn(sum, static_cast<float>(nranks));
   return mean != mean ? bits_float(0x7FFFFFFFu) : mean;
+}
+
+// Rank k's gradient element i of this shard at pieces[k * piece_bytes + i].
+FP8_OPTIM_FN float exchange_mean(const uint8_t* pieces, int64_t piece_bytes, int32_t nranks, int64_t i,
+                                 const GradScales* sender_scales, int32_t tensor_count, int32_t tensor, bool e5m2) {
+  return exchange_mean_of([&](int32_t k) { return pieces[k * piece_bytes + i]; }, nranks, sender_scales,
+                          tensor_count, tensor, e5m2);
 }
 
 // The bound on a tensor's |mean|: the senders' amaxes summed in rank order in float64, divided by N,

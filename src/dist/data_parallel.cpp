@@ -139,6 +139,11 @@ struct ModelComm::Plan {
   // The scaling states' amaxes, gathered.
   nn::Arena amaxes;
   size_t amax_count = 0;
+  // The peer exchange (FP8_PEER_EXCHANGE): every rank's FP8 gradient arena (region kCodes) and
+  // gradient scales (kScales) within this rank's reach; nullptr: the exchange goes through the
+  // transport's collectives.
+  enum : size_t { kCodes = 0, kScales = 1 };
+  std::unique_ptr<PeerWindows> peers;
 };
 
 ModelComm::ModelComm() = default;
@@ -213,6 +218,44 @@ uint64_t slice_bytes_asked() {
     fail(FP8_ERR_INVALID_ARGUMENT, "FP8_EXCHANGE_SLICE_BYTES is '", env, "'; expected a whole number of bytes from ",
          nn::kSliceAlign, " to 2^62");
   return v;
+}
+
+// FP8_PEER_EXCHANGE (fp8.h): unset or "auto", "on", "off"; the ranks take the strictest of theirs
+// (off over on over auto).
+enum class PeerMode : uint64_t { kAuto = 0, kOn = 1, kOff = 2 };
+
+PeerMode peer_mode_asked() {
+  const char* env = std::getenv("FP8_PEER_EXCHANGE");
+  if (!env || std::strcmp(env, "auto") == 0) return PeerMode::kAuto;
+  if (std::strcmp(env, "on") == 0) return PeerMode::kOn;
+  if (std::strcmp(env, "off") == 0) return PeerMode::kOff;
+  fail(FP8_ERR_INVALID_ARGUMENT, "FP8_PEER_EXCHANGE is '", env, "'; expected auto, on or off");
+}
+
+PeerMode agreed_peer_mode(Transport& t, const std::shared_ptr<Backend>& be) {
+  PeerMode mine = PeerMode::kAuto;
+  all_or_none(t, be, "FP8_PEER_EXCHANGE", [&] { mine = peer_mode_asked(); }, [] {});
+  return static_cast<PeerMode>(largest_of_ranks(t, be, static_cast<uint64_t>(mine)));
+}
+
+// Collective: the peer windows of a new plan, unless the mode is off or there are no FP8 gradients;
+// refused on every rank (FP8_ERR_UNSUPPORTED) when the mode is on and the ranks cannot reach each
+// other's memory.
+void map_peers(fp8_model& m, Transport& t, ModelComm::Plan& plan, PeerMode mode) {
+  if (mode == PeerMode::kOff || !plan.codes) return;
+  const nn::ParamStore& store = *m.store;
+  void* data = nullptr;
+  size_t bytes = 0;
+  store.flat(nn::kGrads, store.grad_dtype(), &data, &bytes);
+  const std::vector<PeerRegion> regions = {
+      {data, bytes, store.grad_memory(store.grad_dtype())},
+      {store.grad_scales(), nn::all_parameters(m).size() * sizeof(GradScales), store.grad_scales_memory()}};
+  std::string why;
+  plan.peers = t.map_peers(regions, &why);
+  if (plan.peers) plan.recv = nn::Arena();  // (nothing is received into buffers)
+  if (!plan.peers && mode == PeerMode::kOn)
+    fail(FP8_ERR_UNSUPPORTED, "FP8_PEER_EXCHANGE is 'on', but ", why,
+         "; unset it (or set auto) to exchange through the communicator's collectives");
 }
 
 // Collective: the largest of the ranks' slice sizes (so that they cut the same slices), rounded
@@ -324,13 +367,22 @@ class Exchanges {
     ModelComm::Plan& plan = plan_of(m_);
     if (plan.generation != m_.store->generation()) {  // (the same on every rank: agreed before any exchange)
       const size_t most = agreed_slice_bytes(t_, m_.backend);
+      const PeerMode mode = agreed_peer_mode(t_, m_.backend);
+      // The old windows close on every rank before the memory they hold may go.
+      if (plan.peers) plan.peers->close();
+      plan.peers.reset();
       all_or_none(
           t_, m_.backend, "the gradient exchange's buffers", [&] { build_plan(m_, t_, plan, most); }, [] {});
+      map_peers(m_, t_, plan, mode);
     }
     const nn::Bucket& b = m_.store->buckets()[k];
     const size_t piece = b.piece(t_.size());
     if (!open_) be_.begin_side(), open_ = true;
     const bool sliced_now = c.exchanged[k] == ModelComm::kNotStarted;
+    if (sliced_now && plan.peers) {
+      exchange_with_peers(k, goal);
+      return;
+    }
     if (sliced_now) {
       if (b.f32_bytes) {
         float* f32 = plan.f32 + b.f32_at / sizeof(float);
@@ -374,6 +426,51 @@ class Exchanges {
       }
       c.exchanged[k] = ModelComm::kWhole;
     }
+  }
+
+  // The peer exchange of bucket k (every rank's memory within reach): each rank reads its piece of
+  // every rank's codes and scales where they are, and writes the encoded means into every rank's
+  // arena (into its own only for kOwnPieces), between two barriers: the first waits until every
+  // rank's gradients are final, the second until every rank has read and written; only then does
+  // each rank overwrite its own scales (identical on every rank: the same bounds).
+  void exchange_with_peers(size_t k, uint8_t goal) {
+    ModelComm& c = *m_.comm;
+    ModelComm::Plan& plan = plan_of(m_);
+    const nn::Bucket& b = m_.store->buckets()[k];
+    const size_t piece = b.piece(t_.size());
+    const int32_t n = t_.size();
+    if (b.f32_bytes) {
+      float* f32 = plan.f32 + b.f32_at / sizeof(float);
+      const size_t count = b.f32_bytes / sizeof(float);
+      t_.all_reduce(f32, count, ElemType::kF32, ReduceOp::kSum);
+      be_.divide({f32, static_cast<int64_t>(count), static_cast<float>(n)});
+    }
+    c.exchanged[k] = goal;
+    if (plan.slice_begin[k] == plan.slice_begin[k + 1]) return;  // (no FP8 gradients)
+    PeerWindows& w = *plan.peers;
+    const int32_t tensors = b.last - b.first;
+    auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data()) +
+                    static_cast<size_t>(n) * static_cast<size_t>(b.first);
+    float* bounds = reinterpret_cast<float*>(plan.bounds.data()) + b.first;
+    const auto codes = reinterpret_cast<uint8_t* const*>(w.table(ModelComm::Plan::kCodes));
+    w.barrier();
+    be_.gather_peer_scales({reinterpret_cast<const GradScales* const*>(w.table(ModelComm::Plan::kScales)), n,
+                            b.first, tensors, senders, bounds});
+    for (int64_t s = plan.slice_begin[k]; s < plan.slice_begin[k + 1]; ++s) {
+      const ModelComm::Plan::Slice& sl = plan.slices[static_cast<size_t>(s)];
+      const size_t at = b.fp8_at + static_cast<size_t>(t_.rank()) * piece + sl.at;
+      GradExchangeJob job{nullptr, n, 0, senders, tensors,
+                          reinterpret_cast<const OptimChunk*>(plan.chunks.data()) + sl.chunk_begin, sl.chunk_count,
+                          plan.e5m2, bounds, plan.codes + at, nullptr};
+      job.peer_codes = codes;
+      job.peer_outputs = goal == ModelComm::kWhole ? codes : nullptr;
+      job.peer_at = static_cast<int64_t>(at);
+      job.peer_codes_aligned = w.aligned(ModelComm::Plan::kCodes);
+      be_.grad_exchange(job);
+    }
+    w.barrier();
+    be_.grad_exchange({nullptr, n, 0, senders, tensors, nullptr, 0, plan.e5m2, bounds, nullptr,
+                       m_.store->grad_scales() + b.first});
   }
 
   // Queues what is left (the last all-gather) and closes the communication stream's scope.

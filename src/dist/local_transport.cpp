@@ -269,6 +269,35 @@ std::string mismatch_message(const std::vector<Call>& calls, size_t rank) noexce
   }
 }
 
+// The peer windows of ranks on host memory: plain pointers, and the group's barrier.
+class HostWindows final : public PeerWindows {
+ public:
+  // all[k * regions + i]: rank k's region i.
+  HostWindows(Transport& t, const std::vector<PeerRegion>& regions, const std::vector<uint64_t>& all) : t_(t) {
+    const size_t n = static_cast<size_t>(t.size());
+    for (size_t i = 0; i < regions.size(); ++i) {
+      std::vector<void*>& table = tables_.emplace_back();
+      bool aligned = true;
+      for (size_t k = 0; k < n; ++k) {
+        table.push_back(reinterpret_cast<void*>(static_cast<uintptr_t>(all[k * regions.size() + i])));
+        aligned = aligned && reinterpret_cast<uintptr_t>(table.back()) % 4 == 0;
+      }
+      aligned_.push_back(aligned);
+      keep_.push_back(regions[i].keep);
+    }
+  }
+  void* const* table(size_t region) const override { return tables_[region].data(); }
+  bool aligned(size_t region) const override { return aligned_[region]; }
+  void barrier() override { t_.barrier(); }
+  void close() override { t_.barrier(); }
+
+ private:
+  Transport& t_;
+  std::vector<std::vector<void*>> tables_;
+  std::vector<bool> aligned_;
+  std::vector<std::shared_ptr<void>> keep_;
+};
+
 class LocalTransport final : public Transport {
  public:
   // `device`: the rank's CUDA backend, whose buffers are staged through the host; nullptr: host buffers.
@@ -309,6 +338,19 @@ class LocalTransport final : public Transport {
     run(call);
   }
   void barrier() override { run({}); }
+
+  // Host buffers: every rank's threads reach every rank's memory as it is.
+  std::unique_ptr<PeerWindows> map_peers(const std::vector<PeerRegion>& regions, std::string* why) override {
+    if (device_) {
+      *why = "the in-process transport's ranks on CUDA contexts exchange through host memory";
+      return nullptr;
+    }
+    const size_t n = static_cast<size_t>(size());
+    std::vector<uint64_t> mine, all(n * regions.size());
+    for (const PeerRegion& r : regions) mine.push_back(reinterpret_cast<uintptr_t>(r.data));
+    all_gather(mine.data(), all.data(), mine.size() * sizeof(uint64_t));
+    return std::make_unique<HostWindows>(*this, regions, all);
+  }
 
   void abort() noexcept override {
     std::lock_guard<std::mutex> lock(group_->mutex);

@@ -1,10 +1,14 @@
 #include "dist/nccl_transport.hpp"
 
+#include <cuda.h>  // (types for the driver entry point: libfp8 does not link the driver)
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "backend/device_scope.hpp"
 #include "core/error.hpp"
@@ -33,6 +37,268 @@ ncclDataType_t nccl_type(ElemType t) {
   }
 }
 
+// ---- the peer windows ----------------------------------------------------------------------------
+// Ranks in one process reach each other's memory through peer access (cudaDeviceEnablePeerAccess),
+// ranks in other processes of the host through CUDA IPC (cudaIpcGetMemHandle of the allocation
+// that holds the region, opened at the region's offset in it). The barrier is a kernel on the
+// rank's stream over a signal array per rank (slot k: rank k's last epoch), itself a region; the
+// epoch counts on the device, so a captured barrier replays correctly.
+
+// The allocation that holds p (cuMemGetAddressRange): IPC shares whole allocations.
+bool allocation_of(const void* p, CUdeviceptr* base) {
+  using Fn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static Fn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    (void)cudaGetLastError();
+    return reinterpret_cast<Fn>(f);
+  }();
+  size_t size = 0;
+  return fn && fn(base, &size, reinterpret_cast<CUdeviceptr>(p)) == CUDA_SUCCESS;
+}
+
+// This host: its name and boot id (two containers may share a name, not a boot).
+std::string host_key() {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return std::string(name) + "/" + boot;
+}
+
+// What each rank tells the others, at a fixed size.
+constexpr size_t kHostKey = 128, kBusId = 32;
+struct RankCard {
+  char host[kHostKey];
+  char bus[kBusId];
+  uint64_t pid;
+};
+struct RegionCard {
+  cudaIpcMemHandle_t handle;
+  uint64_t ptr, offset;  // the region, and its offset in its allocation
+  uint32_t shareable;    // an IPC handle exists for its allocation
+  uint32_t pad;
+};
+
+// Why rank `from` cannot reach rank `to`: the codes of the agreement (0: it can).
+enum PeerVerdict : uint32_t {
+  kReachable = 0,
+  kOtherHost = 1,
+  kNotVisible = 2,
+  kSameGpu = 3,
+  kNoPeerAccess = 4,
+  kNotShareable = 5,
+  kOpenFailed = 6,
+  kSetupFailed = 7,
+};
+std::string verdict_text(uint32_t code, int32_t from, int32_t to) {
+  std::ostringstream os;
+  os << "rank " << from << " cannot reach rank " << to << "'s memory: ";
+  switch (code) {
+    case kOtherHost:
+      os << "they run on different hosts";
+      break;
+    case kNotVisible:
+      os << "rank " << to << "'s GPU is not visible to rank " << from << "'s process (CUDA_VISIBLE_DEVICES)";
+      break;
+    case kSameGpu:
+      os << "both run on the same GPU";
+      break;
+    case kNoPeerAccess:
+      os << "cudaDeviceCanAccessPeer says the GPUs have no peer access";
+      break;
+    case kNotShareable:
+      os << "rank " << to << "'s gradient memory cannot be shared with another process (cudaIpcGetMemHandle; "
+         << "memory from an allocator set with fp8_context_set_allocator may be such)";
+      break;
+    case kOpenFailed:
+      os << "cudaIpcOpenMemHandle failed";
+      break;
+    default:
+      os << "setting the windows up failed (a CUDA allocation or peer access)";
+  }
+  return os.str();
+}
+
+class NcclWindows final : public PeerWindows {
+ public:
+  NcclWindows(Transport& t, std::shared_ptr<Backend> backend, const volatile uint32_t* abort)
+      : t_(t), backend_(std::move(backend)), abort_(abort) {}
+  ~NcclWindows() override {
+    DeviceScope on(backend_->device(), std::nothrow);
+    release_imports();
+    if (tables_) cudaFree(tables_);
+    if (signals_) cudaFree(signals_);
+    if (epoch_) cudaFree(epoch_);
+  }
+  NcclWindows(const NcclWindows&) = delete;
+  NcclWindows& operator=(const NcclWindows&) = delete;
+
+  void* const* table(size_t region) const override { return tables_ + region * static_cast<size_t>(t_.size()); }
+  bool aligned(size_t region) const override { return aligned_[region]; }
+  void barrier() override {
+    DeviceScope on(backend_->device());
+    backend_->join_side();
+    kernels::peer_barrier(reinterpret_cast<uint32_t* const*>(table(signal_region_)), t_.rank(), t_.size(), epoch_,
+                          abort_, backend_->stream());
+  }
+  void close() override {
+    {
+      DeviceScope on(backend_->device());
+      release_imports();
+    }
+    t_.barrier();
+  }
+
+  // Sets up this rank's side; returns the verdict (kReachable or why not) and fills `peer`.
+  uint32_t setup(const std::vector<PeerRegion>& regions, int32_t* peer);
+
+ private:
+  void release_imports() noexcept {
+    for (void* base : imports_) cudaIpcCloseMemHandle(base);
+    imports_.clear();
+  }
+
+  Transport& t_;
+  std::shared_ptr<Backend> backend_;
+  const volatile uint32_t* abort_;
+  std::vector<std::shared_ptr<void>> keep_;
+  std::vector<bool> aligned_;
+  size_t signal_region_ = 0;
+  void** tables_ = nullptr;     // device: [region][rank]
+  uint32_t* signals_ = nullptr; // device: nranks slots
+  uint32_t* epoch_ = nullptr;   // device: the barriers so far
+  std::vector<void*> imports_;  // what cudaIpcOpenMemHandle opened
+};
+
+uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* peer) {
+  const auto n = static_cast<size_t>(t_.size());
+  const auto me = static_cast<size_t>(t_.rank());
+  const int device = backend_->device();
+  DeviceScope on(device);
+  // This rank's signals (a region of its own: allocated here, so IPC can share it) and epoch.
+  std::vector<PeerRegion> all = regions;
+  uint32_t verdict = kReachable;
+  const auto cuda_ok = [&](cudaError_t e) {
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (verdict == kReachable) verdict = kSetupFailed, *peer = static_cast<int32_t>(me);
+    }
+    return e == cudaSuccess;
+  };
+  if (cuda_ok(cudaMalloc(reinterpret_cast<void**>(&signals_), n * sizeof(uint32_t))))
+    cuda_ok(cudaMemset(signals_, 0, n * sizeof(uint32_t)));
+  if (cuda_ok(cudaMalloc(reinterpret_cast<void**>(&epoch_), sizeof(uint32_t))))
+    cuda_ok(cudaMemset(epoch_, 0, sizeof(uint32_t)));
+  signal_region_ = all.size();
+  all.push_back({signals_, n * sizeof(uint32_t), nullptr});
+  for (const PeerRegion& r : regions) keep_.push_back(r.keep);
+
+  // Every rank's card and its regions' cards, gathered.
+  const size_t card_bytes = sizeof(RankCard) + all.size() * sizeof(RegionCard);
+  std::vector<unsigned char> mine(card_bytes, 0), cards(n * card_bytes);
+  RankCard rc{};
+  std::strncpy(rc.host, host_key().c_str(), kHostKey - 1);
+  if (cudaDeviceGetPCIBusId(rc.bus, kBusId, device) != cudaSuccess) (void)cudaGetLastError();
+  rc.pid = static_cast<uint64_t>(getpid());
+  std::memcpy(mine.data(), &rc, sizeof rc);
+  for (size_t i = 0; i < all.size(); ++i) {
+    RegionCard c{};
+    c.ptr = reinterpret_cast<uintptr_t>(all[i].data);
+    CUdeviceptr base = 0;
+    if (all[i].data && allocation_of(all[i].data, &base) &&
+        cudaIpcGetMemHandle(&c.handle, reinterpret_cast<void*>(base)) == cudaSuccess) {
+      c.shareable = 1;
+      c.offset = c.ptr - static_cast<uint64_t>(base);
+    }
+    (void)cudaGetLastError();
+    std::memcpy(mine.data() + sizeof(RankCard) + i * sizeof(RegionCard), &c, sizeof c);
+  }
+  {
+    void* staging = backend_->allocate(n * card_bytes);
+    try {
+      backend_->copy_from_host(static_cast<char*>(staging) + me * card_bytes, mine.data(), card_bytes);
+      t_.all_gather(static_cast<char*>(staging) + me * card_bytes, staging, card_bytes);
+      backend_->copy_to_host(cards.data(), staging, n * card_bytes);
+    } catch (...) {
+      backend_->release(staging);
+      throw;
+    }
+    backend_->release(staging);
+    t_.check();
+  }
+  const auto card = [&](size_t k) {
+    RankCard c;
+    std::memcpy(&c, cards.data() + k * card_bytes, sizeof c);
+    return c;
+  };
+  const auto region_card = [&](size_t k, size_t i) {
+    RegionCard c;
+    std::memcpy(&c, cards.data() + k * card_bytes + sizeof(RankCard) + i * sizeof(RegionCard), sizeof c);
+    return c;
+  };
+
+  // Each peer's regions as this rank reaches them.
+  std::vector<std::vector<void*>> reach(all.size(), std::vector<void*>(n, nullptr));
+  for (size_t k = 0; k < n && verdict == kReachable; ++k) {
+    const RankCard theirs = card(k);
+    const bool same_process = theirs.pid == rc.pid && std::strncmp(theirs.host, rc.host, kHostKey) == 0;
+    if (k != me) {
+      int dev = -1, can = 0;
+      if (std::strncmp(theirs.host, rc.host, kHostKey) != 0)
+        verdict = kOtherHost;
+      else if (cudaDeviceGetByPCIBusId(&dev, theirs.bus) != cudaSuccess)
+        verdict = kNotVisible;
+      else if (dev == device)
+        verdict = kSameGpu;
+      else if (cudaDeviceCanAccessPeer(&can, device, dev) != cudaSuccess || !can)
+        verdict = kNoPeerAccess;
+      else if (same_process) {
+        const cudaError_t e = cudaDeviceEnablePeerAccess(dev, 0);
+        if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) verdict = kSetupFailed;
+      }
+      (void)cudaGetLastError();
+      if (verdict != kReachable) {
+        *peer = static_cast<int32_t>(k);
+        break;
+      }
+    }
+    for (size_t i = 0; i < all.size(); ++i) {
+      const RegionCard c = region_card(k, i);
+      if (k == me || same_process) {
+        reach[i][k] = reinterpret_cast<void*>(static_cast<uintptr_t>(c.ptr));
+        continue;
+      }
+      if (!c.shareable) {
+        verdict = kNotShareable, *peer = static_cast<int32_t>(k);
+        break;
+      }
+      void* base = nullptr;
+      if (cudaIpcOpenMemHandle(&base, c.handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+        (void)cudaGetLastError();
+        verdict = kOpenFailed, *peer = static_cast<int32_t>(k);
+        break;
+      }
+      imports_.push_back(base);
+      reach[i][k] = static_cast<char*>(base) + c.offset;
+    }
+  }
+  if (verdict != kReachable) return verdict;
+  std::vector<void*> flat;
+  for (const std::vector<void*>& r : reach) {
+    bool aligned = true;
+    for (void* p : r) aligned = aligned && reinterpret_cast<uintptr_t>(p) % 4 == 0;
+    aligned_.push_back(aligned);
+    flat.insert(flat.end(), r.begin(), r.end());
+  }
+  if (cuda_ok(cudaMalloc(reinterpret_cast<void**>(&tables_), flat.size() * sizeof(void*))))
+    cuda_ok(cudaMemcpy(tables_, flat.data(), flat.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  return verdict;
+}
+
 class NcclTransport final : public Transport {
  public:
   NcclTransport(std::shared_ptr<Backend> backend, ncclComm_t comm, bool owned)
@@ -42,6 +308,7 @@ class NcclTransport final : public Transport {
   }
   ~NcclTransport() override {
     backend_->release(token_);
+    if (abort_flag_) cudaFreeHost(const_cast<uint32_t*>(abort_flag_));
     if (!owned_ || aborted_) return;
     DeviceScope on(backend_->device(), std::nothrow);
     // A communicator with an error pending may never finish its work: destroying it would wait.
@@ -115,7 +382,44 @@ class NcclTransport final : public Transport {
     backend_->synchronize();
     check();
   }
+  std::unique_ptr<PeerWindows> map_peers(const std::vector<PeerRegion>& regions, std::string* why) override {
+    check();
+    DeviceScope on(backend_->device());
+    if (!abort_flag_) {
+      // Mapped host memory the barrier kernels poll: abort() sets it, so a barrier waiting for a
+      // rank that is gone ends.
+      void* p = nullptr;
+      kernels::cuda_check(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
+                          "cudaHostAlloc (the peer barrier's abort flag)");
+      abort_flag_ = static_cast<volatile uint32_t*>(p);
+      *abort_flag_ = aborted_ ? 1u : 0u;
+    }
+    auto windows = std::make_unique<NcclWindows>(*this, backend_, abort_flag_);
+    int32_t peer = 0;
+    const uint32_t verdict = windows->setup(regions, &peer);
+    // The worst verdict of any rank, with who found it: code << 24 | rank << 12 | peer.
+    uint32_t word = verdict == kReachable ? 0u
+                                          : verdict << 24 | static_cast<uint32_t>(rank_) << 12 |
+                                                static_cast<uint32_t>(peer);
+    void* buf = backend_->allocate(sizeof word);
+    try {
+      backend_->copy_from_host(buf, &word, sizeof word);
+      all_reduce(buf, 1, ElemType::kU32, ReduceOp::kMax);
+      backend_->copy_to_host(&word, buf, sizeof word);
+    } catch (...) {
+      backend_->release(buf);
+      throw;
+    }
+    backend_->release(buf);
+    check();
+    if (word == 0) return windows;
+    *why = verdict_text(word >> 24, static_cast<int32_t>((word >> 12) & 0xFFFu), static_cast<int32_t>(word & 0xFFFu));
+    windows->close();
+    return nullptr;
+  }
+
   void abort() noexcept override {
+    if (abort_flag_) *abort_flag_ = 1u;
     if (aborted_.exchange(true)) return;
     // The application keeps a borrowed communicator, but aborting is what it asked for.
     ncclCommAbort(comm_);
@@ -152,6 +456,7 @@ class NcclTransport final : public Transport {
   std::atomic<bool> aborted_{false};
   int size_ = 0, rank_ = 0;
   uint32_t* token_ = nullptr;
+  volatile uint32_t* abort_flag_ = nullptr;  // mapped host memory (map_peers)
 };
 
 }  // namespace

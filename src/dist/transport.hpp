@@ -11,12 +11,41 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "fp8.h"
 
 namespace fp8::dist {
 
 enum class ElemType : int32_t { kF32, kF64, kU32 };
+
+// Memory of this rank that the other ranks read and write directly (Transport::map_peers).
+struct PeerRegion {
+  void* data = nullptr;
+  size_t bytes = 0;
+  std::shared_ptr<void> keep;  // holds the memory while the windows live
+};
+
+// Every rank's regions, as this rank reaches them, and a barrier between the ranks' streams: the
+// peer exchange (data_parallel.cpp) reads the senders' codes where they are and writes the means
+// into every rank's memory, with no transfer through buffers of the transport.
+class PeerWindows {
+ public:
+  virtual ~PeerWindows() = default;
+  // Rank k's region i, as a table of nranks pointers (rank order) in the backend's memory (device
+  // memory for kernels under NCCL), valid while the windows live; aligned: each is 4-byte aligned.
+  virtual void* const* table(size_t region) const = 0;
+  virtual bool aligned(size_t region) const = 0;
+  // Everything this rank queued on its backend's stream before the call is done and visible to
+  // what every rank queues after its own call (an asynchronous barrier on the GPU). Every rank
+  // calls it the same number of times.
+  virtual void barrier() = 0;
+  // Collective: every rank stops reaching the others' regions (closes what it mapped) and waits for
+  // all the others to have done so, before any of the memory goes.
+  virtual void close() = 0;
+};
 enum class ReduceOp : int32_t { kSum, kMax };
 
 const char* elem_type_name(ElemType t);  // "f32", "f64", "u32"
@@ -48,6 +77,15 @@ class Transport {
   // send and recv do not overlap.
   virtual void all_to_all(const void* send, size_t send_stride, void* recv, size_t bytes, const Gather& with) = 0;
   void all_to_all(const void* send, void* recv, size_t bytes) { all_to_all(send, bytes, recv, bytes, {}); }
+  // Collective: the ranks' `regions` (memory of their backends, the same roles in the same order on
+  // every rank) mapped into every rank's reach, or nullptr on every rank, with the reason in *why,
+  // where some rank cannot reach another's memory (another host, no peer access between the GPUs,
+  // memory that cannot be shared, a transport without it). Never throws for that alone.
+  virtual std::unique_ptr<PeerWindows> map_peers(const std::vector<PeerRegion>& regions, std::string* why) {
+    (void)regions;
+    *why = std::string("the ") + kind() + " transport has no direct access to the other ranks' memory";
+    return nullptr;
+  }
   // buf = root's buf on every rank.
   virtual void broadcast(void* buf, size_t bytes, int32_t root) = 0;
   // Waits until every rank has arrived (the local transport), or for the stream's queued work and

@@ -102,6 +102,10 @@ class ParamStore {
   bool masters_sharded() const { return level_ == 3 && applied_.nranks > 0; }
   // Every parameter's GradScales, in parameter order (meaningful for FP8 gradients only).
   GradScales* grad_scales() const { return reinterpret_cast<GradScales*>(grad_scales_.data()); }
+  // The memory behind the gradient arena of `dtype` and behind grad_scales(), for holding it while
+  // other ranks reach it (the peer exchange).
+  const std::shared_ptr<char>& grad_memory(fp8_dtype_t dtype) const { return grads_[dtype].memory(); }
+  const std::shared_ptr<char>& grad_scales_memory() const { return grad_scales_.memory(); }
   // Grows at every layout(): what was derived from an earlier layout must be derived again.
   uint64_t generation() const { return generation_; }
   // Every arena in use, for copying a whole model state between ranks: data and bytes in use

@@ -129,6 +129,35 @@ TEST_P(GpuLevels, BackwardSyncOnTheCommunicationStreamGivesTheBitsOfTheExchangeA
               recipe);
 }
 
+// FP8_PEER_EXCHANGE=on where the ranks cannot reach each other's memory (two ranks sharing this GPU
+// through the in-process transport, which stages through the host): every rank's exchange fails
+// with FP8_ERR_UNSUPPORTED saying why; unset, the same group exchanges through the collectives.
+TEST(GpuDataParallel, ThePeerExchangeOnIsRefusedWhereTheRanksCannotReachEachOther) {
+  const int n = 2;
+  {
+    const ScopedEnv on("FP8_PEER_EXCHANGE", "on");
+    Group g(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, 0);
+    std::vector<fp8_status_t> got(n);
+    std::vector<std::string> messages(n);
+    on_ranks(n, [&](int k) {
+      Rank& r = g.ranks[k];
+      forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+      got[k] = fp8_model_sync_grads(r.model.get());
+      messages[k] = fp8_last_error_message();
+    });
+    for (int k = 0; k < n; ++k) {
+      EXPECT_EQ(got[k], FP8_ERR_UNSUPPORTED) << "rank " << k << ": " << messages[k];
+      EXPECT_NE(messages[k].find("FP8_PEER_EXCHANGE is 'on', but the in-process transport's ranks on CUDA contexts "
+                                 "exchange through host memory"),
+                std::string::npos)
+          << messages[k];
+    }
+  }
+  Group g(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, 0);
+  on_ranks(n, [&](int k) { train_step(g.ranks[k], 0, k); });
+  EXPECT_EQ(state_bytes(g.ranks[1], true), state_bytes(g.ranks[0], true));
+}
+
 // At te the FP32 exchange of one rank (a sum of one, divided by one) changes nothing: NCCL with one
 // rank trains bit for bit like no communicator.
 TEST(GpuDataParallel, OneNcclRankAtTeTrainsLikeNoCommunicator) {

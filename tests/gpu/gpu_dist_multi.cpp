@@ -213,6 +213,37 @@ TEST(MultiGpuSlices, SlicedExchangeOverNcclGivesTheBitsOfOneSlice) {
               n);
 }
 
+// The peer exchange (FP8_PEER_EXCHANGE=on, so refused if the GPUs cannot reach each other): each
+// rank reads its piece of every GPU's codes over NVLink and writes the means into every GPU's
+// storage. The same bytes as the exchange over NCCL's collectives, at O1, O2 and O3, one bucket or
+// one per parameter, exchanged at the step or during the backward, whole or in slices.
+TEST(MultiGpuPeers, ThePeerExchangeGivesTheBitsOfNcclsCollectives) {
+  const int n = fp8_gpus();
+  if (n < 2) GTEST_SKIP() << kNeedsTwoGpus << n;
+  const std::vector<int32_t> devices = first_gpus(n);
+  int cases = 0;
+  for (const Level& level : kLevels) {
+    if (std::string(level.name) == "te") continue;  // (no FP8 gradients)
+    for (size_t bucket_bytes : {size_t{0}, size_t{FP8_MIN_BUCKET_BYTES}})
+      for (bool backward_sync : {false, true}) {
+        ExchangeCase c;
+        c.recipe = level.recipe;
+        c.bucket_bytes = bucket_bytes;
+        c.backward_sync = backward_sync;
+        c.hidden = 4096;
+        c.peer_exchange = "off";
+        const std::vector<unsigned char> collectives = exchanged_grads(devices, nullptr, c);
+        c.peer_exchange = "on";
+        const std::string where = std::string(level.name) + ", bucket bytes " + std::to_string(bucket_bytes) +
+                                  ", backward sync " + (backward_sync ? "on" : "off");
+        EXPECT_EQ(exchanged_grads(devices, nullptr, c), collectives) << where;
+        EXPECT_EQ(exchanged_grads(devices, "16384", c), collectives) << where << ", 16384-byte slices";
+        cases += 2;
+      }
+  }
+  std::printf("[ peers ] %d GPUs: the peer exchange gave the bytes of NCCL's collectives in %d cases\n", n, cases);
+}
+
 // ZeRO at O3 over the GPUs: each rank keeps the F16 masters and Adam's m and v of its share of the
 // Linear weights, so the training state is 2 + 5/N bytes per weight (E4M3 weight and FP8 gradient
 // whole), as on CPU ranks.
@@ -489,8 +520,13 @@ TEST(GpuDataParallelProcesses, OneProcessPerGpuHoldsTheSameBitsOnEveryRank) {
   write_ids(ids, 2);
   std::vector<std::string> outs;
   for (int k = 0; k < n; ++k) outs.push_back(dir.file("rank" + std::to_string(k) + ".state"));
-  const std::vector<ChildResult> children =
-      run_children("GpuDataParallelChild.TrainsItsRankOnItsGpuAndWritesItsState", n, ids, outs, dir);
+  // The children exchange through each other's memory (CUDA IPC; refused if they cannot), the
+  // ranks in this process below through NCCL's collectives.
+  std::vector<ChildResult> children;
+  {
+    const ScopedEnv peers("FP8_PEER_EXCHANGE", "on");
+    children = run_children("GpuDataParallelChild.TrainsItsRankOnItsGpuAndWritesItsState", n, ids, outs, dir);
+  }
   for (int k = 0; k < n; ++k)
     EXPECT_TRUE(succeeded(children[static_cast<size_t>(k)]))
         << "the child of rank " << k << ": " << describe(children[static_cast<size_t>(k)]);
@@ -501,6 +537,7 @@ TEST(GpuDataParallelProcesses, OneProcessPerGpuHoldsTheSameBitsOnEveryRank) {
   // Two GPUs: the bits of two NCCL ranks in one process (every FP32 sum has two terms: commutative).
   if (n == 2) {
     std::vector<unsigned char> in_process;
+    const ScopedEnv collectives("FP8_PEER_EXCHANGE", "off");
     for (const char* recipe : {kO2, kO3}) {
       Group g(first_gpus(2), recipe, FP8_OPTIMIZER_ADAM, 0.05f);
       for (int step = 0; step < 3; ++step) on_ranks(2, [&](int k) { train_step(g.ranks[k], step, k); });
@@ -510,9 +547,9 @@ TEST(GpuDataParallelProcesses, OneProcessPerGpuHoldsTheSameBitsOnEveryRank) {
     EXPECT_EQ(in_process, want) << "2 processes against 2 ranks of one process";
   }
   std::printf(
-      "[ processes ] %d processes, one GPU each (fp8_comm_create): O2 and O3 state identical on every rank "
-      "after 3 steps%s\n",
-      n, n == 2 ? ", and equal to 2 NCCL ranks in one process" : "");
+      "[ processes ] %d processes, one GPU each (fp8_comm_create), exchanging through CUDA IPC: O2 and O3 state "
+      "identical on every rank after 3 steps%s\n",
+      n, n == 2 ? ", and equal to 2 NCCL ranks in one process exchanging through NCCL's collectives" : "");
 }
 
 // A child of ARankThatExitsEarlyEndsTheOthersWaitInAnNcclError (2 ranks, O2): rank 1 exits at once

@@ -262,6 +262,75 @@ TEST(DataParallelFp8, SlicingTheExchangeChangesNoBit) {
   EXPECT_EQ(exchanged_grads(two, "8192", wide), exchanged_grads(two, nullptr, wide)) << "8192-byte slices";
 }
 
+// The peer exchange (each rank reads the others' codes where they are and writes the means into
+// every rank's storage) gives every rank the bits of the exchange through the collectives, at every
+// level with FP8 gradients, whole or sliced, exchanged at the step or during the backward.
+TEST(DataParallelFp8, ThePeerExchangeGivesTheBitsOfTheCollectives) {
+  for (const char* level : {"O1", "O2", "O3"})
+    for (size_t bucket_bytes : {size_t{0}, size_t{FP8_MIN_BUCKET_BYTES}})
+      for (bool backward_sync : {false, true})
+        for (int n : {2, 3}) {
+          const std::string recipe = std::string("backend=msamp, opt_level=") + level + ", small_layer_fallback=0";
+          ExchangeCase c;
+          c.recipe = recipe.c_str();
+          c.bucket_bytes = bucket_bytes;
+          c.backward_sync = backward_sync;
+          c.peer_exchange = "off";
+          const std::vector<int32_t> cpus(static_cast<size_t>(n), FP8_DEVICE_CPU);
+          const std::vector<unsigned char> collectives = exchanged_grads(cpus, nullptr, c);
+          const std::string where = std::string(level) + ", " + std::to_string(n) + " ranks, bucket bytes " +
+                                    std::to_string(bucket_bytes) + ", backward sync " + (backward_sync ? "on" : "off");
+          c.peer_exchange = "on";
+          EXPECT_EQ(exchanged_grads(cpus, nullptr, c), collectives) << where << ", peer exchange on";
+          EXPECT_EQ(exchanged_grads(cpus, "256", c), collectives) << where << ", peer exchange on, 256-byte slices";
+          c.peer_exchange = nullptr;
+          EXPECT_EQ(exchanged_grads(cpus, nullptr, c), collectives) << where << ", peer exchange unset (auto)";
+        }
+}
+
+// Steps after the peer exchange: every rank holds the bits of the same group trained through the
+// collectives, after every step (O3: the exchange of its own pieces, then the weights gathered).
+TEST(DataParallelFp8, ThePeerExchangeTrainsBitForBitAsTheCollectives) {
+  for (const char* level : {"O1", "O2", "O3"}) {
+    const std::string recipe = std::string("backend=msamp, opt_level=") + level + ", small_layer_fallback=0";
+    constexpr int n = 3, steps = 3;
+    std::vector<std::vector<unsigned char>> states[2];
+    for (int peers = 0; peers < 2; ++peers) {
+      const ScopedEnv env("FP8_PEER_EXCHANGE", peers ? "on" : "off");
+      Group g(n, recipe.c_str(), FP8_OPTIMIZER_ADAMW, 0.05f);
+      for (int step = 0; step < steps; ++step) {
+        on_ranks(n, [&](int k) { train_step(g.ranks[k], step, k); });
+        for (int k = 0; k < n; ++k) states[peers].push_back(state_bytes(g.ranks[k], false));
+      }
+    }
+    ASSERT_EQ(states[1].size(), states[0].size());
+    for (size_t i = 0; i < states[0].size(); ++i)
+      EXPECT_EQ(states[1][i], states[0][i]) << level << ", step " << i / n << ", rank " << i % n;
+  }
+}
+
+TEST(DataParallelFp8, ABadPeerExchangeValueIsRefusedOnEveryRank) {
+  for (const char* bad : {"yes", "ON", "", "1"}) {
+    const ScopedEnv env("FP8_PEER_EXCHANGE", bad);
+    const int n = 2;
+    Group g(n, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+    std::vector<fp8_status_t> got(n);
+    std::vector<std::string> messages(n);
+    on_ranks(n, [&](int k) {
+      Rank& r = g.ranks[k];
+      forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+      got[k] = fp8_model_sync_grads(r.model.get());
+      messages[k] = fp8_last_error_message();
+    });
+    for (int k = 0; k < n; ++k) {
+      EXPECT_EQ(got[k], FP8_ERR_INVALID_ARGUMENT) << "'" << bad << "', rank " << k;
+      EXPECT_NE(messages[k].find(std::string("FP8_PEER_EXCHANGE is '") + bad + "'; expected auto, on or off"),
+                std::string::npos)
+          << messages[k];
+    }
+  }
+}
+
 TEST(DataParallelFp8, ABadSliceSizeIsRefusedOnEveryRank) {
   for (const char* bad : {"16MiB", "-1", "+4096", " 4096", "", "255", "18446744073709551616", "4611686018427387905"}) {
     setenv("FP8_EXCHANGE_SLICE_BYTES", bad, 1);
