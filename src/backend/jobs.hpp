@@ -273,7 +273,7 @@ struct GradExchangeJob {
   const uint8_t* const* peer_codes = nullptr;
   uint8_t* const* peer_outputs = nullptr;
   int64_t peer_at = 0;
-  bool peer_codes_aligned = false;  // every pointer of both tables is 4-byte aligned
+  int32_t peer_alignment = 1;  // a power of two dividing every pointer of both tables
 };
 
 // The peer exchange's scales (a bucket's, before its codes): every sender's scales of tensors

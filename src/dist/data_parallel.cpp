@@ -465,7 +465,7 @@ class Exchanges {
       job.peer_codes = codes;
       job.peer_outputs = goal == ModelComm::kWhole ? codes : nullptr;
       job.peer_at = static_cast<int64_t>(at);
-      job.peer_codes_aligned = w.aligned(ModelComm::Plan::kCodes);
+      job.peer_alignment = w.alignment(ModelComm::Plan::kCodes);
       be_.grad_exchange(job);
     }
     w.barrier();

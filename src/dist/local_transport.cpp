@@ -277,24 +277,21 @@ class HostWindows final : public PeerWindows {
     const size_t n = static_cast<size_t>(t.size());
     for (size_t i = 0; i < regions.size(); ++i) {
       std::vector<void*>& table = tables_.emplace_back();
-      bool aligned = true;
-      for (size_t k = 0; k < n; ++k) {
+      for (size_t k = 0; k < n; ++k)
         table.push_back(reinterpret_cast<void*>(static_cast<uintptr_t>(all[k * regions.size() + i])));
-        aligned = aligned && reinterpret_cast<uintptr_t>(table.back()) % 4 == 0;
-      }
-      aligned_.push_back(aligned);
+      alignment_.push_back(common_alignment(table));
       keep_.push_back(regions[i].keep);
     }
   }
   void* const* table(size_t region) const override { return tables_[region].data(); }
-  bool aligned(size_t region) const override { return aligned_[region]; }
+  int32_t alignment(size_t region) const override { return alignment_[region]; }
   void barrier() override { t_.barrier(); }
   void close() override { t_.barrier(); }
 
  private:
   Transport& t_;
   std::vector<std::vector<void*>> tables_;
-  std::vector<bool> aligned_;
+  std::vector<int32_t> alignment_;
   std::vector<std::shared_ptr<void>> keep_;
 };
 

@@ -138,7 +138,7 @@ class NcclWindows final : public PeerWindows {
   NcclWindows& operator=(const NcclWindows&) = delete;
 
   void* const* table(size_t region) const override { return tables_ + region * static_cast<size_t>(t_.size()); }
-  bool aligned(size_t region) const override { return aligned_[region]; }
+  int32_t alignment(size_t region) const override { return alignment_[region]; }
   void barrier() override {
     DeviceScope on(backend_->device());
     backend_->join_side();
@@ -166,7 +166,7 @@ class NcclWindows final : public PeerWindows {
   std::shared_ptr<Backend> backend_;
   const volatile uint32_t* abort_;
   std::vector<std::shared_ptr<void>> keep_;
-  std::vector<bool> aligned_;
+  std::vector<int32_t> alignment_;
   size_t signal_region_ = 0;
   void** tables_ = nullptr;     // device: [region][rank]
   uint32_t* signals_ = nullptr; // device: nranks slots
@@ -289,9 +289,7 @@ uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* pee
   if (verdict != kReachable) return verdict;
   std::vector<void*> flat;
   for (const std::vector<void*>& r : reach) {
-    bool aligned = true;
-    for (void* p : r) aligned = aligned && reinterpret_cast<uintptr_t>(p) % 4 == 0;
-    aligned_.push_back(aligned);
+    alignment_.push_back(common_alignment(r));
     flat.insert(flat.end(), r.begin(), r.end());
   }
   if (cuda_ok(cudaMalloc(reinterpret_cast<void**>(&tables_), flat.size() * sizeof(void*))))

@@ -28,6 +28,12 @@ size_t elem_size(ElemType t) {
   fail(FP8_ERR_INVALID_ARGUMENT, "unknown collective element type ", static_cast<int32_t>(t));
 }
 
+int32_t common_alignment(const std::vector<void*>& table) {
+  uintptr_t bits = 256;
+  for (void* p : table) bits |= reinterpret_cast<uintptr_t>(p);
+  return static_cast<int32_t>(bits & (~bits + 1));  // (the lowest bit set)
+}
+
 void Transport::poll_wait(double waited_seconds) {
   check();
   const double limit = timeout();

@@ -35,9 +35,10 @@ class PeerWindows {
  public:
   virtual ~PeerWindows() = default;
   // Rank k's region i, as a table of nranks pointers (rank order) in the backend's memory (device
-  // memory for kernels under NCCL), valid while the windows live; aligned: each is 4-byte aligned.
+  // memory for kernels under NCCL), valid while the windows live; alignment: the largest power of
+  // two up to 256 that divides every pointer of it.
   virtual void* const* table(size_t region) const = 0;
-  virtual bool aligned(size_t region) const = 0;
+  virtual int32_t alignment(size_t region) const = 0;
   // Everything this rank queued on its backend's stream before the call is done and visible to
   // what every rank queues after its own call (an asynchronous barrier on the GPU). Every rank
   // calls it the same number of times.
@@ -46,6 +47,9 @@ class PeerWindows {
   // all the others to have done so, before any of the memory goes.
   virtual void close() = 0;
 };
+
+// The largest power of two up to 256 that divides every pointer of `table`.
+int32_t common_alignment(const std::vector<void*>& table);
 enum class ReduceOp : int32_t { kSum, kMax };
 
 const char* elem_type_name(ElemType t);  // "f32", "f64", "u32"
