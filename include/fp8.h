@@ -1288,8 +1288,9 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    buffers take at most 2 N min(piece, slice) bytes for the codes received, and 16 N + 4 bytes
  *    per parameter for the scales.
  *    The peer exchange: where every rank can reach every other rank's memory (ranks on GPUs of one
- *    host with peer access, in one process through cudaDeviceEnablePeerAccess or in several
- *    through CUDA IPC; the CPU ranks of fp8_comm_create_local), nothing travels through the
+ *    host joined by NVLink, each process seeing every rank's GPU, in one process through
+ *    cudaDeviceEnablePeerAccess or in several through CUDA IPC; the CPU ranks of
+ *    fp8_comm_create_local), nothing travels through the
  *    communicator's buffers: each rank reads its piece of every rank's FP8 codes and scales where
  *    they are (over NVLink), and writes the encoded means into every rank's storage, between two
  *    barriers of the ranks' GPUs. The numbers are the same, bit for bit, and no buffers are taken
@@ -1300,8 +1301,11 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    auto); any other value fails like a bad FP8_EXCHANGE_SLICE_BYTES. While a model is
  *    data-parallel this way, its gradient storage is mapped into the other ranks' processes:
  *    memory from an application's allocator (fp8_context_set_allocator) that CUDA IPC cannot share
- *    makes auto choose the collectives. Destroy the models of a group on every rank (the mappings
- *    are closed collectively when the storage layout changes, and per rank at destruction).
+ *    makes auto choose the collectives. A barrier that the communicator's timeout or
+ *    fp8_comm_abort ends leaves the rank's later peer exchanges doing nothing (the call reports
+ *    FP8_ERR_NCCL). Destroying a model waits for its queued exchanges; destroy a group's models on
+ *    every rank (the mappings are closed collectively when the storage layout changes, and per
+ *    rank at destruction).
  *  - fp8_model_set_comm and fp8_optimizer_create start every rank from rank 0's model: its
  *    parameters (values, O3's masters and scales), gradients and scaling states are broadcast.
  *    fp8_model_set_comm lays the storage out again (in buckets, padded as above), so data

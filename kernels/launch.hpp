@@ -47,9 +47,10 @@ void gather_peer_scales(const PeerScalesJob& job, cudaStream_t stream);
 // The peer exchange's barrier (dist::PeerWindows::barrier), one block on `stream`: with epoch =
 // *epochs + 1, this rank writes epoch into slot `rank` of every rank's signals (signals: a device
 // table of nranks pointers to nranks uint32 slots each), waits until every slot of its own holds
-// epoch or later (or until *abort, mapped host memory, is set), and stores epoch in *epochs. Work
-// before it on the stream is visible to every rank's work after their own barrier.
-void peer_barrier(uint32_t* const* signals, int32_t rank, int32_t nranks, uint32_t* epochs,
+// epoch or later, and stores epoch in *epochs. *abort (mapped host memory) set ends the wait and
+// sets *poisoned, after which no barrier signals (PeerWindows::poisoned). Work before it on the
+// stream is visible to every rank's work after their own barrier.
+void peer_barrier(uint32_t* const* signals, int32_t rank, int32_t nranks, uint32_t* epochs, uint32_t* poisoned,
                   const volatile uint32_t* abort, cudaStream_t stream);
 void divide(const DivideJob& job, const LaunchLimits& lim, cudaStream_t stream);
 

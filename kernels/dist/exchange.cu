@@ -108,7 +108,7 @@ __device__ __forceinline__ void add_codes(float (&sum)[kGroups][4], const uint32
 template <bool E5M2>
 __global__ void __launch_bounds__(kThreads) exchange_bounds(GradExchangeJob j) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (t >= j.tensor_count) return;
+  if (t >= j.tensor_count || (j.peer_poisoned && *j.peer_poisoned)) return;
   const float bound = exchange_bound(j.sender_scales, j.nranks, j.tensor_count, static_cast<int32_t>(t));
   j.bounds[t] = bound;
   exchange_finish(j.scales[t], bound, E5M2);
@@ -289,6 +289,7 @@ constexpr int kPeerBlocksPerSm = 4;
 template <bool E5M2>
 __global__ void __launch_bounds__(kThreads, kPeerBlocksPerSm)
     peer_exchange_kernel(GradExchangeJob j, bool codes_aligned, bool out_aligned, bool wide) {
+  if (*j.peer_poisoned) return;
   __shared__ float scale_inv[kScaleBatch];
   const OptimChunk ch = j.chunks[blockIdx.x];
   if (wide && ch.len == kOptimChunk && (j.peer_at + ch.offset) % 16 == 0)
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, kPeerBlocksPerSm)
 // The peer exchange's scales of a bucket, one thread per tensor.
 __global__ void __launch_bounds__(kThreads) gather_peer_scales_kernel(PeerScalesJob j) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (t >= j.tensor_count) return;
+  if (t >= j.tensor_count || *j.poisoned) return;
   for (int32_t k = 0; k < j.nranks; ++k)
     j.senders[static_cast<int64_t>(k) * j.tensor_count + t] = j.peer_scales[k][j.first + t];
   j.bounds[t] = exchange_bound(j.senders, j.nranks, j.tensor_count, static_cast<int32_t>(t));
@@ -319,17 +320,25 @@ __device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
 // Thread k signals rank k and waits for rank k's signal; the epoch is the rank's count of barriers
 // (on the device, so that a captured barrier replays with the next one). Kernel boundaries order the
 // stream's work before and after (the fence makes the earlier kernels' writes, to any rank's memory,
-// visible before the signal).
+// visible before the signal). An abort ends the wait and poisons the rank's windows: no later
+// barrier signals, and the exchange's kernels do nothing.
 __global__ void peer_barrier_kernel(uint32_t* const* signals, int32_t rank, int32_t nranks, uint32_t* epochs,
-                                    const volatile uint32_t* abort) {
+                                    uint32_t* poisoned, const volatile uint32_t* abort) {
+  if (*poisoned) return;
   const int32_t k = static_cast<int32_t>(threadIdx.x);
   const uint32_t epoch = *epochs + 1;
   if (k < nranks) {
     __threadfence_system();
     store_release_sys(signals[k] + rank, epoch);
     const uint32_t* mine = signals[rank] + k;
-    // (Epochs wrap: compared by their difference.)
-    while (static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0 && !*abort) __nanosleep(128);
+    // (Epochs wrap: compared by their difference. The abort flag is host memory: read now and then.)
+    for (uint32_t spins = 1; static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0; ++spins) {
+      if (spins % 64 == 0 && *abort) {
+        *poisoned = 1u;
+        break;
+      }
+      __nanosleep(128);
+    }
   }
   __syncthreads();
   if (k == 0) *epochs = epoch;
@@ -384,10 +393,10 @@ void gather_peer_scales(const PeerScalesJob& j, cudaStream_t stream) {
   cuda_check(cudaGetLastError(), "peer exchange scales kernel launch");
 }
 
-void peer_barrier(uint32_t* const* signals, int32_t rank, int32_t nranks, uint32_t* epochs,
+void peer_barrier(uint32_t* const* signals, int32_t rank, int32_t nranks, uint32_t* epochs, uint32_t* poisoned,
                   const volatile uint32_t* abort, cudaStream_t stream) {
   const unsigned threads = static_cast<unsigned>((nranks + 31) / 32 * 32);
-  peer_barrier_kernel<<<1, threads, 0, stream>>>(signals, rank, nranks, epochs, abort);
+  peer_barrier_kernel<<<1, threads, 0, stream>>>(signals, rank, nranks, epochs, poisoned, abort);
   cuda_check(cudaGetLastError(), "peer exchange barrier kernel launch");
 }
 

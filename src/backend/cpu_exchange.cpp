@@ -19,6 +19,7 @@ float mean_at(const GradExchangeJob& j, int64_t i, int32_t tensor) {
 }  // namespace
 
 void cpu_grad_exchange(const GradExchangeJob& j) {
+  if (j.peer_poisoned && *j.peer_poisoned) return;
   if (j.scales)
     for (int32_t t = 0; t < j.tensor_count; ++t) {
       j.bounds[t] = exchange_bound(j.sender_scales, j.nranks, j.tensor_count, t);
@@ -39,6 +40,7 @@ void cpu_grad_exchange(const GradExchangeJob& j) {
 }
 
 void cpu_gather_peer_scales(const PeerScalesJob& j) {
+  if (j.poisoned && *j.poisoned) return;
   for (int32_t k = 0; k < j.nranks; ++k)
     for (int32_t t = 0; t < j.tensor_count; ++t)
       j.senders[static_cast<int64_t>(k) * j.tensor_count + t] = j.peer_scales[k][j.first + t];

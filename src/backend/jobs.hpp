@@ -274,6 +274,7 @@ struct GradExchangeJob {
   uint8_t* const* peer_outputs = nullptr;
   int64_t peer_at = 0;
   int32_t peer_alignment = 1;  // a power of two dividing every pointer of both tables
+  const uint32_t* peer_poisoned = nullptr;  // (PeerWindows::poisoned) nonzero: do nothing
 };
 
 // The peer exchange's scales (a bucket's, before its codes): every sender's scales of tensors
@@ -287,6 +288,7 @@ struct PeerScalesJob {
   int32_t tensor_count;
   GradScales* senders;
   float* bounds;
+  const uint32_t* poisoned;  // (PeerWindows::poisoned) nonzero: do nothing
 };
 
 // x[i] = x[i] / divisor (round to nearest): the mean of an FP32 gradient sum over the ranks.

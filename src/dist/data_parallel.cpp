@@ -238,24 +238,24 @@ PeerMode agreed_peer_mode(Transport& t, const std::shared_ptr<Backend>& be) {
   return static_cast<PeerMode>(largest_of_ranks(t, be, static_cast<uint64_t>(mine)));
 }
 
-// Collective: the peer windows of a new plan, unless the mode is off or there are no FP8 gradients;
-// refused on every rank (FP8_ERR_UNSUPPORTED) when the mode is on and the ranks cannot reach each
-// other's memory.
-void map_peers(fp8_model& m, Transport& t, ModelComm::Plan& plan, PeerMode mode) {
-  if (mode == PeerMode::kOff || !plan.codes) return;
+// Collective: the peer windows for the layout in effect (ModelComm::Plan::kCodes, kScales), or
+// nullptr when the mode is off or there are no FP8 gradients; refused on every rank
+// (FP8_ERR_UNSUPPORTED) when the mode is on and the ranks cannot reach each other's memory.
+std::unique_ptr<PeerWindows> map_peers(fp8_model& m, Transport& t, PeerMode mode) {
   const nn::ParamStore& store = *m.store;
   void* data = nullptr;
   size_t bytes = 0;
   store.flat(nn::kGrads, store.grad_dtype(), &data, &bytes);
+  if (mode == PeerMode::kOff || !data) return nullptr;
   const std::vector<PeerRegion> regions = {
       {data, bytes, store.grad_memory(store.grad_dtype())},
       {store.grad_scales(), nn::all_parameters(m).size() * sizeof(GradScales), store.grad_scales_memory()}};
   std::string why;
-  plan.peers = t.map_peers(regions, &why);
-  if (plan.peers) plan.recv = nn::Arena();  // (nothing is received into buffers)
-  if (!plan.peers && mode == PeerMode::kOn)
+  std::unique_ptr<PeerWindows> peers = t.map_peers(regions, &why);
+  if (!peers && mode == PeerMode::kOn)
     fail(FP8_ERR_UNSUPPORTED, "FP8_PEER_EXCHANGE is 'on', but ", why,
          "; unset it (or set auto) to exchange through the communicator's collectives");
+  return peers;
 }
 
 // Collective: the largest of the ranks' slice sizes (so that they cut the same slices), rounded
@@ -266,7 +266,8 @@ size_t agreed_slice_bytes(Transport& t, const std::shared_ptr<Backend>& be) {
   return static_cast<size_t>(largest_of_ranks(t, be, mine)) / nn::kSliceAlign * nn::kSliceAlign;
 }
 
-void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan, size_t most) {
+// `receive`: the exchange goes through the transport's collectives, into buffers of the plan.
+void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan, size_t most, bool receive) {
   nn::ParamStore& store = *m.store;
   const auto n = static_cast<size_t>(t.size());
   const auto r = static_cast<size_t>(t.rank());
@@ -311,7 +312,7 @@ void build_plan(fp8_model& m, Transport& t, ModelComm::Plan& plan, size_t most) 
   fresh.slice_begin.push_back(static_cast<int64_t>(fresh.slices.size()));
   if (fresh.codes) {
     fresh.recv_half = (n * largest + nn::kSliceAlign - 1) / nn::kSliceAlign * nn::kSliceAlign;
-    fresh.recv = nn::Arena(m.backend, 2 * fresh.recv_half);
+    if (receive) fresh.recv = nn::Arena(m.backend, 2 * fresh.recv_half);
     fresh.sender_scales = nn::Arena(m.backend, n * params.size() * sizeof(GradScales));
     fresh.bounds = nn::Arena(m.backend, params.size() * sizeof(float));
     fresh.chunks = nn::Arena(m.backend, chunks.size() * sizeof(OptimChunk));
@@ -368,12 +369,15 @@ class Exchanges {
     if (plan.generation != m_.store->generation()) {  // (the same on every rank: agreed before any exchange)
       const size_t most = agreed_slice_bytes(t_, m_.backend);
       const PeerMode mode = agreed_peer_mode(t_, m_.backend);
-      // The old windows close on every rank before the memory they hold may go.
+      // The old windows close on every rank before the memory they hold may go. (A refusal below
+      // leaves the plan stale: the next exchange tries, and refuses, again.)
       if (plan.peers) plan.peers->close();
       plan.peers.reset();
+      std::unique_ptr<PeerWindows> peers = map_peers(m_, t_, mode);
       all_or_none(
-          t_, m_.backend, "the gradient exchange's buffers", [&] { build_plan(m_, t_, plan, most); }, [] {});
-      map_peers(m_, t_, plan, mode);
+          t_, m_.backend, "the gradient exchange's buffers", [&] { build_plan(m_, t_, plan, most, !peers); },
+          [] {});
+      plan.peers = std::move(peers);
     }
     const nn::Bucket& b = m_.store->buckets()[k];
     const size_t piece = b.piece(t_.size());
@@ -455,7 +459,7 @@ class Exchanges {
     const auto codes = reinterpret_cast<uint8_t* const*>(w.table(ModelComm::Plan::kCodes));
     w.barrier();
     be_.gather_peer_scales({reinterpret_cast<const GradScales* const*>(w.table(ModelComm::Plan::kScales)), n,
-                            b.first, tensors, senders, bounds});
+                            b.first, tensors, senders, bounds, w.poisoned()});
     for (int64_t s = plan.slice_begin[k]; s < plan.slice_begin[k + 1]; ++s) {
       const ModelComm::Plan::Slice& sl = plan.slices[static_cast<size_t>(s)];
       const size_t at = b.fp8_at + static_cast<size_t>(t_.rank()) * piece + sl.at;
@@ -466,11 +470,14 @@ class Exchanges {
       job.peer_outputs = goal == ModelComm::kWhole ? codes : nullptr;
       job.peer_at = static_cast<int64_t>(at);
       job.peer_alignment = w.alignment(ModelComm::Plan::kCodes);
+      job.peer_poisoned = w.poisoned();
       be_.grad_exchange(job);
     }
     w.barrier();
-    be_.grad_exchange({nullptr, n, 0, senders, tensors, nullptr, 0, plan.e5m2, bounds, nullptr,
-                       m_.store->grad_scales() + b.first});
+    GradExchangeJob finish{nullptr, n, 0, senders, tensors, nullptr, 0, plan.e5m2, bounds, nullptr,
+                           m_.store->grad_scales() + b.first};
+    finish.peer_poisoned = w.poisoned();
+    be_.grad_exchange(finish);
   }
 
   // Queues what is left (the last all-gather) and closes the communication stream's scope.

@@ -286,12 +286,14 @@ class HostWindows final : public PeerWindows {
   void* const* table(size_t region) const override { return tables_[region].data(); }
   int32_t alignment(size_t region) const override { return alignment_[region]; }
   void barrier() override { t_.barrier(); }
+  const uint32_t* poisoned() const override { return &never_; }  // (the group's barrier throws instead)
   void close() override { t_.barrier(); }
 
  private:
   Transport& t_;
   std::vector<std::vector<void*>> tables_;
   std::vector<int32_t> alignment_;
+  static constexpr uint32_t never_ = 0;
   std::vector<std::shared_ptr<void>> keep_;
 };
 

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "backend/device_scope.hpp"
@@ -74,8 +75,18 @@ constexpr size_t kHostKey = 128, kBusId = 32;
 struct RankCard {
   char host[kHostKey];
   char bus[kBusId];
-  uint64_t pid;
+  uint64_t process;  // process_nonce()
 };
+
+// This process, told apart from every other (pids repeat across PID namespaces, e.g. containers
+// that share a host name): drawn once.
+uint64_t process_nonce() {
+  static const uint64_t nonce = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32 | rd()) ^ static_cast<uint64_t>(getpid());
+  }();
+  return nonce;
+}
 struct RegionCard {
   cudaIpcMemHandle_t handle;
   uint64_t ptr, offset;  // the region, and its offset in its allocation
@@ -93,6 +104,7 @@ enum PeerVerdict : uint32_t {
   kNotShareable = 5,
   kOpenFailed = 6,
   kSetupFailed = 7,
+  kNoNvlink = 8,
 };
 std::string verdict_text(uint32_t code, int32_t from, int32_t to) {
   std::ostringstream os;
@@ -117,6 +129,10 @@ std::string verdict_text(uint32_t code, int32_t from, int32_t to) {
     case kOpenFailed:
       os << "cudaIpcOpenMemHandle failed";
       break;
+    case kNoNvlink:
+      os << "their GPUs are joined by PCIe only (no native peer atomics: no NVLink), where NCCL's "
+         << "transfers are faster than reading the other GPU's memory";
+      break;
     default:
       os << "setting the windows up failed (a CUDA allocation or peer access)";
   }
@@ -128,6 +144,12 @@ class NcclWindows final : public PeerWindows {
   NcclWindows(Transport& t, std::shared_ptr<Backend> backend, const volatile uint32_t* abort)
       : t_(t), backend_(std::move(backend)), abort_(abort) {}
   ~NcclWindows() override {
+    // This rank's queued exchanges still reach the others' memory: they finish (or end at the
+    // communicator's timeout) before the mappings go.
+    try {
+      backend_->synchronize();
+    } catch (...) {  // (an aborted group: the barriers have ended)
+    }
     DeviceScope on(backend_->device(), std::nothrow);
     release_imports();
     if (tables_) cudaFree(tables_);
@@ -143,15 +165,17 @@ class NcclWindows final : public PeerWindows {
     DeviceScope on(backend_->device());
     backend_->join_side();
     kernels::peer_barrier(reinterpret_cast<uint32_t* const*>(table(signal_region_)), t_.rank(), t_.size(), epoch_,
-                          abort_, backend_->stream());
+                          epoch_ + 1, abort_, backend_->stream());
   }
   void close() override {
+    backend_->synchronize();
     {
       DeviceScope on(backend_->device());
       release_imports();
     }
     t_.barrier();
   }
+  const uint32_t* poisoned() const override { return epoch_ + 1; }
 
   // Sets up this rank's side; returns the verdict (kReachable or why not) and fills `peer`.
   uint32_t setup(const std::vector<PeerRegion>& regions, int32_t* peer);
@@ -170,7 +194,7 @@ class NcclWindows final : public PeerWindows {
   size_t signal_region_ = 0;
   void** tables_ = nullptr;     // device: [region][rank]
   uint32_t* signals_ = nullptr; // device: nranks slots
-  uint32_t* epoch_ = nullptr;   // device: the barriers so far
+  uint32_t* epoch_ = nullptr;   // device: the barriers so far, then the poisoned word
   std::vector<void*> imports_;  // what cudaIpcOpenMemHandle opened
 };
 
@@ -189,10 +213,12 @@ uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* pee
     }
     return e == cudaSuccess;
   };
+  // (Zeroed on the backend's stream, which the gathers below synchronise before any rank learns
+  // where the signals are.)
   if (cuda_ok(cudaMalloc(reinterpret_cast<void**>(&signals_), n * sizeof(uint32_t))))
-    cuda_ok(cudaMemset(signals_, 0, n * sizeof(uint32_t)));
-  if (cuda_ok(cudaMalloc(reinterpret_cast<void**>(&epoch_), sizeof(uint32_t))))
-    cuda_ok(cudaMemset(epoch_, 0, sizeof(uint32_t)));
+    backend_->zero(signals_, n * sizeof(uint32_t));
+  if (cuda_ok(cudaMalloc(reinterpret_cast<void**>(&epoch_), 2 * sizeof(uint32_t))))
+    backend_->zero(epoch_, 2 * sizeof(uint32_t));
   signal_region_ = all.size();
   all.push_back({signals_, n * sizeof(uint32_t), nullptr});
   for (const PeerRegion& r : regions) keep_.push_back(r.keep);
@@ -203,7 +229,7 @@ uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* pee
   RankCard rc{};
   std::strncpy(rc.host, host_key().c_str(), kHostKey - 1);
   if (cudaDeviceGetPCIBusId(rc.bus, kBusId, device) != cudaSuccess) (void)cudaGetLastError();
-  rc.pid = static_cast<uint64_t>(getpid());
+  rc.process = process_nonce();
   std::memcpy(mine.data(), &rc, sizeof rc);
   for (size_t i = 0; i < all.size(); ++i) {
     RegionCard c{};
@@ -245,9 +271,9 @@ uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* pee
   std::vector<std::vector<void*>> reach(all.size(), std::vector<void*>(n, nullptr));
   for (size_t k = 0; k < n && verdict == kReachable; ++k) {
     const RankCard theirs = card(k);
-    const bool same_process = theirs.pid == rc.pid && std::strncmp(theirs.host, rc.host, kHostKey) == 0;
+    const bool same_process = theirs.process == rc.process && std::strncmp(theirs.host, rc.host, kHostKey) == 0;
     if (k != me) {
-      int dev = -1, can = 0;
+      int dev = -1, can = 0, atomics = 0;
       if (std::strncmp(theirs.host, rc.host, kHostKey) != 0)
         verdict = kOtherHost;
       else if (cudaDeviceGetByPCIBusId(&dev, theirs.bus) != cudaSuccess)
@@ -256,6 +282,9 @@ uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* pee
         verdict = kSameGpu;
       else if (cudaDeviceCanAccessPeer(&can, device, dev) != cudaSuccess || !can)
         verdict = kNoPeerAccess;
+      else if (cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, device, dev) != cudaSuccess ||
+               !atomics)
+        verdict = kNoNvlink;
       else if (same_process) {
         const cudaError_t e = cudaDeviceEnablePeerAccess(dev, 0);
         if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) verdict = kSetupFailed;
@@ -293,7 +322,7 @@ uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* pee
     flat.insert(flat.end(), r.begin(), r.end());
   }
   if (cuda_ok(cudaMalloc(reinterpret_cast<void**>(&tables_), flat.size() * sizeof(void*))))
-    cuda_ok(cudaMemcpy(tables_, flat.data(), flat.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    backend_->copy_from_host(tables_, flat.data(), flat.size() * sizeof(void*));
   return verdict;
 }
 
@@ -301,12 +330,22 @@ class NcclTransport final : public Transport {
  public:
   NcclTransport(std::shared_ptr<Backend> backend, ncclComm_t comm, bool owned)
       : backend_(std::move(backend)), comm_(comm), owned_(owned) {
+    {
+      // Mapped host memory the peer barriers poll: abort() (and a failed check()) sets it, so a
+      // barrier waiting for a rank that is gone ends. Made here, so that abort() never races it.
+      DeviceScope on(backend_->device());
+      void* p = nullptr;
+      kernels::cuda_check(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
+                          "cudaHostAlloc (the peer barrier's abort flag)");
+      abort_flag_ = static_cast<volatile uint32_t*>(p);
+      *abort_flag_ = 0u;
+    }
     nccl_check(ncclCommCount(comm_, &size_), "ncclCommCount");
     nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
   }
   ~NcclTransport() override {
     backend_->release(token_);
-    if (abort_flag_) cudaFreeHost(const_cast<uint32_t*>(abort_flag_));
+    cudaFreeHost(const_cast<uint32_t*>(abort_flag_));
     if (!owned_ || aborted_) return;
     DeviceScope on(backend_->device(), std::nothrow);
     // A communicator with an error pending may never finish its work: destroying it would wait.
@@ -383,15 +422,6 @@ class NcclTransport final : public Transport {
   std::unique_ptr<PeerWindows> map_peers(const std::vector<PeerRegion>& regions, std::string* why) override {
     check();
     DeviceScope on(backend_->device());
-    if (!abort_flag_) {
-      // Mapped host memory the barrier kernels poll: abort() sets it, so a barrier waiting for a
-      // rank that is gone ends.
-      void* p = nullptr;
-      kernels::cuda_check(cudaHostAlloc(&p, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
-                          "cudaHostAlloc (the peer barrier's abort flag)");
-      abort_flag_ = static_cast<volatile uint32_t*>(p);
-      *abort_flag_ = aborted_ ? 1u : 0u;
-    }
     auto windows = std::make_unique<NcclWindows>(*this, backend_, abort_flag_);
     int32_t peer = 0;
     const uint32_t verdict = windows->setup(regions, &peer);
@@ -417,7 +447,7 @@ class NcclTransport final : public Transport {
   }
 
   void abort() noexcept override {
-    if (abort_flag_) *abort_flag_ = 1u;
+    *abort_flag_ = 1u;
     if (aborted_.exchange(true)) return;
     // The application keeps a borrowed communicator, but aborting is what it asked for.
     ncclCommAbort(comm_);
@@ -425,7 +455,9 @@ class NcclTransport final : public Transport {
   void check() override {
     if (aborted_) fail(FP8_ERR_NCCL, "the communicator was aborted (fp8_comm_abort)");
     ncclResult_t async = ncclSuccess;
-    nccl_check(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
+    const ncclResult_t got = ncclCommGetAsyncError(comm_, &async);
+    if (got != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) *abort_flag_ = 1u;  // (the barriers end)
+    nccl_check(got, "ncclCommGetAsyncError");
     if (async != ncclSuccess && async != ncclInProgress) nccl_check(async, "NCCL reported an asynchronous error");
   }
 
@@ -454,7 +486,7 @@ class NcclTransport final : public Transport {
   std::atomic<bool> aborted_{false};
   int size_ = 0, rank_ = 0;
   uint32_t* token_ = nullptr;
-  volatile uint32_t* abort_flag_ = nullptr;  // mapped host memory (map_peers)
+  volatile uint32_t* abort_flag_ = nullptr;  // mapped host memory
 };
 
 }  // namespace

@@ -43,6 +43,11 @@ class PeerWindows {
   // what every rank queues after its own call (an asynchronous barrier on the GPU). Every rank
   // calls it the same number of times.
   virtual void barrier() = 0;
+  // A word in the backend's memory, nonzero once a barrier of this rank ended by an abort (the
+  // communicator's timeout, fp8_comm_abort, an NCCL error) instead of meeting the others: the
+  // exchange's kernels queued after it then read and write nothing (a peer that is slow, not gone,
+  // must not get this rank's sums of its unfinished gradients).
+  virtual const uint32_t* poisoned() const = 0;
   // Collective: every rank stops reaching the others' regions (closes what it mapped) and waits for
   // all the others to have done so, before any of the memory goes.
   virtual void close() = 0;

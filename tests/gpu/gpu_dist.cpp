@@ -152,6 +152,9 @@ TEST(GpuDataParallel, ThePeerExchangeOnIsRefusedWhereTheRanksCannotReachEachOthe
                 std::string::npos)
           << messages[k];
     }
+    // And again at the next call: a refusal is not remembered as a choice of the collectives.
+    on_ranks(n, [&](int k) { got[k] = fp8_model_sync_grads(g.ranks[k].model.get()); });
+    for (int k = 0; k < n; ++k) EXPECT_EQ(got[k], FP8_ERR_UNSUPPORTED) << "rank " << k << ", second call";
   }
   Group g(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, 0);
   on_ranks(n, [&](int k) { train_step(g.ranks[k], 0, k); });
