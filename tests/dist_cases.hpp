@@ -148,6 +148,22 @@ inline void forward_backward(fp8_context_t* ctx, fp8_model_t* m, const std::vect
   EXPECT_OK(fp8_model_backward(m, tdy.get(), nullptr));
 }
 
+// What each rank's fp8_model_sync_grads returned after a forward and backward of step 0, with its
+// error message.
+struct Outcome {
+  fp8_status_t status;
+  std::string message;
+};
+inline std::vector<Outcome> sync_outcomes(Group& g) {
+  std::vector<Outcome> out(g.ranks.size());
+  on_ranks(g.size(), [&](int k) {
+    Rank& r = g.ranks[k];
+    forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+    out[k] = {fp8_model_sync_grads(r.model.get()), fp8_last_error_message()};
+  });
+  return out;
+}
+
 inline void train_step(Rank& r, int step, int rank) {
   forward_backward(r.ctx.get(), r.model.get(), batch_x(step, rank), batch_dy(step, rank));
   EXPECT_OK(fp8_optimizer_step(r.opt.get()));

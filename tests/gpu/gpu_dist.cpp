@@ -137,24 +137,18 @@ TEST(GpuDataParallel, ThePeerExchangeOnIsRefusedWhereTheRanksCannotReachEachOthe
   {
     const ScopedEnv on("FP8_PEER_EXCHANGE", "on");
     Group g(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, 0);
-    std::vector<fp8_status_t> got(n);
-    std::vector<std::string> messages(n);
-    on_ranks(n, [&](int k) {
-      Rank& r = g.ranks[k];
-      forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
-      got[k] = fp8_model_sync_grads(r.model.get());
-      messages[k] = fp8_last_error_message();
-    });
+    const std::vector<Outcome> got = sync_outcomes(g);
     for (int k = 0; k < n; ++k) {
-      EXPECT_EQ(got[k], FP8_ERR_UNSUPPORTED) << "rank " << k << ": " << messages[k];
-      EXPECT_NE(messages[k].find("FP8_PEER_EXCHANGE is 'on', but the in-process transport's ranks on CUDA contexts "
-                                 "exchange through host memory"),
+      EXPECT_EQ(got[k].status, FP8_ERR_UNSUPPORTED) << "rank " << k << ": " << got[k].message;
+      EXPECT_NE(got[k].message.find("FP8_PEER_EXCHANGE is 'on', but the in-process transport's ranks on CUDA "
+                                    "contexts exchange through host memory"),
                 std::string::npos)
-          << messages[k];
+          << got[k].message;
     }
     // And again at the next call: a refusal is not remembered as a choice of the collectives.
-    on_ranks(n, [&](int k) { got[k] = fp8_model_sync_grads(g.ranks[k].model.get()); });
-    for (int k = 0; k < n; ++k) EXPECT_EQ(got[k], FP8_ERR_UNSUPPORTED) << "rank " << k << ", second call";
+    std::vector<fp8_status_t> again(n);
+    on_ranks(n, [&](int k) { again[k] = fp8_model_sync_grads(g.ranks[k].model.get()); });
+    for (int k = 0; k < n; ++k) EXPECT_EQ(again[k], FP8_ERR_UNSUPPORTED) << "rank " << k << ", second call";
   }
   Group g(n, kO2, FP8_OPTIMIZER_ADAM, 0.0f, 0);
   on_ranks(n, [&](int k) { train_step(g.ranks[k], 0, k); });

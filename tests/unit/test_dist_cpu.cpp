@@ -312,43 +312,26 @@ TEST(DataParallelFp8, ThePeerExchangeTrainsBitForBitAsTheCollectives) {
 TEST(DataParallelFp8, ABadPeerExchangeValueIsRefusedOnEveryRank) {
   for (const char* bad : {"yes", "ON", "", "1"}) {
     const ScopedEnv env("FP8_PEER_EXCHANGE", bad);
-    const int n = 2;
-    Group g(n, "backend=msamp, opt_level=O2, small_layer_fallback=0");
-    std::vector<fp8_status_t> got(n);
-    std::vector<std::string> messages(n);
-    on_ranks(n, [&](int k) {
-      Rank& r = g.ranks[k];
-      forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
-      got[k] = fp8_model_sync_grads(r.model.get());
-      messages[k] = fp8_last_error_message();
-    });
-    for (int k = 0; k < n; ++k) {
-      EXPECT_EQ(got[k], FP8_ERR_INVALID_ARGUMENT) << "'" << bad << "', rank " << k;
-      EXPECT_NE(messages[k].find(std::string("FP8_PEER_EXCHANGE is '") + bad + "'; expected auto, on or off"),
+    Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+    const std::vector<Outcome> got = sync_outcomes(g);
+    for (size_t k = 0; k < got.size(); ++k) {
+      EXPECT_EQ(got[k].status, FP8_ERR_INVALID_ARGUMENT) << "'" << bad << "', rank " << k;
+      EXPECT_NE(got[k].message.find(std::string("FP8_PEER_EXCHANGE is '") + bad + "'; expected auto, on or off"),
                 std::string::npos)
-          << messages[k];
+          << got[k].message;
     }
   }
 }
 
 TEST(DataParallelFp8, ABadSliceSizeIsRefusedOnEveryRank) {
   for (const char* bad : {"16MiB", "-1", "+4096", " 4096", "", "255", "18446744073709551616", "4611686018427387905"}) {
-    setenv("FP8_EXCHANGE_SLICE_BYTES", bad, 1);
-    const int n = 2;
-    Group g(n, "backend=msamp, opt_level=O2, small_layer_fallback=0");
-    std::vector<fp8_status_t> got(n);
-    std::vector<std::string> messages(n);
-    on_ranks(n, [&](int k) {
-      Rank& r = g.ranks[k];
-      forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
-      got[k] = fp8_model_sync_grads(r.model.get());
-      messages[k] = fp8_last_error_message();
-    });
-    unsetenv("FP8_EXCHANGE_SLICE_BYTES");
-    for (int k = 0; k < n; ++k) {
-      EXPECT_EQ(got[k], FP8_ERR_INVALID_ARGUMENT) << "'" << bad << "', rank " << k;
-      EXPECT_NE(messages[k].find(std::string("FP8_EXCHANGE_SLICE_BYTES is '") + bad + "'"), std::string::npos)
-          << messages[k];
+    const ScopedEnv env("FP8_EXCHANGE_SLICE_BYTES", bad);
+    Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+    const std::vector<Outcome> got = sync_outcomes(g);
+    for (size_t k = 0; k < got.size(); ++k) {
+      EXPECT_EQ(got[k].status, FP8_ERR_INVALID_ARGUMENT) << "'" << bad << "', rank " << k;
+      EXPECT_NE(got[k].message.find(std::string("FP8_EXCHANGE_SLICE_BYTES is '") + bad + "'"), std::string::npos)
+          << got[k].message;
     }
   }
   // The largest value takes one slice per piece.
