@@ -2,6 +2,7 @@
 import contextlib
 import ctypes
 import gc
+import math
 import os
 import re
 import struct
@@ -106,6 +107,60 @@ class BindingTest(unittest.TestCase):
         fp8.dequantize(ctx, q, back)
         self.assertEqual(back.read_floats(), [fp8.decode(c) * 0.25 for c in codes])
         fp8.scaling_update(ctx, [s], recipe)
+
+    def test_block_scaled_quantize_and_gemm(self):
+        # x [4, 256] in 1x128 blocks (each row's two blocks), w [16, 256] in one 128x128 block row:
+        # every cell's scale is the current-scaling rule's, rounded down to a power of two (block
+        # scaling's default), recomputed here; the GEMM is checked against the float64 product of
+        # the dequantised operands.
+        ctx, recipe = fp8.Context(), fp8.Recipe()
+        f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]
+        rows, n, k = 4, 16, 256
+        xv = [f32(((r * 7 + i * 3) % 23 - 11) * 2.0 ** (r - 3 * (i // 128)) * 0.01) for r in range(rows) for i in range(k)]
+        wv = [f32(((j * 5 + i) % 19 - 9) * 0.003 * (1 + (i // 128))) for j in range(n) for i in range(k)]
+
+        def scale_of(amax):  # fp8_max / amax in FP32, rounded down to a power of two
+            mant, exp = math.frexp(f32(448.0 / amax))
+            return 2.0 ** (exp - 1)
+
+        self.assertEqual(fp8.scale_grid_shape(fp8.SCALE_MODE_BLOCK_1X128, rows, k), (2, rows))
+        self.assertEqual(fp8.scale_grid_shape(fp8.SCALE_MODE_BLOCK_128X128, n, k), (1, 4))
+        self.assertEqual(fp8.scale_grid_shape(fp8.SCALE_MODE_ROW, rows, k), (rows, 1))
+        x, w = fp8.Tensor(ctx, fp8.DTYPE_F32, (rows, k)), fp8.Tensor(ctx, fp8.DTYPE_F32, (n, k))
+        x.write_floats(xv)
+        w.write_floats(wv)
+        xq, xs = fp8.Tensor(ctx, fp8.DTYPE_E4M3, (rows, k)), fp8.Tensor(ctx, fp8.DTYPE_F32, (2, rows))
+        wq, ws = fp8.Tensor(ctx, fp8.DTYPE_E4M3, (n, k)), fp8.Tensor(ctx, fp8.DTYPE_F32, (1, 4))
+        fp8.quantize_scaled(ctx, x, fp8.SCALE_MODE_BLOCK_1X128, recipe, xq, xs)
+        fp8.quantize_scaled(ctx, w, fp8.SCALE_MODE_BLOCK_128X128, recipe, wq, ws)
+        x_scale = {(r, j): scale_of(max(abs(v) for v in xv[r * k + 128 * j:r * k + 128 * (j + 1)]))
+                   for r in range(rows) for j in range(2)}
+        w_scale = {j: scale_of(max(abs(wv[a * k + i]) for a in range(n) for i in range(128 * j, 128 * (j + 1))))
+                   for j in range(2)}
+        self.assertEqual(xs.read_floats(), [1.0 / x_scale[(r, j)] for j in range(2) for r in range(rows)])
+        self.assertEqual(ws.read_floats()[:2], [1.0 / w_scale[0], 1.0 / w_scale[1]])
+        x_codes, w_codes = xq.read(), wq.read()
+        self.assertEqual(list(x_codes), [fp8.encode(xv[r * k + i] * x_scale[(r, i // 128)])
+                                         for r in range(rows) for i in range(k)])
+        self.assertEqual(list(w_codes), [fp8.encode(wv[j * k + i] * w_scale[i // 128]) for j in range(n) for i in range(k)])
+        d = fp8.Tensor(ctx, fp8.DTYPE_F32, (rows, n))
+        fp8.gemm_scaled(ctx, xq, fp8.SCALE_MODE_BLOCK_1X128, xs, wq, fp8.SCALE_MODE_BLOCK_128X128, ws, d)
+        want = [sum(fp8.decode(x_codes[r * k + i]) / x_scale[(r, i // 128)] *
+                    fp8.decode(w_codes[j * k + i]) / w_scale[i // 128] for i in range(k))
+                for r in range(rows) for j in range(n)]
+        got = d.read_floats()
+        norm = math.sqrt(sum(v * v for v in want))
+        self.assertGreater(norm, 0.0)
+        self.assertLess(math.sqrt(sum((g - v) ** 2 for g, v in zip(got, want))) / norm, 1e-6)
+        # The refusals: the transposed copy without its grid, and a pair cuBLASLt has no GEMM for.
+        with self.assertRaises(ValueError):
+            fp8.quantize_scaled(ctx, x, fp8.SCALE_MODE_BLOCK_1X128, recipe, xq, xs,
+                                out_transposed=fp8.Tensor(ctx, fp8.DTYPE_E4M3, (k, rows)))
+        with self.assertRaises(fp8.Fp8Error) as err:
+            fp8.gemm_scaled(ctx, wq, fp8.SCALE_MODE_BLOCK_128X128, ws, wq, fp8.SCALE_MODE_BLOCK_128X128, ws,
+                            fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n)))
+        self.assertEqual(err.exception.status_name, "FP8_ERR_UNSUPPORTED")
+        self.assertIn("both operands have 128x128-block scales", str(err.exception))
 
     def test_wrong_shape_is_refused_naming_the_argument(self):
         ctx = fp8.Context()

@@ -114,6 +114,9 @@ for _name, _args in {
     "fp8_dequantize": (_p, _p, _p),
     "fp8_activation_forward": (_p, _i32, _p, _p, _p),
     "fp8_gemm": (_p, _p, _p, _p, _p, _p, _p),
+    "fp8_scale_grid_shape": (_i32, _i64, _i64, ctypes.POINTER(_i64)),
+    "fp8_quantize_scaled": (_p, _p, _i32, _p, _p, _p, _p, _p),
+    "fp8_gemm_scaled": (_p, _p, _i32, _p, _p, _i32, _p, _p, _p, _p),
     "fp8_tensor_dtype": (_p, ctypes.POINTER(_i32)),
     "fp8_tensor_wrap": (ctypes.POINTER(_p), _p, _i32, _i32, ctypes.POINTER(_i64), _p),
     "fp8_tensor_numel": (_p, ctypes.POINTER(_i64)),
@@ -400,6 +403,31 @@ def gemm(ctx, a, b, d, bias=None, d_scaling=None):
     """d = a * b^T (+ bias), the default options (see fp8_gemm in fp8.h)."""
     _check(_lib.fp8_gemm(ctx.handle, a.handle, b.handle, bias.handle if bias else None, d.handle,
                          d_scaling.handle if d_scaling else None, None))
+
+
+def scale_grid_shape(mode, rows, cols):
+    """The (2) sizes of the F32 grid of scales of an FP8 operand [rows, cols] in SCALE_MODE_* `mode`
+    (fp8_scale_grid_shape: the layout cuBLASLt reads)."""
+    shape = (_i64 * 2)()
+    _check(_lib.fp8_scale_grid_shape(mode, rows, cols, shape))
+    return (shape[0], shape[1])
+
+
+def quantize_scaled(ctx, x, mode, recipe, out, out_scales, out_transposed=None, out_t_scales=None):
+    """x quantised into out with a scale per cell of `mode` (row, 1x128 or 128x128 block), 1/scale of
+    each cell into out_scales (a grid of scale_grid_shape(mode, rows, cols)); with out_transposed,
+    the [cols, rows] copy along its own rows and its grid (fp8_quantize_scaled)."""
+    if (out_transposed is None) != (out_t_scales is None):
+        raise ValueError("quantize_scaled: out_transposed and out_t_scales come together; expected both or neither")
+    _check(_lib.fp8_quantize_scaled(ctx.handle, x.handle, mode, recipe.handle, out.handle, out_scales.handle,
+                                    out_transposed.handle if out_transposed else None,
+                                    out_t_scales.handle if out_t_scales else None))
+
+
+def gemm_scaled(ctx, a, a_mode, a_scales, b, b_mode, b_scales, d, bias=None):
+    """d = a * b^T (+ bias) with grids of scales (fp8_gemm_scaled; the default options)."""
+    _check(_lib.fp8_gemm_scaled(ctx.handle, a.handle, a_mode, a_scales.handle, b.handle, b_mode, b_scales.handle,
+                                bias.handle if bias else None, d.handle, None))
 
 
 def activation_forward(ctx, activation, x, y, y_scaling=None):
