@@ -11,7 +11,9 @@ report, and a table last.
 The model: byte tokens (vocabulary 256), learned positions, pre-LN blocks (LayerNorm, causal
 self-attention through scaled_dot_product_attention, LayerNorm, GELU MLP), a final LayerNorm and an
 untied output layer (untied so that it converts: libfp8 owns one copy of each parameter it runs).
-The FP8 runs swap every nn.Linear and nn.LayerNorm with libfp8.torch.convert_model, wrap the
+The FP8 runs swap nn.Linear and nn.LayerNorm with libfp8.torch.convert_model (which leaves to
+torch the Linears the small-layer rule would run in high precision anyway, in_features or
+out_features < 2048, and the norms when no Linear converts: gpt2s keeps torch's modules), wrap the
 forward with apply_fp8_autowrap and train with libfp8.torch.Optimizer (AdamW, one gradient clip over
 all parameters). On CUDA every run computes under torch.autocast(bfloat16) with float32 weights.
 """

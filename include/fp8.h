@@ -299,6 +299,12 @@ typedef int32_t fp8_recipe_attr_t;
                                                 "Scaling state"); default FP8_SCALING_DELAYED */
 #define FP8_RECIPE_ATTR_COUNT 14       /**< number of attributes (grows at the end only) */
 
+/** The small-layer rule of FP8_RECIPE_SMALL_LAYER_FALLBACK (see "Linear"): a Linear whose
+ *  in_features or out_features is below FP8_SMALL_LAYER_MIN_FEATURES, or a call of fewer than
+ *  FP8_SMALL_LAYER_MIN_MACS multiply-adds per GEMM (tokens x in x out), runs in high precision. */
+#define FP8_SMALL_LAYER_MIN_FEATURES 2048
+#define FP8_SMALL_LAYER_MIN_MACS 4294967296ull
+
 /** Values of FP8_RECIPE_BACKEND. AUTO prefers MS-AMP, as Accelerate documents. */
 #define FP8_BACKEND_AUTO 0
 #define FP8_BACKEND_TE 1
@@ -778,7 +784,8 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  *  - Automatic fallback (never an error): the whole layer runs in high precision when x (an FP8
  *    hand-off) or y is not 16-byte aligned, or,
  *    with the recipe's small_layer_fallback on, when tokens x in x out < 2^32 multiply-adds or
- *    in_features or out_features < 2048 (there an H100 runs a training step as fast or faster in
+ *    in_features or out_features < 2048 (FP8_SMALL_LAYER_MIN_MACS, FP8_SMALL_LAYER_MIN_FEATURES;
+ *    there an H100 runs a training step as fast or faster in
  *    bf16: bench/RESULTS.md, "Linear fallback rule"); only the weight gradient does
  *    when the token count is not a multiple of 16. Each fallback is counted with its reason in the
  *    layer's report.

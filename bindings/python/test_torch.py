@@ -20,6 +20,7 @@ import libfp8.torch as lt
 
 DEVICE = torch.device(os.environ.get("LIBFP8_TEST_DEVICE", "cpu"))
 FP8 = dict(small_layer_fallback=False)  # FP8 even for these small layers
+ALL = dict(small_layers="libfp8")  # convert_model converts these small layers (else torch's stay)
 
 
 def mlp(seed=0, d=32, h=64, out=16, norm=True):
@@ -42,7 +43,7 @@ class ConversionTest(unittest.TestCase):
     def test_convert_keeps_torch_names_and_values_and_converts_back_exactly(self):
         m = mlp()
         before = {k: v.clone() for k, v in m.state_dict().items()}
-        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         self.assertEqual([n for n, _ in rep.converted], ["0", "1", "3"])
         self.assertIsInstance(m[1], lt.Linear)
         self.assertIsInstance(m[0], lt.LayerNorm)
@@ -56,10 +57,36 @@ class ConversionTest(unittest.TestCase):
         for k, v in m.state_dict().items():
             self.assertTrue(torch.equal(v, before[k]), k)
 
+    def test_small_layers_stay_torchs_unless_asked(self):
+        # The recipe's small_layer_fallback would run both Linears of mlp() (32 -> 64 -> 16) in high
+        # precision at every call: they stay torch's, and so does the norm, each with the reason.
+        m = mlp()
+        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        self.assertEqual(rep.converted, [])
+        self.assertFalse(lt.has_fp8_layers(m))
+        self.assertIs(type(m[1]), torch.nn.Linear)
+        reasons = {name: reason for name, _, reason in rep.skipped}
+        self.assertIn(f"a small layer (min(in_features, out_features) = 32 < {libfp8.SMALL_LAYER_MIN_FEATURES})",
+                      reasons["1"])
+        self.assertIn("min(in_features, out_features) = 16", reasons["3"])
+        self.assertIn("no Linear converts", reasons["0"])
+        # Asked for, or FP8 for them (the fallback off), they convert.
+        self.assertEqual(len(lt.convert_model(mlp(), recipe=lt.Recipe(backend="te"), small_layers="libfp8").converted), 3)
+        self.assertEqual(len(lt.convert_model(mlp(), recipe=lt.Recipe(backend="te", **FP8)).converted), 3)
+        # Beside a Linear of 2048 features, the norm converts and the small Linear stays.
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 2048), torch.nn.Linear(2048, 2048)).to(DEVICE)
+        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        self.assertEqual(rep.converted, [("0", "LayerNorm"), ("2", "Linear")])
+        self.assertEqual([name for name, _, _ in rep.skipped], ["1"])
+        with self.assertRaises(ValueError) as err:
+            lt.convert_model(mlp(), small_layers="yes")
+        self.assertIn("small_layers='yes'; expected 'torch' or 'libfp8'", str(err.exception))
+
     def test_o2_weights_are_f16_parameters_over_libfp8_storage(self):
         m = mlp()
         before = {k: v.clone() for k, v in m.state_dict().items()}
-        lt.convert_model(m, recipe=lt.Recipe(backend="msamp", opt_level="O2"))
+        lt.convert_model(m, recipe=lt.Recipe(backend="msamp", opt_level="O2"), **ALL)
         self.assertEqual(m[1].weight.dtype, torch.float16)
         self.assertFalse(m[1].weight.requires_grad)
         self.assertTrue(m[1].bias.requires_grad)
@@ -75,7 +102,7 @@ class ConversionTest(unittest.TestCase):
 
     def test_load_state_dict_reaches_the_layers(self):
         m, ref = mlp(0), mlp(1)
-        lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         x = torch.randn(8, 32, device=DEVICE)
         y0 = m(x)
         m.load_state_dict(ref.state_dict())
@@ -91,7 +118,7 @@ class ConversionTest(unittest.TestCase):
         hooked.register_forward_hook(lambda *a: None)
         m = torch.nn.ModuleDict(dict(emb=emb, tied=tied, odd=torch.nn.Linear(32, 10), hooked=hooked,
                                      ok=torch.nn.Linear(32, 32), ln2d=torch.nn.LayerNorm((4, 8)))).to(DEVICE)
-        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         self.assertEqual([n for n, _ in rep.converted], ["ok"])
         why = {n: r for n, _, r in rep.skipped}
         self.assertIn("tied", why["tied"])
@@ -101,7 +128,7 @@ class ConversionTest(unittest.TestCase):
         self.assertIn("skipped tied", str(rep))
         self.assertTrue(lt.has_fp8_layers(m))
         self.assertFalse(lt.has_fp8_layers(mlp()))
-        again = lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        again = lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         self.assertIn("already", dict((n, r) for n, _, r in again.skipped)["ok"])
 
     def test_bad_arguments_raise_naming_the_argument_and_what_it_takes(self):
@@ -125,7 +152,7 @@ class ConversionTest(unittest.TestCase):
         self.assertIn("scaling=current", lt.Recipe(scaling="Current").text())
         self.assertIn("power_2_scales=auto, scaling=block", lt.Recipe(scaling="block").text())
         m = mlp(norm=False)
-        lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         with self.assertRaises(TypeError) as ctx:
             m(torch.randn(2, 32, device=DEVICE, dtype=torch.float16))
         self.assertIn("float16", str(ctx.exception))
@@ -135,7 +162,7 @@ class ConversionTest(unittest.TestCase):
 
     def test_a_parameter_moved_after_conversion_is_refused(self):
         m = mlp(norm=False)
-        lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         m[0].weight.data = m[0].weight.data.clone()
         with self.assertRaises(RuntimeError) as ctx:
             m(torch.randn(2, 32, device=DEVICE))
@@ -145,7 +172,7 @@ class ConversionTest(unittest.TestCase):
 class NumericsTest(unittest.TestCase):
     def _pair(self, recipe, **kw):
         ref, m = mlp(**kw), mlp(**kw)
-        lt.convert_model(m, recipe=recipe)
+        lt.convert_model(m, recipe=recipe, **ALL)
         return ref, m
 
     def test_high_precision_forward_and_backward_match_torch(self):
@@ -186,7 +213,7 @@ class NumericsTest(unittest.TestCase):
 
     def test_autocast_and_eval_rules(self):
         m = mlp(norm=False)
-        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8))
+        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
         x = torch.randn(16, 32, device=DEVICE)
         m(x)
         self.assertEqual(fprops(m), [0, 0])  # outside any region
@@ -220,7 +247,7 @@ class NumericsTest(unittest.TestCase):
         # use_during_eval: FP8 in eval too (the model converted with the recipe that allows it).
         e = mlp(norm=False)
         r = lt.Recipe(backend="te", use_autocast_during_eval=True, **FP8)
-        lt.convert_model(e, recipe=r)
+        lt.convert_model(e, recipe=r, **ALL)
         e.forward = lt.contextual_fp8_autocast(e.forward, r, use_during_eval=True).__get__(e)
         e.eval()
         with torch.no_grad():
@@ -232,7 +259,7 @@ class NumericsTest(unittest.TestCase):
         ref = torch.nn.Linear(32, 32).to(DEVICE)
         m = torch.nn.Sequential(torch.nn.Linear(32, 32)).to(DEVICE)
         m[0].load_state_dict(ref.state_dict())
-        lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         x = torch.randn(8, 32, device=DEVICE)
         ref(torch.tanh(ref(x))).sum().backward()
         m(torch.tanh(m(x))).sum().backward()
@@ -253,8 +280,8 @@ class NumericsTest(unittest.TestCase):
             for fp8 in (False, True):
                 a, b = mlp(), mlp()
                 recipe = lt.Recipe(backend="te", **FP8)
-                lt.convert_model(a, recipe=recipe)
-                lt.convert_model(b, recipe=recipe)
+                lt.convert_model(a, recipe=recipe, **ALL)
+                lt.convert_model(b, recipe=recipe, **ALL)
                 x = torch.randn(16, 32, device=DEVICE)
                 xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
                 with lt.fp8_autocast(enabled=fp8):
@@ -269,7 +296,7 @@ class NumericsTest(unittest.TestCase):
 
     def test_no_grad_and_eval_forwards_keep_nothing_for_a_backward(self):
         m = mlp()
-        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8))
+        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
         x = torch.randn(8, 32, device=DEVICE, requires_grad=True)
         with torch.no_grad(), lt.fp8_autocast():
             y = m(x)
@@ -297,7 +324,7 @@ class OptimizerTest(unittest.TestCase):
     def test_torch_optimizer_and_clip_grad_norm_train_te_parameters_like_torch(self):
         for set_to_none in (True, False):
             ref, m = mlp(), mlp()
-            lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+            lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
             ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             mo = torch.optim.AdamW(m.parameters(), lr=1e-2)
 
@@ -322,7 +349,7 @@ class OptimizerTest(unittest.TestCase):
         ref = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10)).to(DEVICE)
         m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10)).to(DEVICE)
         m.load_state_dict(ref.state_dict())
-        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         self.assertEqual([n for n, _, _ in rep.skipped], ["2"])  # 10 outputs: stays torch's
         ro = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         mo = lt.Optimizer(m, "adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=0.1)
@@ -348,7 +375,7 @@ class OptimizerTest(unittest.TestCase):
     def test_o2_trains_and_clips_fp8_gradients(self):
         ref, m = mlp(), mlp()
         recipe = lt.Recipe(backend="msamp", opt_level="O2", **FP8)
-        lt.convert_model(m, recipe=recipe)
+        lt.convert_model(m, recipe=recipe, **ALL)
         lt.apply_fp8_autowrap(m, recipe)
         mo = lt.Optimizer(m, "adamw", lr=1e-2, max_grad_norm=0.05)
         self.assertEqual(mo.stats()[0].opt_level, 2)
@@ -413,7 +440,7 @@ class OverheadTest(unittest.TestCase):
         """Host time of one libfp8.torch Linear call beyond the C call itself (printed, and bounded
         loosely so that a regression to per-call wraps or syncs shows)."""
         lin = torch.nn.Sequential(torch.nn.Linear(16, 16)).to(DEVICE)
-        lt.convert_model(lin, recipe=lt.Recipe(backend="te"))
+        lt.convert_model(lin, recipe=lt.Recipe(backend="te"), **ALL)
         layer, dev = lin[0], lin[0]._group.dev
         x = torch.randn(1, 16, device=DEVICE)
         y = torch.empty(1, 16, device=DEVICE)

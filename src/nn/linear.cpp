@@ -27,8 +27,8 @@ namespace {
 // fallback rule"): a step in FP8 was slower than bf16 or no faster below 2^32 multiply-adds per GEMM
 // (tokens x in x out) and whenever in or out was 1024 (up to 16384 tokens): the casts and extra
 // launches outweigh the faster GEMMs there.
-constexpr double kFp8MinMacs = 4.0 * 1024 * 1024 * 1024;
-constexpr int64_t kFp8MinFeatures = 2048;
+constexpr double kFp8MinMacs = static_cast<double>(FP8_SMALL_LAYER_MIN_MACS);
+constexpr int64_t kFp8MinFeatures = FP8_SMALL_LAYER_MIN_FEATURES;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 

@@ -24,7 +24,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
 
 import libfp8.torch as lt  # noqa: E402
 from test_torch import *  # noqa: E402,F401,F403  (the CPU cases, now on cuda)
-from test_torch import FP8, mlp, rel_err  # noqa: E402
+from test_torch import ALL, FP8, mlp, rel_err  # noqa: E402
 
 
 def gpt_like(d=256):
@@ -45,7 +45,7 @@ class CudaOnlyTest(unittest.TestCase):
         recipe = lt.Recipe(backend="te", **FP8)
         a, b = gpt_like(), gpt_like()
         for m in (a, b):
-            lt.convert_model(m, recipe=recipe)
+            lt.convert_model(m, recipe=recipe, **ALL)
             lt.apply_fp8_autowrap(m, recipe)
         oa, ob = lt.Optimizer(a, "adamw", lr=1e-3), lt.Optimizer(b, "adamw", lr=1e-3)
         x, t = torch.randn(64, 256, device="cuda"), torch.randn(64, 256, device="cuda")
@@ -63,7 +63,7 @@ class CudaOnlyTest(unittest.TestCase):
     def test_a_training_step_does_not_synchronise(self):
         recipe = lt.Recipe(backend="msamp", opt_level="O2", **FP8)
         m = gpt_like()
-        lt.convert_model(m, recipe=recipe)
+        lt.convert_model(m, recipe=recipe, **ALL)
         lt.apply_fp8_autowrap(m, recipe)
         opt = lt.Optimizer(m, "adamw", lr=1e-3, max_grad_norm=1.0)
         x, t = torch.randn(64, 256, device="cuda"), torch.randn(64, 256, device="cuda")
@@ -82,7 +82,7 @@ class CudaOnlyTest(unittest.TestCase):
         before = torch.cuda.memory_allocated()
         m = torch.nn.Sequential(torch.nn.Linear(1024, 4096)).cuda()
         torch_bytes = torch.cuda.memory_allocated() - before
-        lt.convert_model(m, recipe=lt.Recipe(backend="te"))
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
         lent = torch.cuda.memory_allocated() - before - torch_bytes
         # libfp8's values (FP32, 16 MiB) are torch's allocations now ...
         self.assertGreaterEqual(lent, 4 * 1024 * 4096)
@@ -101,8 +101,8 @@ class CudaOnlyTest(unittest.TestCase):
     def test_a_converted_modules_step_captured_in_a_cuda_graph_replays(self):
         recipe = lt.Recipe(backend="te", **FP8)
         m, ref = gpt_like(), gpt_like()
-        lt.convert_model(m, recipe=recipe)
-        lt.convert_model(ref, recipe=recipe)
+        lt.convert_model(m, recipe=recipe, **ALL)
+        lt.convert_model(ref, recipe=recipe, **ALL)
         opt = lt.Optimizer(m, "adamw", lr=1e-3, max_grad_norm=1.0)
         ropt = lt.Optimizer(ref, "adamw", lr=1e-3, max_grad_norm=1.0)
         x, t = torch.randn(64, 256, device="cuda"), torch.randn(64, 256, device="cuda")

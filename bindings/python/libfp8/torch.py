@@ -756,11 +756,18 @@ def _set_child(root, name, new):
     setattr(parent, leaf, new)
 
 
-def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, _convert_linear=None):
+def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, small_layers="torch",
+                  _convert_linear=None):
     """Swaps, in place, nn.Linear and nn.LayerNorm (and nn.RMSNorm where torch has it) in `module`
     for libfp8's Linear, LayerNorm and RMSNorm (to_fp8=True), or libfp8's back for torch's
     (to_fp8=False), as Accelerate's convert_model. Returns a ConversionReport of what was swapped
     and what was skipped and why (tied parameters, hooks, features not multiples of 16, ...).
+
+    small_layers="torch" (the default) leaves as they are the Linears that the recipe's
+    small_layer_fallback would run in high precision at every call (in_features or out_features
+    below SMALL_LAYER_MIN_FEATURES), since torch's own module does that without the cost of a call
+    into libfp8, and then the norms too when no Linear converts (a libfp8 norm only pays beside
+    FP8 Linears); small_layers="libfp8" converts them all.
 
     The converted layers of one call (per device) form one libfp8 model, converted under `recipe`
     (default Recipe()): its parameters, initialised from torch's, become torch Parameters over
@@ -771,6 +778,8 @@ def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, _con
     for arg, v in (("to_fp8", to_fp8), ("linear", linear), ("norm", norm)):
         if not isinstance(v, bool):
             raise TypeError(f"convert_model: {arg}={v!r}; expected True or False")
+    if small_layers not in ("torch", "libfp8"):
+        raise ValueError(f"convert_model: small_layers={small_layers!r}; expected 'torch' or 'libfp8'")
     report_ = ConversionReport(to_fp8)
     if not to_fp8:
         _convert_back(module, linear, norm, report_)
@@ -782,6 +791,7 @@ def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, _con
     kinds = ([(torch.nn.Linear, "Linear")] if linear else []) + (_norm_types() if norm else [])
     owners = _owners(module)
     chosen = []  # (name, torch module, kind)
+    small = []  # the Linears left to torch as small layers
     for name, m in module.named_modules():
         if isinstance(m, _Module):
             report_.skipped.append((name, type(m).__name__, "already a libfp8 module"))
@@ -795,10 +805,21 @@ def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, _con
             if others:
                 shared[id(p)] = sorted(others)[0]
         reason = _why_not(name, m, kind, shared)
+        if not reason and kind == "Linear" and small_layers == "torch" and recipe.small_layer_fallback:
+            least = min(m.in_features, m.out_features)
+            if least < _f.SMALL_LAYER_MIN_FEATURES:
+                reason = (f"a small layer (min(in_features, out_features) = {least} < {_f.SMALL_LAYER_MIN_FEATURES}): "
+                          "the recipe's small_layer_fallback would run it in high precision at every call, which "
+                          "torch's own module does without libfp8's call (small_layers='libfp8' converts it)")
+                small.append(name)
         if reason:
             report_.skipped.append((name, kind, reason))
         else:
             chosen.append((name, m, kind))
+    if small and not any(kind == "Linear" for _, _, kind in chosen):
+        report_.skipped += [(name, kind, "no Linear converts (every one is a small layer): a libfp8 norm would only add "
+                             "the cost of its call (small_layers='libfp8' converts it)") for name, _, kind in chosen]
+        chosen = []
     by_device = {}
     for item in chosen:
         by_device.setdefault(next(item[1].parameters()).device, []).append(item)

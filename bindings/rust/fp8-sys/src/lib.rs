@@ -124,6 +124,8 @@ pub const FP8_RECIPE_SMALL_LAYER_FALLBACK: fp8_recipe_attr_t = 11;
 pub const FP8_RECIPE_POWER_2_SCALES: fp8_recipe_attr_t = 12;
 pub const FP8_RECIPE_SCALING: fp8_recipe_attr_t = 13;
 pub const FP8_RECIPE_ATTR_COUNT: fp8_recipe_attr_t = 14;
+pub const FP8_SMALL_LAYER_MIN_FEATURES: i64 = 2048;
+pub const FP8_SMALL_LAYER_MIN_MACS: u64 = 4294967296;
 
 pub const FP8_BACKEND_AUTO: i32 = 0;
 pub const FP8_BACKEND_TE: i32 = 1;
