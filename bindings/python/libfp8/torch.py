@@ -1021,16 +1021,18 @@ class Optimizer:
                 sq.append(gv.pow(2).sum())
             for _, handle, shape in self._fp8_lent(g):
                 sq.append(self._decoded(g, handle, shape).pow(2).sum())
-        grads = [p.grad for p in self.torch_params if p.grad is not None]
-        for t in grads:
-            device = device or t.device
-            sq.append(t.float().pow(2).sum())
+        # torch's parameters: a few launches per device and dtype (a model's hundreds of gradients,
+        # one small kernel each, would cost more than its step), as torch's clip_grad_norm_.
+        grads = _by_device_and_dtype([p.grad for p in self.torch_params if p.grad is not None])
+        for (dev, _), group in grads.items():
+            device = device or dev
+            sq += [n.float().square() for n in _norms(group)]
         if not sq:
             return
         total = torch.stack([s.to(device) for s in sq]).sum().sqrt()
         coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-        for t in grads:
-            t.mul_(coef.to(t.device, t.dtype))
+        for (dev, dtype), group in grads.items():
+            _scale_(group, coef.to(dev, dtype))
         for g, _ in self._fp8:
             c = coef.to(g.dev.device)
             for _, _, gv in self._fp32_lent(g):
@@ -1074,6 +1076,29 @@ class Optimizer:
         """libfp8's optimizer statistics (steps, skipped steps, level, bytes), one per libfp8 model.
         Synchronous."""
         return [o.stats() for _, o in self._fp8]
+
+
+def _by_device_and_dtype(tensors):
+    groups = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _norms(tensors):
+    """The 2-norm of each tensor (all of one device and dtype): torch's foreach kernel where it has one."""
+    if hasattr(torch, "_foreach_norm"):
+        return list(torch._foreach_norm(tensors))
+    return [t.norm() for t in tensors]
+
+
+def _scale_(tensors, coef):
+    """t *= coef (a tensor of their device and dtype) for each tensor, in place."""
+    try:
+        torch._foreach_mul_(tensors, coef)
+    except (AttributeError, TypeError, RuntimeError):  # (a torch without the tensor overload)
+        for t in tensors:
+            t.mul_(coef)
 
 
 def _accepts(cls, arg):
