@@ -71,14 +71,11 @@ bool error_size(int lg) {
 }
 
 enum Path { kLibfp8 = 0, kF32 = 1, kBf16 = 2, kE5m2 = 3, kE4m3 = 4, kTransfers = 5, kLibfp8Nccl = 6, kPaths = 7 };
-const char* const kPathName[kPaths] = {"libfp8 FP8 exchange (E5M2)", "NCCL fp32",
-                                       "NCCL bf16",
-                                       "NCCL fp8 e5m2",
-                                       "NCCL fp8 e4m3",
-                                       "NCCL transfers alone",
-                                       "libfp8 FP8 exchange over NCCL"};
-const char* const kPathKey[kPaths] = {"libfp8",         "nccl_fp32",     "nccl_bf16",  "nccl_fp8_e5m2",
-                                      "nccl_fp8_e4m3",  "nccl_transfers", "libfp8_nccl"};
+const char* const kPathName[kPaths] = {
+    "libfp8 FP8 exchange (E5M2)",   "NCCL fp32", "NCCL bf16", "NCCL fp8 e5m2", "NCCL fp8 e4m3", "NCCL transfers alone",
+    "libfp8 FP8 exchange over NCCL"};
+const char* const kPathKey[kPaths] = {"libfp8",        "nccl_fp32",      "nccl_bf16",  "nccl_fp8_e5m2",
+                                      "nccl_fp8_e4m3", "nccl_transfers", "libfp8_nccl"};
 constexpr int kWire[kPaths] = {1, 4, 2, 1, 1, 1, 1};  // bytes per element on the wire
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -343,54 +340,54 @@ void rank_main(Shared& s, int k) {
 
     // 1. libfp8: the peer exchange, then the exchange over NCCL's collectives.
     for (const int path : {kLibfp8, kLibfp8Nccl}) {
-    // (Read once per layout, by each rank's first exchange below: set for all of them here.)
-    s.barrier->wait();  // (every rank is done with the previous mode)
-    if (k == 0) setenv("FP8_PEER_EXCHANGE", path == kLibfp8 ? "on" : "off", 1);
-    s.barrier->wait();
-    fp8_model_t* model = nullptr;
-    RCHECK_FP8(fp8_model_create(&model, c));
-    RCHECK_FP8(fp8_model_add_linear(model, "fc", cols, rows, 0, nullptr));
-    fp8_recipe_t* recipe = nullptr;
-    RCHECK_FP8(fp8_recipe_create(&recipe));
-    RCHECK_FP8(fp8_recipe_parse(recipe, "backend=msamp, opt_level=O2, small_layer_fallback=0"));
-    RCHECK_FP8(fp8_convert_model(model, recipe, nullptr));
-    fp8_recipe_destroy(recipe);
-    RCHECK_FP8(fp8_model_set_comm(model, s.comms[kk]));  // (collective: every rank's thread)
-    fp8_tensor_t* grad = nullptr;
-    RCHECK_FP8(fp8_model_parameter_at(model, 0, nullptr, nullptr, &grad));  // (after set_comm's new layout)
-    fp8_dtype_t grad_dtype = 0;
-    int64_t grad_numel = 0;
-    RCHECK_FP8(fp8_tensor_dtype(grad, &grad_dtype));
-    RCHECK_FP8(fp8_tensor_numel(grad, &grad_numel));
-    if (grad_dtype != FP8_DTYPE_E5M2 || grad_numel != count)
-      die("fp8_model_parameter_at(model, 0)", fp8_dtype_name(grad_dtype),
-          "fc.weight's gradient is not E5M2 of `count` elements");
-    fp8_tensor_t* g = fp8bench::matrix(c, FP8_DTYPE_F32, rows, cols);
-    fp8bench::fill_normal(g, 1e-3f * static_cast<float>(1 + k),
-                          7919u * static_cast<uint32_t>(k + 1) + static_cast<uint32_t>(lg));
-    const auto prepare = [&] {
-      RCHECK_FP8(fp8_model_zero_grad(model));
-      RCHECK_FP8(fp8_model_accumulate_grad(model, 0, g));
-    };
-    // The input every path starts from, then one exchange to check.
-    prepare();
-    s.in_codes[kk].resize(bytes);
-    RCHECK_FP8(fp8_tensor_copy_to_host(grad, s.in_codes[kk].data(), bytes));
-    RCHECK_FP8(fp8_tensor_get_scale_inv(grad, &s.in_scale_inv[kk]));
-    float amax = 0;
-    for (size_t i = 0; i < bytes; ++i) amax = std::max(amax, std::fabs(input(s, k, i)));
-    s.in_amax[kk] = amax;
-    RCHECK_FP8(fp8_model_sync_grads(model));
-    s.out_codes[kk].resize(bytes);
-    RCHECK_FP8(fp8_tensor_copy_to_host(grad, s.out_codes[kk].data(), bytes));
-    RCHECK_FP8(fp8_tensor_get_scale_inv(grad, &s.out_scale_inv[kk]));
-    s.barrier->wait();
-    const double libfp8_error = k == 0 ? check_libfp8(s, lg) : kNaN;
-    time_path(s, k, lg, path, st, a, b, prepare, [&] { RCHECK_FP8(fp8_model_sync_grads(model)); });
-    if (k == 0) s.rows.back().err_wire = s.rows.back().err_stored = libfp8_error;
-    fp8_tensor_destroy(g);
-    fp8_model_destroy(model);
-    std::vector<uint8_t>().swap(s.out_codes[kk]);  // (rank 0 read them before the barriers above)
+      // (Read once per layout, by each rank's first exchange below: set for all of them here.)
+      s.barrier->wait();  // (every rank is done with the previous mode)
+      if (k == 0) setenv("FP8_PEER_EXCHANGE", path == kLibfp8 ? "on" : "off", 1);
+      s.barrier->wait();
+      fp8_model_t* model = nullptr;
+      RCHECK_FP8(fp8_model_create(&model, c));
+      RCHECK_FP8(fp8_model_add_linear(model, "fc", cols, rows, 0, nullptr));
+      fp8_recipe_t* recipe = nullptr;
+      RCHECK_FP8(fp8_recipe_create(&recipe));
+      RCHECK_FP8(fp8_recipe_parse(recipe, "backend=msamp, opt_level=O2, small_layer_fallback=0"));
+      RCHECK_FP8(fp8_convert_model(model, recipe, nullptr));
+      fp8_recipe_destroy(recipe);
+      RCHECK_FP8(fp8_model_set_comm(model, s.comms[kk]));  // (collective: every rank's thread)
+      fp8_tensor_t* grad = nullptr;
+      RCHECK_FP8(fp8_model_parameter_at(model, 0, nullptr, nullptr, &grad));  // (after set_comm's new layout)
+      fp8_dtype_t grad_dtype = 0;
+      int64_t grad_numel = 0;
+      RCHECK_FP8(fp8_tensor_dtype(grad, &grad_dtype));
+      RCHECK_FP8(fp8_tensor_numel(grad, &grad_numel));
+      if (grad_dtype != FP8_DTYPE_E5M2 || grad_numel != count)
+        die("fp8_model_parameter_at(model, 0)", fp8_dtype_name(grad_dtype),
+            "fc.weight's gradient is not E5M2 of `count` elements");
+      fp8_tensor_t* g = fp8bench::matrix(c, FP8_DTYPE_F32, rows, cols);
+      fp8bench::fill_normal(g, 1e-3f * static_cast<float>(1 + k),
+                            7919u * static_cast<uint32_t>(k + 1) + static_cast<uint32_t>(lg));
+      const auto prepare = [&] {
+        RCHECK_FP8(fp8_model_zero_grad(model));
+        RCHECK_FP8(fp8_model_accumulate_grad(model, 0, g));
+      };
+      // The input every path starts from, then one exchange to check.
+      prepare();
+      s.in_codes[kk].resize(bytes);
+      RCHECK_FP8(fp8_tensor_copy_to_host(grad, s.in_codes[kk].data(), bytes));
+      RCHECK_FP8(fp8_tensor_get_scale_inv(grad, &s.in_scale_inv[kk]));
+      float amax = 0;
+      for (size_t i = 0; i < bytes; ++i) amax = std::max(amax, std::fabs(input(s, k, i)));
+      s.in_amax[kk] = amax;
+      RCHECK_FP8(fp8_model_sync_grads(model));
+      s.out_codes[kk].resize(bytes);
+      RCHECK_FP8(fp8_tensor_copy_to_host(grad, s.out_codes[kk].data(), bytes));
+      RCHECK_FP8(fp8_tensor_get_scale_inv(grad, &s.out_scale_inv[kk]));
+      s.barrier->wait();
+      const double libfp8_error = k == 0 ? check_libfp8(s, lg) : kNaN;
+      time_path(s, k, lg, path, st, a, b, prepare, [&] { RCHECK_FP8(fp8_model_sync_grads(model)); });
+      if (k == 0) s.rows.back().err_wire = s.rows.back().err_stored = libfp8_error;
+      fp8_tensor_destroy(g);
+      fp8_model_destroy(model);
+      std::vector<uint8_t>().swap(s.out_codes[kk]);  // (rank 0 read them before the barriers above)
     }
 
     // 2-5. NCCL, from the same inputs.
@@ -499,8 +496,8 @@ void report(const Shared& s, FILE* json) {
     if (std::isnan(ratio))
       std::printf("\n%s time / NCCL bf16 time at 2^28: not measured", kPathName[path]);
     else
-      std::printf("\n%s time / NCCL bf16 time at 2^28, %d GPU%s: %.3f (issue target <= %.2f: %s)%s", kPathName[path],
-                  n, n > 1 ? "s" : "", ratio, kTarget, ratio <= kTarget ? "met" : "NOT met",
+      std::printf("\n%s time / NCCL bf16 time at 2^28, %d GPU%s: %.3f (issue target <= %.2f: %s)%s", kPathName[path], n,
+                  n > 1 ? "s" : "", ratio, kTarget, ratio <= kTarget ? "met" : "NOT met",
                   n == 1 ? " (one GPU: nothing crosses a link)" : "");
   }
   std::printf("\n");

@@ -273,7 +273,7 @@ struct GradExchangeJob {
   const uint8_t* const* peer_codes = nullptr;
   uint8_t* const* peer_outputs = nullptr;
   int64_t peer_at = 0;
-  int32_t peer_alignment = 1;  // a power of two dividing every pointer of both tables
+  int32_t peer_alignment = 1;               // a power of two dividing every pointer of both tables
   const uint32_t* peer_poisoned = nullptr;  // (PeerWindows::poisoned) nonzero: do nothing
 };
 

@@ -25,8 +25,8 @@ FP8_OPTIM_FN float exchange_mean_of(Code&& code, int32_t nranks, const GradScale
                                     int32_t tensor, bool e5m2) {
   float sum = dequantize_rn(code(0), e5m2, sender_scales[tensor].scale_inv);
   for (int32_t k = 1; k < nranks; ++k)
-    sum = add_rn(sum, dequantize_rn(code(k), e5m2,
-                                    sender_scales[static_cast<int64_t>(k) * tensor_count + tensor].scale_inv));
+    sum = add_rn(
+        sum, dequantize_rn(code(k), e5m2, sender_scales[static_cast<int64_t>(k) * tensor_count + tensor].scale_inv));
   // A NaN comes out canonical (0x7FFFFFFF), as the GPU's division gives it (+inf + -inf on the CPU
   // would give another NaN's bits).
   const float mean = div_rn(sum, static_cast<float>(nranks));
@@ -36,8 +36,8 @@ FP8_OPTIM_FN float exchange_mean_of(Code&& code, int32_t nranks, const GradScale
 // Rank k's gradient element i of this shard at pieces[k * piece_bytes + i].
 FP8_OPTIM_FN float exchange_mean(const uint8_t* pieces, int64_t piece_bytes, int32_t nranks, int64_t i,
                                  const GradScales* sender_scales, int32_t tensor_count, int32_t tensor, bool e5m2) {
-  return exchange_mean_of([&](int32_t k) { return pieces[k * piece_bytes + i]; }, nranks, sender_scales,
-                          tensor_count, tensor, e5m2);
+  return exchange_mean_of([&](int32_t k) { return pieces[k * piece_bytes + i]; }, nranks, sender_scales, tensor_count,
+                          tensor, e5m2);
 }
 
 // The bound on a tensor's |mean|: the senders' amaxes summed in rank order in float64, divided by N,

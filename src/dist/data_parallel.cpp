@@ -234,7 +234,8 @@ PeerMode peer_mode_asked() {
 
 PeerMode agreed_peer_mode(Transport& t, const std::shared_ptr<Backend>& be) {
   PeerMode mine = PeerMode::kAuto;
-  all_or_none(t, be, "FP8_PEER_EXCHANGE", [&] { mine = peer_mode_asked(); }, [] {});
+  all_or_none(
+      t, be, "FP8_PEER_EXCHANGE", [&] { mine = peer_mode_asked(); }, [] {});
   return static_cast<PeerMode>(largest_of_ranks(t, be, static_cast<uint64_t>(mine)));
 }
 
@@ -375,8 +376,7 @@ class Exchanges {
       plan.peers.reset();
       std::unique_ptr<PeerWindows> peers = map_peers(m_, t_, mode);
       all_or_none(
-          t_, m_.backend, "the gradient exchange's buffers", [&] { build_plan(m_, t_, plan, most, !peers); },
-          [] {});
+          t_, m_.backend, "the gradient exchange's buffers", [&] { build_plan(m_, t_, plan, most, !peers); }, [] {});
       plan.peers = std::move(peers);
     }
     const nn::Bucket& b = m_.store->buckets()[k];
@@ -458,14 +458,16 @@ class Exchanges {
     float* bounds = reinterpret_cast<float*>(plan.bounds.data()) + b.first;
     const auto codes = reinterpret_cast<uint8_t* const*>(w.table(ModelComm::Plan::kCodes));
     w.barrier();
-    be_.gather_peer_scales({reinterpret_cast<const GradScales* const*>(w.table(ModelComm::Plan::kScales)), n,
-                            b.first, tensors, senders, bounds, w.poisoned()});
+    be_.gather_peer_scales({reinterpret_cast<const GradScales* const*>(w.table(ModelComm::Plan::kScales)), n, b.first,
+                            tensors, senders, bounds, w.poisoned()});
     for (int64_t s = plan.slice_begin[k]; s < plan.slice_begin[k + 1]; ++s) {
       const ModelComm::Plan::Slice& sl = plan.slices[static_cast<size_t>(s)];
       const size_t at = b.fp8_at + static_cast<size_t>(t_.rank()) * piece + sl.at;
-      GradExchangeJob job{nullptr, n, 0, senders, tensors,
-                          reinterpret_cast<const OptimChunk*>(plan.chunks.data()) + sl.chunk_begin, sl.chunk_count,
-                          plan.e5m2, bounds, plan.codes + at, nullptr};
+      GradExchangeJob job{
+          nullptr,         n,         0,
+          senders,         tensors,   reinterpret_cast<const OptimChunk*>(plan.chunks.data()) + sl.chunk_begin,
+          sl.chunk_count,  plan.e5m2, bounds,
+          plan.codes + at, nullptr};
       job.peer_codes = codes;
       job.peer_outputs = goal == ModelComm::kWhole ? codes : nullptr;
       job.peer_at = static_cast<int64_t>(at);
@@ -474,8 +476,8 @@ class Exchanges {
       be_.grad_exchange(job);
     }
     w.barrier();
-    GradExchangeJob finish{nullptr, n, 0, senders, tensors, nullptr, 0, plan.e5m2, bounds, nullptr,
-                           m_.store->grad_scales() + b.first};
+    GradExchangeJob finish{
+        nullptr, n, 0, senders, tensors, nullptr, 0, plan.e5m2, bounds, nullptr, m_.store->grad_scales() + b.first};
     finish.peer_poisoned = w.poisoned();
     be_.grad_exchange(finish);
   }

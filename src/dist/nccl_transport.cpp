@@ -192,10 +192,10 @@ class NcclWindows final : public PeerWindows {
   std::vector<std::shared_ptr<void>> keep_;
   std::vector<int32_t> alignment_;
   size_t signal_region_ = 0;
-  void** tables_ = nullptr;     // device: [region][rank]
-  uint32_t* signals_ = nullptr; // device: nranks slots
-  uint32_t* epoch_ = nullptr;   // device: the barriers so far, then the poisoned word
-  std::vector<void*> imports_;  // what cudaIpcOpenMemHandle opened
+  void** tables_ = nullptr;      // device: [region][rank]
+  uint32_t* signals_ = nullptr;  // device: nranks slots
+  uint32_t* epoch_ = nullptr;    // device: the barriers so far, then the poisoned word
+  std::vector<void*> imports_;   // what cudaIpcOpenMemHandle opened
 };
 
 uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* peer) {
@@ -426,9 +426,8 @@ class NcclTransport final : public Transport {
     int32_t peer = 0;
     const uint32_t verdict = windows->setup(regions, &peer);
     // The worst verdict of any rank, with who found it: code << 24 | rank << 12 | peer.
-    uint32_t word = verdict == kReachable ? 0u
-                                          : verdict << 24 | static_cast<uint32_t>(rank_) << 12 |
-                                                static_cast<uint32_t>(peer);
+    uint32_t word =
+        verdict == kReachable ? 0u : verdict << 24 | static_cast<uint32_t>(rank_) << 12 | static_cast<uint32_t>(peer);
     void* buf = backend_->allocate(sizeof word);
     try {
       backend_->copy_from_host(buf, &word, sizeof word);
@@ -456,7 +455,8 @@ class NcclTransport final : public Transport {
     if (aborted_) fail(FP8_ERR_NCCL, "the communicator was aborted (fp8_comm_abort)");
     ncclResult_t async = ncclSuccess;
     const ncclResult_t got = ncclCommGetAsyncError(comm_, &async);
-    if (got != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) *abort_flag_ = 1u;  // (the barriers end)
+    if (got != ncclSuccess || (async != ncclSuccess && async != ncclInProgress))
+      *abort_flag_ = 1u;  // (the barriers end)
     nccl_check(got, "ncclCommGetAsyncError");
     if (async != ncclSuccess && async != ncclInProgress) nccl_check(async, "NCCL reported an asynchronous error");
   }
