@@ -1297,11 +1297,11 @@ FP8_API fp8_status_t fp8_optimizer_get_stats(const fp8_optimizer_t *optimizer, f
  *    The peer exchange: where every rank can reach every other rank's memory (ranks on GPUs of one
  *    host joined by NVLink, each process seeing every rank's GPU, in one process through
  *    cudaDeviceEnablePeerAccess or in several through CUDA IPC; the CPU ranks of
- *    fp8_comm_create_local), nothing travels through the
- *    communicator's buffers: each rank reads its piece of every rank's FP8 codes and scales where
- *    they are (over NVLink), and writes the encoded means into every rank's storage, between two
- *    barriers of the ranks' GPUs. The numbers are the same, bit for bit, and no buffers are taken
- *    for received codes. The environment variable FP8_PEER_EXCHANGE, read when the storage layout
+ *    fp8_comm_create_local), nothing travels through the communicator's buffers: each rank reads
+ *    its piece of every rank's FP8 codes and scales where they are (over NVLink), and writes the
+ *    encoded means into every rank's storage, between two barriers of the ranks' GPUs. The numbers
+ *    are the same, bit for bit, no buffers are taken for received codes, and the slices follow
+ *    one another on the communication stream. The environment variable FP8_PEER_EXCHANGE, read when the storage layout
  *    changes, chooses: auto (unset: the peer exchange wherever it is possible), on (where it is
  *    not, the exchange fails on every rank with FP8_ERR_UNSUPPORTED naming the two ranks and why)
  *    or off (the collectives always); the ranks use the strictest of theirs (off, then on, then
