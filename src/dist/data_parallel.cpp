@@ -449,8 +449,10 @@ class Exchanges {
       t_.all_reduce(f32, count, ElemType::kF32, ReduceOp::kSum);
       be_.divide({f32, static_cast<int64_t>(count), static_cast<float>(n)});
     }
-    c.exchanged[k] = goal;
-    if (plan.slice_begin[k] == plan.slice_begin[k + 1]) return;  // (no FP8 gradients)
+    if (plan.slice_begin[k] == plan.slice_begin[k + 1]) {  // (no FP8 gradients)
+      c.exchanged[k] = goal;
+      return;
+    }
     PeerWindows& w = *plan.peers;
     const int32_t tensors = b.last - b.first;
     auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data()) +
@@ -480,6 +482,7 @@ class Exchanges {
         nullptr, n, 0, senders, tensors, nullptr, 0, plan.e5m2, bounds, nullptr, m_.store->grad_scales() + b.first};
     finish.peer_poisoned = w.poisoned();
     be_.grad_exchange(finish);
+    c.exchanged[k] = goal;
   }
 
   // Queues what is left (the last all-gather) and closes the communication stream's scope.
