@@ -279,7 +279,7 @@ __device__ __forceinline__ void exchange_chunk_wide(const GradExchangeJob& j, co
 // taking chunks in turn, made the pass 45% slower and the exchange no faster on 2 x H200.)
 template <bool E5M2>
 __global__ void __launch_bounds__(kThreads, kReduceBlocksPerSm)
-    exchange_kernel(GradExchangeJob j, bool codes_aligned, bool out_aligned, bool) {
+    exchange_kernel(GradExchangeJob j, bool codes_aligned, bool out_aligned) {
   __shared__ float scale_inv[kScaleBatch];
   exchange_chunk<E5M2, false>(j, j.chunks[blockIdx.x], scale_inv, codes_aligned, out_aligned);
 }
@@ -380,9 +380,13 @@ void grad_exchange(const GradExchangeJob& j, cudaStream_t stream) {
     codes_aligned = aligned4(j.pieces) && j.piece_bytes % 4 == 0;
     out_aligned = aligned4(j.codes);
   }
-  const auto kernel = j.peer_codes ? (j.e5m2 ? peer_exchange_kernel<true> : peer_exchange_kernel<false>)
-                                   : (j.e5m2 ? exchange_kernel<true> : exchange_kernel<false>);
-  kernel<<<static_cast<unsigned>(j.chunk_count), kThreads, 0, stream>>>(j, codes_aligned, out_aligned, wide);
+  const auto blocks = static_cast<unsigned>(j.chunk_count);
+  if (j.peer_codes)
+    (j.e5m2 ? peer_exchange_kernel<true> : peer_exchange_kernel<false>)<<<blocks, kThreads, 0, stream>>>(
+        j, codes_aligned, out_aligned, wide);
+  else
+    (j.e5m2 ? exchange_kernel<true> : exchange_kernel<false>)<<<blocks, kThreads, 0, stream>>>(j, codes_aligned,
+                                                                                              out_aligned);
   cuda_check(cudaGetLastError(), "gradient exchange kernel launch");
 }
 

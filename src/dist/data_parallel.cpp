@@ -16,24 +16,9 @@ namespace fp8::dist {
 
 namespace {
 
-// Every rank's `bytes` of host data, in rank order, through the backend's memory.
-std::vector<unsigned char> gather_host(Transport& t, const std::shared_ptr<Backend>& be, const void* mine,
-                                       size_t bytes) {
-  const size_t n = static_cast<size_t>(t.size());
-  std::vector<unsigned char> out(n * bytes);
-  if (!bytes) return out;
-  nn::Arena staging(be, n * bytes);
-  char* slot = staging.data() + static_cast<size_t>(t.rank()) * bytes;
-  be->copy_from_host(slot, mine, bytes);
-  t.all_gather(slot, staging.data(), bytes);
-  be->copy_to_host(out.data(), staging.data(), n * bytes);  // (waits for the collective)
-  t.check();
-  return out;
-}
-
 // Collective: the largest of the ranks' values.
 uint64_t largest_of_ranks(Transport& t, const std::shared_ptr<Backend>& be, uint64_t mine) {
-  const auto all = gather_host(t, be, &mine, sizeof mine);
+  const auto all = gather_host(t, *be, &mine, sizeof mine);
   uint64_t most = 0;
   for (int32_t k = 0; k < t.size(); ++k) {
     uint64_t v;
@@ -77,7 +62,7 @@ void require_same_model(Transport& t, const fp8_model& m, const char* optimizer_
   const uint64_t most = largest_of_ranks(t, be, items.size());
   std::vector<uint64_t> hashes(most, 0);
   for (size_t i = 0; i < items.size(); ++i) hashes[i] = fnv1a(items[i]);
-  const auto all = gather_host(t, be, hashes.data(), most * sizeof(uint64_t));
+  const auto all = gather_host(t, *be, hashes.data(), most * sizeof(uint64_t));
   const auto hash_of = [&](int32_t rank, uint64_t i) {
     uint64_t h;
     std::memcpy(&h, all.data() + (rank * most + i) * sizeof h, sizeof h);
@@ -93,7 +78,7 @@ void require_same_model(Transport& t, const fp8_model& m, const char* optimizer_
     char text[kText] = {};
     const std::string mine = i < items.size() ? items[i] : "(nothing: fewer layers)";
     std::memcpy(text, mine.data(), std::min(mine.size(), kText - 1));
-    const auto texts = gather_host(t, be, text, kText);
+    const auto texts = gather_host(t, *be, text, kText);
     const auto text_of = [&](int32_t rank) {
       return std::string(reinterpret_cast<const char*>(texts.data()) + rank * kText);
     };
@@ -388,12 +373,7 @@ class Exchanges {
       return;
     }
     if (sliced_now) {
-      if (b.f32_bytes) {
-        float* f32 = plan.f32 + b.f32_at / sizeof(float);
-        const size_t count = b.f32_bytes / sizeof(float);
-        t_.all_reduce(f32, count, ElemType::kF32, ReduceOp::kSum);
-        be_.divide({f32, static_cast<int64_t>(count), static_cast<float>(t_.size())});
-      }
+      average_f32(b);
       const int32_t tensors = b.last - b.first;
       GradScales* mine = m_.store->grad_scales() + b.first;
       auto* senders = reinterpret_cast<GradScales*>(plan.sender_scales.data()) +
@@ -432,6 +412,15 @@ class Exchanges {
     }
   }
 
+  // The bucket's FP32 gradients (both paths): summed across the ranks and divided by their count.
+  void average_f32(const nn::Bucket& b) {
+    if (!b.f32_bytes) return;
+    float* f32 = plan_of(m_).f32 + b.f32_at / sizeof(float);
+    const size_t count = b.f32_bytes / sizeof(float);
+    t_.all_reduce(f32, count, ElemType::kF32, ReduceOp::kSum);
+    be_.divide({f32, static_cast<int64_t>(count), static_cast<float>(t_.size())});
+  }
+
   // The peer exchange of bucket k (every rank's memory within reach): each rank reads its piece of
   // every rank's codes and scales where they are, and writes the encoded means into every rank's
   // arena (into its own only for kOwnPieces), between two barriers: the first waits until every
@@ -443,12 +432,7 @@ class Exchanges {
     const nn::Bucket& b = m_.store->buckets()[k];
     const size_t piece = b.piece(t_.size());
     const int32_t n = t_.size();
-    if (b.f32_bytes) {
-      float* f32 = plan.f32 + b.f32_at / sizeof(float);
-      const size_t count = b.f32_bytes / sizeof(float);
-      t_.all_reduce(f32, count, ElemType::kF32, ReduceOp::kSum);
-      be_.divide({f32, static_cast<int64_t>(count), static_cast<float>(n)});
-    }
+    average_f32(b);
     if (plan.slice_begin[k] == plan.slice_begin[k + 1]) {  // (no FP8 gradients)
       c.exchanged[k] = goal;
       return;

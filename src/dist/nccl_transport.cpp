@@ -5,6 +5,7 @@
 #include <nccl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <fstream>
@@ -225,7 +226,7 @@ uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* pee
 
   // Every rank's card and its regions' cards, gathered.
   const size_t card_bytes = sizeof(RankCard) + all.size() * sizeof(RegionCard);
-  std::vector<unsigned char> mine(card_bytes, 0), cards(n * card_bytes);
+  std::vector<unsigned char> mine(card_bytes, 0);
   RankCard rc{};
   std::strncpy(rc.host, host_key().c_str(), kHostKey - 1);
   if (cudaDeviceGetPCIBusId(rc.bus, kBusId, device) != cudaSuccess) (void)cudaGetLastError();
@@ -243,19 +244,7 @@ uint32_t NcclWindows::setup(const std::vector<PeerRegion>& regions, int32_t* pee
     (void)cudaGetLastError();
     std::memcpy(mine.data() + sizeof(RankCard) + i * sizeof(RegionCard), &c, sizeof c);
   }
-  {
-    void* staging = backend_->allocate(n * card_bytes);
-    try {
-      backend_->copy_from_host(static_cast<char*>(staging) + me * card_bytes, mine.data(), card_bytes);
-      t_.all_gather(static_cast<char*>(staging) + me * card_bytes, staging, card_bytes);
-      backend_->copy_to_host(cards.data(), staging, n * card_bytes);
-    } catch (...) {
-      backend_->release(staging);
-      throw;
-    }
-    backend_->release(staging);
-    t_.check();
-  }
+  const std::vector<unsigned char> cards = gather_host(t_, *backend_, mine.data(), card_bytes);
   const auto card = [&](size_t k) {
     RankCard c;
     std::memcpy(&c, cards.data() + k * card_bytes, sizeof c);
@@ -426,19 +415,15 @@ class NcclTransport final : public Transport {
     int32_t peer = 0;
     const uint32_t verdict = windows->setup(regions, &peer);
     // The worst verdict of any rank, with who found it: code << 24 | rank << 12 | peer.
-    uint32_t word =
+    const uint32_t mine =
         verdict == kReachable ? 0u : verdict << 24 | static_cast<uint32_t>(rank_) << 12 | static_cast<uint32_t>(peer);
-    void* buf = backend_->allocate(sizeof word);
-    try {
-      backend_->copy_from_host(buf, &word, sizeof word);
-      all_reduce(buf, 1, ElemType::kU32, ReduceOp::kMax);
-      backend_->copy_to_host(&word, buf, sizeof word);
-    } catch (...) {
-      backend_->release(buf);
-      throw;
+    const std::vector<unsigned char> all = gather_host(*this, *backend_, &mine, sizeof mine);
+    uint32_t word = 0;
+    for (size_t k = 0; k < all.size(); k += sizeof word) {
+      uint32_t theirs;
+      std::memcpy(&theirs, all.data() + k, sizeof theirs);
+      word = std::max(word, theirs);
     }
-    backend_->release(buf);
-    check();
     if (word == 0) return windows;
     *why = verdict_text(word >> 24, static_cast<int32_t>((word >> 12) & 0xFFFu), static_cast<int32_t>(word & 0xFFFu));
     windows->close();

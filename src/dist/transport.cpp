@@ -1,5 +1,9 @@
 #include "dist/transport.hpp"
 
+#include <functional>
+#include <memory>
+
+#include "backend/backend.hpp"
 #include "core/error.hpp"
 
 namespace fp8::dist {
@@ -26,6 +30,20 @@ size_t elem_size(ElemType t) {
       return 4;
   }
   fail(FP8_ERR_INVALID_ARGUMENT, "unknown collective element type ", static_cast<int32_t>(t));
+}
+
+std::vector<unsigned char> gather_host(Transport& t, Backend& be, const void* mine, size_t bytes) {
+  const size_t n = static_cast<size_t>(t.size());
+  std::vector<unsigned char> out(n * bytes);
+  if (!bytes) return out;
+  const std::unique_ptr<char, std::function<void(char*)>> staging(static_cast<char*>(be.allocate(n * bytes)),
+                                                                  [&be](char* p) { be.release(p); });
+  char* slot = staging.get() + static_cast<size_t>(t.rank()) * bytes;
+  be.copy_from_host(slot, mine, bytes);
+  t.all_gather(slot, staging.get(), bytes);
+  be.copy_to_host(out.data(), staging.get(), n * bytes);  // (waits for the collective)
+  t.check();
+  return out;
 }
 
 int32_t common_alignment(const std::vector<void*>& table) {

@@ -17,6 +17,10 @@
 
 #include "fp8.h"
 
+namespace fp8 {
+class Backend;
+}
+
 namespace fp8::dist {
 
 enum class ElemType : int32_t { kF32, kF64, kU32 };
@@ -121,5 +125,9 @@ class Transport {
  private:
   std::atomic<double> timeout_s_{FP8_DEFAULT_COMM_TIMEOUT_S};
 };
+
+// Collective: every rank's `bytes` of host data `mine`, in rank order, gathered through `be`'s memory
+// (synchronous).
+std::vector<unsigned char> gather_host(Transport& t, Backend& be, const void* mine, size_t bytes);
 
 }  // namespace fp8::dist

@@ -192,9 +192,11 @@ TEST(MultiGpuSlices, SlicedExchangeOverNcclGivesTheBitsOfOneSlice) {
   const int n = fp8_gpus();
   if (n < 2) GTEST_SKIP() << kNeedsTwoGpus << n;
   const std::vector<int32_t> devices = first_gpus(n);
-  const std::vector<unsigned char> sliced = exchanged_grads(devices, "256");
-  EXPECT_EQ(sliced, exchanged_grads(devices, nullptr)) << n << " GPUs";
-  EXPECT_EQ(exchanged_grads(first_gpus(2), "256"), exchanged_grads({devices[0], devices[0]}, "256"))
+  ExchangeCase nccl;  // (the path that slices travel on: not the peer exchange)
+  nccl.peer_exchange = "off";
+  const std::vector<unsigned char> sliced = exchanged_grads(devices, "256", nccl);
+  EXPECT_EQ(sliced, exchanged_grads(devices, nullptr, nccl)) << n << " GPUs";
+  EXPECT_EQ(exchanged_grads(first_gpus(2), "256", nccl), exchanged_grads({devices[0], devices[0]}, "256", nccl))
       << "2 GPUs against 2 ranks sharing one";
   // Larger slices of several chunks, one bucket per parameter (slices pipelined across buckets),
   // exchanged during the backward, at O2 and at O3 (own pieces first, the rest at sync_grads):
@@ -207,6 +209,7 @@ TEST(MultiGpuSlices, SlicedExchangeOverNcclGivesTheBitsOfOneSlice) {
     c.bucket_bytes = FP8_MIN_BUCKET_BYTES;
     c.backward_sync = true;
     c.hidden = 4096;
+    c.peer_exchange = "off";
     EXPECT_EQ(exchanged_grads(devices, "16384", c), exchanged_grads(devices, nullptr, c)) << recipe;
   }
   std::printf("[ slices ] %d NCCL ranks, 256-byte slices: one slice's bytes; on 2 GPUs those of 2 ranks sharing one\n",

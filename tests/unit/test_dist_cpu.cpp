@@ -233,13 +233,13 @@ TEST(DataParallelFp8, ExchangeMeetsItsBoundAndBeatsSummingInFp8) {
   }
 }
 
-// However the exchange is cut in slices (FP8_EXCHANGE_SLICE_BYTES), every rank ends with the same
-// gradients, bit for bit, as with one slice per piece.
-TEST(DataParallelFp8, SlicingTheExchangeChangesNoBit) {
-  // O2 and O3 (whose backward averages only its own pieces; fp8_model_sync_grads then gathers the
-  // rest), one bucket or one per parameter (slices pipelined across buckets), exchanged at the
-  // step or during the backward.
-  for (const char* level : {"O2", "O3"})
+// Each exchange case of the two tests below: `level`, one bucket or one per parameter (slices
+// pipelined across buckets), exchanged at the step or during the backward, on 2 and 3 CPU ranks;
+// `where` names the case.
+void for_each_exchange_case(
+    std::initializer_list<const char*> levels,
+    const std::function<void(ExchangeCase&, const std::vector<int32_t>&, const std::string& where)>& check) {
+  for (const char* level : levels)
     for (size_t bucket_bytes : {size_t{0}, size_t{FP8_MIN_BUCKET_BYTES}})
       for (bool backward_sync : {false, true})
         for (int n : {2, 3}) {
@@ -249,15 +249,27 @@ TEST(DataParallelFp8, SlicingTheExchangeChangesNoBit) {
           c.bucket_bytes = bucket_bytes;
           c.backward_sync = backward_sync;
           const std::vector<int32_t> cpus(static_cast<size_t>(n), FP8_DEVICE_CPU);
-          const std::vector<unsigned char> whole = exchanged_grads(cpus, nullptr, c);
-          const std::string where = std::string(level) + ", " + std::to_string(n) + " ranks, bucket bytes " +
-                                    std::to_string(bucket_bytes) + ", backward sync " + (backward_sync ? "on" : "off");
-          EXPECT_EQ(exchanged_grads(cpus, "256", c), whole) << where << ", 256-byte slices";
-          EXPECT_EQ(exchanged_grads(cpus, "1000", c), whole) << where << ", 768-byte slices (1000 rounded down)";
+          check(c, cpus,
+                std::string(level) + ", " + std::to_string(n) + " ranks, bucket bytes " + std::to_string(bucket_bytes) +
+                    ", backward sync " + (backward_sync ? "on" : "off"));
         }
+}
+
+// However the exchange through the collectives is cut in slices (FP8_EXCHANGE_SLICE_BYTES), every
+// rank ends with the same gradients, bit for bit, as with one slice per piece.
+TEST(DataParallelFp8, SlicingTheExchangeChangesNoBit) {
+  // O2 and O3 (whose backward averages only its own pieces; fp8_model_sync_grads then gathers the
+  // rest).
+  for_each_exchange_case({"O2", "O3"}, [](ExchangeCase& c, const std::vector<int32_t>& cpus, const std::string& where) {
+    c.peer_exchange = "off";  // (the path that slices travel on)
+    const std::vector<unsigned char> whole = exchanged_grads(cpus, nullptr, c);
+    EXPECT_EQ(exchanged_grads(cpus, "256", c), whole) << where << ", 256-byte slices";
+    EXPECT_EQ(exchanged_grads(cpus, "1000", c), whole) << where << ", 768-byte slices (1000 rounded down)";
+  });
   // Slices of several chunks each, a tensor's chunks split across them (fc1: 32 x 512 elements).
   ExchangeCase wide;
   wide.hidden = 512;
+  wide.peer_exchange = "off";
   const std::vector<int32_t> two(2, FP8_DEVICE_CPU);
   EXPECT_EQ(exchanged_grads(two, "8192", wide), exchanged_grads(two, nullptr, wide)) << "8192-byte slices";
 }
@@ -266,26 +278,16 @@ TEST(DataParallelFp8, SlicingTheExchangeChangesNoBit) {
 // every rank's storage) gives every rank the bits of the exchange through the collectives, at every
 // level with FP8 gradients, whole or sliced, exchanged at the step or during the backward.
 TEST(DataParallelFp8, ThePeerExchangeGivesTheBitsOfTheCollectives) {
-  for (const char* level : {"O1", "O2", "O3"})
-    for (size_t bucket_bytes : {size_t{0}, size_t{FP8_MIN_BUCKET_BYTES}})
-      for (bool backward_sync : {false, true})
-        for (int n : {2, 3}) {
-          const std::string recipe = std::string("backend=msamp, opt_level=") + level + ", small_layer_fallback=0";
-          ExchangeCase c;
-          c.recipe = recipe.c_str();
-          c.bucket_bytes = bucket_bytes;
-          c.backward_sync = backward_sync;
-          c.peer_exchange = "off";
-          const std::vector<int32_t> cpus(static_cast<size_t>(n), FP8_DEVICE_CPU);
-          const std::vector<unsigned char> collectives = exchanged_grads(cpus, nullptr, c);
-          const std::string where = std::string(level) + ", " + std::to_string(n) + " ranks, bucket bytes " +
-                                    std::to_string(bucket_bytes) + ", backward sync " + (backward_sync ? "on" : "off");
-          c.peer_exchange = "on";
-          EXPECT_EQ(exchanged_grads(cpus, nullptr, c), collectives) << where << ", peer exchange on";
-          EXPECT_EQ(exchanged_grads(cpus, "256", c), collectives) << where << ", peer exchange on, 256-byte slices";
-          c.peer_exchange = nullptr;
-          EXPECT_EQ(exchanged_grads(cpus, nullptr, c), collectives) << where << ", peer exchange unset (auto)";
-        }
+  for_each_exchange_case(
+      {"O1", "O2", "O3"}, [](ExchangeCase& c, const std::vector<int32_t>& cpus, const std::string& where) {
+        c.peer_exchange = "off";
+        const std::vector<unsigned char> collectives = exchanged_grads(cpus, nullptr, c);
+        c.peer_exchange = "on";
+        EXPECT_EQ(exchanged_grads(cpus, nullptr, c), collectives) << where << ", peer exchange on";
+        EXPECT_EQ(exchanged_grads(cpus, "256", c), collectives) << where << ", peer exchange on, 256-byte slices";
+        c.peer_exchange = nullptr;
+        EXPECT_EQ(exchanged_grads(cpus, nullptr, c), collectives) << where << ", peer exchange unset (auto)";
+      });
 }
 
 // Steps after the peer exchange: every rank holds the bits of the same group trained through the
