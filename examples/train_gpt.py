@@ -127,6 +127,30 @@ def fp8_layer_summary(model):
     return f"{fp8}/{len(layers)} FP8"
 
 
+def profile(name, train_step, data):
+    """Runs train_step over `data` under torch.profiler and prints the GPU time per step by kernel
+    (the 25 largest) and the host's time per step: where a step's time goes."""
+    from torch.profiler import ProfilerActivity
+    data = list(data)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for x, y in data:
+            train_step(x, y)
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    self_us = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    kernels.sort(key=self_us, reverse=True)
+    n, total = len(data), sum(self_us(e) for e in kernels)
+    print(f"\nprofile {name}: {n} steps; per step: {wall / n * 1e3:.1f} ms wall (profiled), host queued in "
+          f"{host / n * 1e3:.1f} ms, GPU kernels {total / n / 1e3:.1f} ms")
+    print("| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
+    for e in kernels[:25]:
+        print(f"| {e.key[:90]} | {e.count / n:.0f} | {self_us(e) / n / 1e3:.2f} | {100 * self_us(e) / total:.1f}% |")
+
+
 def run(name, args, cfg, init_state, data_train, data_val, device):
     torch.manual_seed(args.seed)
     model = GPT(cfg["d"], cfg["layers"], cfg["heads"], cfg["T"]).to(device)
@@ -159,7 +183,23 @@ def run(name, args, cfg, init_state, data_train, data_val, device):
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    peak_used, losses, t0 = 0, [], None
+    peak_used, losses, t0, memory = 0, [], None, {}
+
+    def train_step(x, y, measure=False):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if measure:  # what the step holds before its forward (weights, optimizer states) and after it
+            memory["static_mib"] = torch.cuda.memory_allocated() / 2**20
+        with amp:
+            logits = forward(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        if measure:
+            memory["activations_mib"] = torch.cuda.memory_allocated() / 2**20 - memory["static_mib"]
+        loss.backward()
+        clip()
+        step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
     model.train()
     for i, (x, y) in enumerate(batches(data_train, steps, cfg["batch"], cfg["T"], args.seed)):
         if i < warmup:  # a linear warmup, then a constant rate (set_lr synchronises libfp8: warmup only)
@@ -168,15 +208,7 @@ def run(name, args, cfg, init_state, data_train, data_val, device):
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with amp:
-            logits = forward(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        clip()
-        step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(train_step(x, y, measure=cuda and i == timed_from - 1))
         if (i + 1) % args.log_every == 0 or i + 1 == steps:
             if cuda:
                 peak_used = max(peak_used, device_used_bytes())
@@ -185,6 +217,8 @@ def run(name, args, cfg, init_state, data_train, data_val, device):
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     timed = steps - timed_from
+    if args.profile and cuda:
+        profile(name, train_step, batches(data_train, args.profile, cfg["batch"], cfg["T"], args.seed + 2))
     model.eval()
     with torch.no_grad(), amp:
         val = [F.cross_entropy(forward(x.to(device)).float().view(-1, 256), y.to(device).reshape(-1)).item()
@@ -196,7 +230,7 @@ def run(name, args, cfg, init_state, data_train, data_val, device):
                   tokens_per_s=timed * cfg["batch"] * cfg["T"] / elapsed,
                   peak_torch_mib=torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"),
                   peak_device_mib=max(peak_used, device_used_bytes() if cuda else 0) / 2**20 if cuda else float("nan"),
-                  fp8_layers=fp8_layer_summary(model))
+                  fp8_layers=fp8_layer_summary(model), **memory)
     if conversion is not None:
         result["skipped"] = [f"{n} ({k}): {r}" for n, k, r in conversion.skipped]
         print(f"\n{name}: {conversion}\n{lt.report(model)}")
@@ -219,6 +253,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="on CUDA, profile N more steps of each run and print where their GPU time goes")
     ap.add_argument("--check-loss-falls", action="store_true",
                     help="exit 1 unless every run's final train loss is below its first by 10%% and finite")
     args = ap.parse_args()
@@ -252,15 +288,16 @@ def main():
     base = results[0]
     hp = "bf16" if device.type == "cuda" else "fp32"
     print(f"\n| run | train loss | val loss | val vs {base['run']} | ms/step | tokens/s | speedup | "
-          f"peak torch MiB | peak device MiB | libfp8 layers |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"peak torch MiB | peak device MiB | held before a step MiB | activations MiB | libfp8 layers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         label = {"bf16": f"torch {hp}", "compile": f"torch.compile {hp}", "te": "libfp8 FP8 te",
                  "O2": "libfp8 FP8 O2"}[r["run"]]
         print(f"| {label} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | "
               f"{100 * (r['val_loss'] / base['val_loss'] - 1):+.2f}% | {r['ms_per_step']:.1f} | "
               f"{r['tokens_per_s']:.0f} | {base['ms_per_step'] / r['ms_per_step']:.2f}x | "
-              f"{r['peak_torch_mib']:.0f} | {r['peak_device_mib']:.0f} | {r['fp8_layers']} |")
+              f"{r['peak_torch_mib']:.0f} | {r['peak_device_mib']:.0f} | {r.get('static_mib', math.nan):.0f} | "
+              f"{r.get('activations_mib', math.nan):.0f} | {r['fp8_layers']} |")
     if args.check_loss_falls:
         bad = [r["run"] for r in results
                if not (math.isfinite(r["train_loss"]) and r["train_loss"] < 0.9 * r["first_loss"])]

@@ -830,9 +830,10 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * (a layer used twice in a graph, pipeline schedules, recompute, PyTorch's autograd);
  * fp8_layer_forward/backward keep one per layer for the caller, and fp8_model_forward/backward one
  * per layer for the whole run. The x of a training-mode forward must stay alive and unchanged until
- * its backward (as in any autograd). One backward per forward. A Linear's dx must be 16-byte aligned
- * when its dgrad runs in FP8 (tensors from fp8_tensor_create always are). Writing any parameter of a Linear (the bias
- * too) makes it remake its weight copies. Scaling states are updated in batched launches at the end of an autocast
+ * its backward (as in any autograd), unless fp8_saved_needs_input says its backward does not read it.
+ * One backward per forward. A Linear's dx must be 16-byte aligned when its dgrad runs in FP8 (tensors
+ * from fp8_tensor_create always are). Writing any parameter of a Linear (the bias too) makes it remake
+ * its weight copies. Scaling states are updated in batched launches at the end of an autocast
  * region and of fp8_model_backward (see fp8_autocast_begin). A model is externally synchronised; calls are asynchronous
  * on the context's stream unless stated.
  * --------------------------------------------------------------------------------------------- */
@@ -1037,6 +1038,16 @@ FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t *model, int32_t layer_i
  */
 FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t *model, int32_t layer_id, fp8_saved_t *saved,
                                               const fp8_tensor_t *dy, fp8_tensor_t *dx, uint32_t flags);
+
+/**
+ * Whether the backward of `saved` will read the x of its forward: [out] needs_input 1 or 0. A norm's
+ * and an activation's backward always do; a Linear's only when its weight gradient runs in high
+ * precision from the caller's x (a Linear whose weight gradient runs in FP8 keeps x's transposed FP8
+ * copy instead). Where it says 0, the caller may release or overwrite x as soon as the forward
+ * returns (a framework need not keep the activation alive: an FP8 Linear's saved input then costs 1
+ * byte per element instead of 2 or 4). 0 too for an eval-mode or consumed state. Since 0.2.
+ */
+FP8_API fp8_status_t fp8_saved_needs_input(const fp8_saved_t *saved, int32_t *needs_input);
 
 /** Releases a forward state (consumed or not); NULL does nothing. It may outlive its model. */
 FP8_API void fp8_saved_destroy(fp8_saved_t *saved);

@@ -133,4 +133,65 @@ inline std::vector<float> backward_into(int32_t device, Kind kind, const std::ve
   return download<float>(dx.get());
 }
 
+// One forward and backward of a fresh layer of `kind` under `recipe` (nullptr: not converted) on
+// `device`, with x overwritten by NaNs between them when `overwrite_x` (fp8_saved_needs_input said 0:
+// the backward must not read it). Returns y, dx and the parameter gradients in y[0], dx[0] and grads;
+// *needs_input and *needs_after (after the backward) get what fp8_saved_needs_input said.
+inline Outputs input_use(int32_t device, Kind kind, const char* recipe, bool overwrite_x, int32_t* needs_input,
+                         int32_t* needs_after) {
+  Context ctx = make_context(device);
+  Model model = make_model(ctx.get());
+  const int32_t id = add_layer(model.get(), kind, "a");
+  if (recipe) {
+    Recipe r = make_recipe(recipe);
+    EXPECT_OK(fp8_convert_model(model.get(), r.get(), nullptr));
+    EXPECT_OK(fp8_model_set_autowrap(model.get(), 1));
+  }
+  const int64_t out = out_features(kind);
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, kIn});
+  upload(x.get(), randn(static_cast<size_t>(kRows * kIn), 5, 1.0f, 0.1f));
+  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, out});
+  Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, out});
+  upload(dy.get(), randn(static_cast<size_t>(kRows * out), 6, 1.0f));
+  Tensor dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {kRows, kIn});
+  fp8_saved_t* s = nullptr;
+  EXPECT_OK(fp8_layer_forward_saved(model.get(), id, x.get(), y.get(), &s));
+  Saved saved(s);
+  EXPECT_OK(fp8_saved_needs_input(saved.get(), needs_input));
+  if (overwrite_x) upload(x.get(), std::vector<float>(static_cast<size_t>(kRows * kIn), NAN));
+  EXPECT_OK(fp8_layer_backward_saved(model.get(), id, saved.get(), dy.get(), dx.get(), 0));
+  EXPECT_OK(fp8_saved_needs_input(saved.get(), needs_after));
+  Outputs o;
+  o.y[0] = download<float>(y.get());
+  o.dx[0] = download<float>(dx.get());
+  int32_t count = 0;
+  EXPECT_OK(fp8_model_parameter_count(model.get(), &count));
+  for (int32_t p = 0; p < count; ++p) {
+    fp8_tensor_t* g = nullptr;
+    EXPECT_OK(fp8_model_parameter_at(model.get(), p, nullptr, nullptr, &g));
+    o.grads.push_back(download<float>(g));
+  }
+  return o;
+}
+
+// The cases of input_use: a layer, its recipe, and whether its backward reads x.
+struct InputUseCase {
+  const char* name;
+  Kind kind;
+  const char* recipe;
+  bool reads_x;
+};
+inline const InputUseCase kInputUseCases[] = {
+    {"LinearHighPrecision", Kind::kLinear, nullptr, true},
+    {"LinearFp8", Kind::kLinearFp8, "small_layer_fallback=0, backend=te", false},
+    {"LinearFp8O2", Kind::kLinearFp8, "small_layer_fallback=0, backend=msamp, opt_level=O2", false},
+    {"LinearFp8CurrentScaling", Kind::kLinearFp8, "small_layer_fallback=0, backend=te, scaling=current", false},
+    {"LinearFp8Rowwise", Kind::kLinearFp8, "small_layer_fallback=0, backend=te, scaling=rowwise", false},
+    {"LinearFp8WgradInHighPrecision", Kind::kLinearFp8,
+     "small_layer_fallback=0, backend=te, override_linear_precision=off/off/on", true},
+    {"LinearSmallLayerFallback", Kind::kLinearFp8, "backend=te", true},
+    {"LayerNorm", Kind::kLayerNorm, "backend=te", true},
+    {"Gelu", Kind::kGelu, "backend=te", true},
+};
+
 }  // namespace fp8test::saved_cases

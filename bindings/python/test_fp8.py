@@ -56,7 +56,7 @@ class BindingTest(unittest.TestCase):
             for i, (param, py_type) in enumerate(zip(params, argtypes)):
                 check(re.sub(r"\w+$", "", param), py_type, f"{name} argument {i} ({param})")  # the type
         # What this binding wraps of the newer API, so that a rename in fp8.h fails here.
-        for name in ["fp8_layer_forward_saved", "fp8_layer_backward_saved", "fp8_saved_destroy",
+        for name in ["fp8_layer_forward_saved", "fp8_layer_backward_saved", "fp8_saved_destroy", "fp8_saved_needs_input",
                      "fp8_model_write_parameter", "fp8_model_storage_level", "fp8_model_flat_storage"]:
             self.assertIn(name, fp8._declared)
         for name in ["fp8_context_set_allocator", "fp8_context_set_stream", "fp8_tensor_wrap",
@@ -442,6 +442,9 @@ class BindingTest(unittest.TestCase):
             dx = [fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n)) for _ in range(2)]
             with model.autocast() if recipe else contextlib.nullcontext():
                 saved = [model.forward_saved(fc, x[k], y[k]) for k in range(2)]
+                # An FP8 wgrad keeps x's FP8 copy: the state lets x go; a high-precision one keeps x.
+                self.assertEqual([s.needs_input for s in saved], [recipe is None] * 2)
+                self.assertEqual([s.x is x[k] for k, s in enumerate(saved)], [recipe is None] * 2)
                 for k in (1, 0):
                     model.backward_saved(fc, saved[k], self._tensor(ctx, dys[k], (n, n)), dx[k])
             # Two sequential forward/backward pairs on a fresh model with the same weights.

@@ -294,6 +294,41 @@ class NumericsTest(unittest.TestCase):
                 self.assertLess(rel_err(xb.grad, xa.grad), bound, (use_reentrant, fp8))
                 self.assertLess(rel_err(b[1].weight.grad, a[1].weight.grad), bound, (use_reentrant, fp8))
 
+    def test_an_fp8_linear_lets_its_input_go_and_a_norm_keeps_it(self):
+        # An FP8 Linear's backward reads x's FP8 copy (fp8_saved_needs_input says 0): the activation
+        # is freed once the forward returns, and the backward still matches one that kept it. A
+        # norm's backward reads x: it stays alive until the backward.
+        import weakref
+        results = []
+        for keep in (True, False):
+            m = mlp(norm=False)
+            lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
+            x = torch.randn(64, 32, device=DEVICE, requires_grad=True)
+            with lt.fp8_autocast():
+                h = torch.tanh(m[0](x)) * 2.0  # autograd keeps nothing of h: only the Linear could
+                seen = weakref.ref(h)
+                y = m[2](h)
+            held = [h] if keep else []
+            del h
+            if not keep:
+                self.assertIsNone(seen(), "the FP8 Linear's input is still alive after its forward")
+                held = [torch.full((64, 64), math.nan, device=DEVICE) for _ in range(8)]  # reuse its memory
+            y.square().sum().backward()
+            results.append((x.grad.clone(), m[0].weight.grad.clone(), m[2].weight.grad.clone()))
+            del held
+        for a, b in zip(*results):
+            self.assertTrue(torch.equal(a, b))
+        norm = torch.nn.Sequential(torch.nn.LayerNorm(32)).to(DEVICE)
+        lt.convert_model(norm, recipe=lt.Recipe(backend="te", **FP8), **ALL)
+        x = torch.randn(8, 32, device=DEVICE, requires_grad=True)
+        h = x * 2.0
+        seen = weakref.ref(h)
+        y = norm(h)
+        del h
+        self.assertIsNotNone(seen(), "a norm's input was let go before its backward")
+        y.sum().backward()
+        self.assertIsNone(seen())
+
     def test_no_grad_and_eval_forwards_keep_nothing_for_a_backward(self):
         m = mlp()
         lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)

@@ -410,6 +410,14 @@ FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_
   });
 }
 
+FP8_API fp8_status_t fp8_saved_needs_input(const fp8_saved_t* saved, int32_t* needs_input) {
+  return guard("fp8_saved_needs_input", [&] {
+    require_arg(saved, "saved");
+    require_arg(needs_input, "needs_input");
+    *needs_input = saved->training && !saved->consumed && saved->reads_input;
+  });
+}
+
 FP8_API void fp8_saved_destroy(fp8_saved_t* saved) {
   delete saved;
 }

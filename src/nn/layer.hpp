@@ -25,6 +25,9 @@ struct fp8_saved {
   uint64_t layer_epoch = 0;  // the layer's conversion count when the forward ran
   bool training = false;
   bool consumed = false;
+  // Whether the backward reads the caller's x (fp8_saved_needs_input): a norm's and an activation's
+  // always; a Linear's only for a high-precision weight gradient from the caller's own x.
+  bool reads_input = true;
 };
 
 namespace fp8::nn {

@@ -237,6 +237,7 @@ class Linear final : public Layer {
       qx_si = si;
     }
     if (step.training) s.x_hp = x_hp;
+    s.reads_input = step.training && !plan.wgrad && x_hp == x->data;
 
     GemmJob g{};
     g.m = m;

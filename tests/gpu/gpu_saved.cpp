@@ -79,4 +79,27 @@ TEST(GpuAccumulateDx, AddsTheInputGradientToDx) {
   }
 }
 
+// fp8_saved_needs_input on the GPU: it says what the CPU says, and where it says 0 an x overwritten
+// with NaNs right after the forward leaves y, dx and every gradient bit-identical.
+class GpuNeedsInput : public ::testing::TestWithParam<sc::InputUseCase> {};
+
+TEST_P(GpuNeedsInput, SaysWhatTheCpuSaysAndAnOverwrittenXChangesNothingWhereItSaysZero) {
+  const sc::InputUseCase& c = GetParam();
+  int32_t needs = -1, after = -1;
+  const sc::Outputs kept = sc::input_use(0, c.kind, c.recipe, false, &needs, &after);
+  EXPECT_EQ(needs, c.reads_x ? 1 : 0);
+  EXPECT_EQ(after, 0);
+  EXPECT_GT(amax_of(kept.dx[0]), 0.0f);
+  if (!c.reads_x) {
+    const sc::Outputs overwritten = sc::input_use(0, c.kind, c.recipe, true, &needs, &after);
+    EXPECT_EQ(overwritten.y[0], kept.y[0]);
+    EXPECT_EQ(overwritten.dx[0], kept.dx[0]);
+    EXPECT_EQ(overwritten.grads, kept.grads);
+    std::printf("[ %-29s ] x not read by the backward: overwritten with NaN, same bits\n", c.name);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layers, GpuNeedsInput, ::testing::ValuesIn(sc::kInputUseCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
 }  // namespace

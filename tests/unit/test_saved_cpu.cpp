@@ -65,6 +65,38 @@ TEST(TwoInFlight, Fp8LinearRanInFp8) {
 }
 
 // -------------------------------------------------------------------------------------------------
+// fp8_saved_needs_input: where it says 0, the backward never reads x
+// -------------------------------------------------------------------------------------------------
+
+class NeedsInput : public ::testing::TestWithParam<sc::InputUseCase> {};
+
+TEST_P(NeedsInput, SaysWhetherTheBackwardReadsXAndAnXOverwrittenAfterAForwardThatNeedsNoneChangesNothing) {
+  const sc::InputUseCase& c = GetParam();
+  int32_t needs = -1, after = -1;
+  const sc::Outputs kept = sc::input_use(FP8_DEVICE_CPU, c.kind, c.recipe, false, &needs, &after);
+  EXPECT_EQ(needs, c.reads_x ? 1 : 0);
+  EXPECT_EQ(after, 0) << "a consumed state reads nothing";
+  EXPECT_GT(amax_of(kept.dx[0]), 0.0f);
+  if (!c.reads_x) {
+    const sc::Outputs overwritten = sc::input_use(FP8_DEVICE_CPU, c.kind, c.recipe, true, &needs, &after);
+    EXPECT_EQ(overwritten.y[0], kept.y[0]);
+    EXPECT_EQ(overwritten.dx[0], kept.dx[0]) << "dx read the overwritten x";
+    EXPECT_EQ(overwritten.grads, kept.grads) << "a parameter gradient read the overwritten x";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layers, NeedsInput, ::testing::ValuesIn(sc::kInputUseCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// The test above can fail: an overwritten x that the backward does read changes its gradients.
+TEST(NeedsInput, OverwritingAnXTheBackwardReadsChangesTheWeightGradient) {
+  int32_t needs = -1, after = -1;
+  const sc::Outputs kept = sc::input_use(FP8_DEVICE_CPU, sc::Kind::kLinear, nullptr, false, &needs, &after);
+  const sc::Outputs overwritten = sc::input_use(FP8_DEVICE_CPU, sc::Kind::kLinear, nullptr, true, &needs, &after);
+  EXPECT_NE(overwritten.grads, kept.grads);
+}
+
+// -------------------------------------------------------------------------------------------------
 // FP8_BACKWARD_ACCUMULATE_DX
 // -------------------------------------------------------------------------------------------------
 
@@ -325,6 +357,18 @@ TEST_F(Refusals, ASecondConvenienceForwardBeforeItsBackward) {
 }
 
 // A state outlives its model (its buffers keep what they need), and destroying it then is safe.
+TEST(NeedsInput, EvalModeStatesNeedNothingAndNullArgumentsAreRefused) {
+  TwoLinearModel t;
+  FP8_ASSERT_OK(fp8_model_set_training(t.model.get(), 0));
+  Saved s = t.forward(t.a);
+  int32_t needs = -1;
+  FP8_ASSERT_OK(fp8_saved_needs_input(s.get(), &needs));
+  EXPECT_EQ(needs, 0);
+  EXPECT_REFUSED(fp8_saved_needs_input(nullptr, &needs), FP8_ERR_INVALID_ARGUMENT, "fp8_saved_needs_input", "'saved'");
+  EXPECT_REFUSED(fp8_saved_needs_input(s.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_saved_needs_input",
+                 "'needs_input'");
+}
+
 TEST(SavedLifetime, AStateOutlivesItsModel) {
   Saved s;
   {

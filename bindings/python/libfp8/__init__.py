@@ -186,6 +186,7 @@ for _name, _args in {
     "fp8_tensor_wrap_scaled": (ctypes.POINTER(_p), _p, _i32, _i32, ctypes.POINTER(_i64), _p, _p),
     "fp8_tensor_from_dlpack": (ctypes.POINTER(_p), _p, _p),
     "fp8_tensor_to_dlpack": (_p, ctypes.POINTER(_p)),
+    "fp8_saved_needs_input": (_p, ctypes.POINTER(_i32)),
 }.items():
     if hasattr(_lib, _name):
         _declare(_name, _i32, *_args)
@@ -583,6 +584,8 @@ class Model(_Handle):
         any number may be in flight, each differentiated once, in any order, by backward_saved."""
         saved = Saved(self, layer_id, x)
         _check(_lib.fp8_layer_forward_saved(self.handle, layer_id, x.handle, y.handle, ctypes.byref(saved.handle)))
+        if not saved.needs_input:
+            saved.x = None  # an FP8 Linear's state kept x's FP8 copy: x may go
         return saved
 
     def backward_saved(self, layer_id, saved, dy, dx=None, accumulate_dx=False):
@@ -687,15 +690,22 @@ class Comm(_Handle):
 class Saved(_Handle):
     """What one forward of a layer keeps for its backward (fp8_saved_t), from Model.forward_saved.
 
-    It holds its Model and the forward's input x: the C backward reads x, which must stay alive
-    and unchanged until then (x is let go once the backward has run). fp8_saved_destroy runs when
-    this object goes, consumed or not.
+    It holds its Model and, where the C backward reads it (needs_input), the forward's input x,
+    which must stay unchanged until then (x is let go once the backward has run). fp8_saved_destroy
+    runs when this object goes, consumed or not.
     """
     _destroy = "fp8_saved_destroy"
 
     def __init__(self, model, layer_id, x):
         super().__init__()
         self.model, self.layer_id, self.x = model, layer_id, x
+
+    @property
+    def needs_input(self):
+        """Whether the backward reads the forward's x (fp8_saved_needs_input)."""
+        v = _i32()
+        _check(_lib.fp8_saved_needs_input(self.handle, ctypes.byref(v)))
+        return bool(v.value)
 
 
 class LayerReport(ctypes.Structure):

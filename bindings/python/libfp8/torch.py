@@ -484,9 +484,15 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, x, *params):  # pylint: disable=arguments-differ
         y, saved = _layer_forward(module, x, True)
-        # x itself (not save_for_backward): libfp8's saved state reads x's memory, which must stay
-        # alive even where torch.utils.checkpoint drops saved tensors and recomputes them.
-        ctx.module, ctx.saved, ctx.x, ctx.x_version, ctx.y_dtype = module, saved, x, x._version, y.dtype
+        # x itself (not save_for_backward), where the backward reads it: libfp8's saved state reads
+        # x's memory, which must stay alive even where torch.utils.checkpoint drops saved tensors and
+        # recomputes them. An FP8 Linear's state keeps x's FP8 copy instead: x is let go (half or a
+        # quarter of the memory an activation would hold until the backward).
+        needs = _i32()
+        _check(_lib.fp8_saved_needs_input(saved.handle, ctypes.byref(needs)))
+        ctx.module, ctx.saved, ctx.y_dtype = module, saved, y.dtype
+        ctx.x = x if needs.value else None
+        ctx.x_version, ctx.x_shape, ctx.x_dtype = x._version, x.shape, x.dtype
         return y
 
     @staticmethod
@@ -495,7 +501,7 @@ class _LayerFunction(torch.autograd.Function):
         if ctx.saved is None:
             raise RuntimeError(f"libfp8 layer '{module._fp8_name}': backward through the same graph a second time "
                                "(libfp8 differentiates each forward once; retain_graph is not supported)")
-        if x._version != ctx.x_version:
+        if x is not None and x._version != ctx.x_version:
             raise RuntimeError(f"libfp8 layer '{module._fp8_name}': its input was modified in place after the "
                                "forward; the backward needs it unchanged")
         group = module._group
@@ -505,8 +511,8 @@ class _LayerFunction(torch.autograd.Function):
         dy = dy.to(ctx.y_dtype).contiguous()
         need_dx = ctx.needs_input_grad[1] or not module._dx_optional
         # A Linear's dx has its activation dtype (y's); a norm's has x's.
-        dx_dtype = ctx.y_dtype if module._dx_optional else x.dtype
-        dx = torch.empty(x.shape, dtype=dx_dtype, device=x.device) if need_dx else None
+        dx_dtype = ctx.y_dtype if module._dx_optional else ctx.x_dtype
+        dx = torch.empty(ctx.x_shape, dtype=dx_dtype, device=dy.device) if need_dx else None
         _check(_lib.fp8_layer_backward_saved(group.model.handle, module._layer_id, ctx.saved.handle, dev.wrap(dy),
                                              dev.wrap(dx) if dx is not None else None, 0))
         ctx.saved = ctx.x = None

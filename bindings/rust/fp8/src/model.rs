@@ -565,6 +565,16 @@ pub struct Saved<'x> {
     _x: PhantomData<&'x ()>,
 }
 
+impl Saved<'_> {
+    /// Whether this state's backward reads the forward's x (`fp8_saved_needs_input`): false for a
+    /// Linear whose weight gradient runs in FP8 (it kept x's transposed FP8 copy).
+    pub fn needs_input(&self) -> Result<bool> {
+        let mut needs = 0i32;
+        check(unsafe { sys::fp8_saved_needs_input(self.raw.as_ptr(), &mut needs) })?;
+        Ok(needs != 0)
+    }
+}
+
 impl Drop for Saved<'_> {
     fn drop(&mut self) {
         unsafe { sys::fp8_saved_destroy(self.raw.as_ptr()) }
