@@ -51,14 +51,15 @@ __global__ void __launch_bounds__(kSumThreads)
 
 __global__ void __launch_bounds__(kSumThreads)
     finish_kernel(const OptimTensor* tensors, int64_t tensor_count, const double* partials, int64_t count,
-                  OptimScalars* scalars, const OptimHyper* hyper_in, OptimElementArgs* args) {
+                  OptimScalars* scalars, const OptimHyper* hyper_in, OptimElementArgs* args, const float* other_sumsq,
+                  float* clip_out) {
   __shared__ double s[kSumThreads];
   const OptimHyper hyper = *hyper_in;
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < count; i += kSumThreads) acc = __dadd_rn(acc, partials[i]);
   const double total = block_ordered_sum(acc, s);
   if (threadIdx.x == 0) {
-    finish_step(*scalars, total, hyper);
+    finish_joint_step(*scalars, total, other_sumsq, clip_out, hyper);
     *args = element_args(hyper);
   }
   __syncthreads();
@@ -224,11 +225,13 @@ void optimizer_norm(const OptimizerStepJob& job, cudaStream_t stream) {
 }
 
 void optimizer_update(const OptimizerStepJob& job, cudaStream_t stream) {
+  // (The finish runs for a model without parameters too, as on the CPU: the step counts, and a joint
+  // step's clip factor is written.)
+  finish_kernel<<<1, kSumThreads, 0, stream>>>(job.tensors, job.tensor_count, job.partials, job.chunk_count,
+                                               job.scalars, job.hyper, job.args, job.other_sumsq, job.clip_out);
+  cuda_check(cudaGetLastError(), "optimizer finish kernel launch");
   if (job.chunk_count <= 0) return;
   const unsigned blocks = static_cast<unsigned>(job.chunk_count);
-  finish_kernel<<<1, kSumThreads, 0, stream>>>(job.tensors, job.tensor_count, job.partials, job.chunk_count,
-                                               job.scalars, job.hyper, job.args);
-  cuda_check(cudaGetLastError(), "optimizer finish kernel launch");
   update_kernel<<<blocks, kSumThreads, 0, stream>>>(job.tensors, job.chunks, job.scalars, job.args);
   cuda_check(cudaGetLastError(), "optimizer update kernel launch");
 }

@@ -2,6 +2,7 @@
 #include <cstddef>
 
 #include "api/guard.hpp"
+#include "core/dtype.hpp"
 #include "dist/data_parallel.hpp"
 #include "nn/model.hpp"
 #include "optim/optimizer.hpp"
@@ -58,6 +59,27 @@ FP8_API fp8_status_t fp8_optimizer_step(fp8_optimizer_t* optimizer) {
   return guard("fp8_optimizer_step", [&] {
     require_arg(optimizer, "optimizer");
     fp8::optim::step(*optimizer);
+  });
+}
+
+FP8_API fp8_status_t fp8_optimizer_step_joint(fp8_optimizer_t* optimizer, const fp8_tensor_t* other_sumsq,
+                                              fp8_tensor_t* clip_coef) {
+  return guard("fp8_optimizer_step_joint", [&] {
+    require_arg(optimizer, "optimizer");
+    require_arg(other_sumsq, "other_sumsq");
+    const fp8_model& m = fp8::optim::model_of(*optimizer);
+    auto require_scalar = [&](const fp8_tensor* t, const char* name) {
+      if (t->backend != m.backend)
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " belongs to another context (device ", t->backend->device(),
+                  "); expected one of the model's (device ", m.backend->device(), ")");
+      if (t->dtype != FP8_DTYPE_F32 || t->numel != 1)
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " is ", fp8::dtype_name(t->dtype), " of ", t->numel,
+                  " elements; expected f32 of 1 element");
+    };
+    require_scalar(other_sumsq, "other_sumsq");
+    if (clip_coef) require_scalar(clip_coef, "clip_coef");
+    fp8::optim::step(*optimizer, static_cast<const float*>(other_sumsq->data),
+                     clip_coef ? static_cast<float*>(clip_coef->data) : nullptr);
   });
 }
 

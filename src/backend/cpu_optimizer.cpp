@@ -31,7 +31,8 @@ void cpu_optimizer_norm(const OptimizerStepJob& j) {
 
 void cpu_optimizer_update(const OptimizerStepJob& j) {
   const double* partials = j.partials;
-  finish_step(*j.scalars, ordered_sum([partials](int64_t i) { return partials[i]; }, j.chunk_count), *j.hyper);
+  finish_joint_step(*j.scalars, ordered_sum([partials](int64_t i) { return partials[i]; }, j.chunk_count),
+                    j.other_sumsq, j.clip_out, *j.hyper);
   *j.args = element_args(*j.hyper);
   const OptimScalars& s = *j.scalars;
   if (s.skip) return;

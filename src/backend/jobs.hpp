@@ -246,6 +246,10 @@ struct OptimizerStepJob {
   OptimScalars* scalars;
   const OptimHyper* hyper;  // device memory: read by the step itself (settable between graph replays)
   OptimElementArgs* args;   // device memory: element_args(*hyper), written by the step's finish
+  // fp8_optimizer_step_joint: the squared norm of gradients outside the model, added to the model's
+  // (one float in device memory), and where the clip factor of that joint norm goes (nullptr: none).
+  const float* other_sumsq = nullptr;
+  float* clip_out = nullptr;
 };
 
 // FP8 gradient exchange at the receiver (core/exchange_rule.hpp), over a slice of this rank's shard

@@ -165,7 +165,8 @@ FP8_HD double pow_uint(double base, uint64_t e) {
 }
 
 // Step scalars from the squared norm: the skip on a non-finite gradient, the clip factor and the
-// bias corrections for t = steps + 1. Runs on one GPU thread or on the host.
+// bias corrections for t = steps + 1. Runs on one GPU thread or on the host. (finish_joint_step
+// below is what a step calls.)
 FP8_HD void finish_step(OptimScalars& s, double sumsq, const OptimHyper& h) {
   s.sumsq = sumsq;
   const double norm = sqrt(sumsq);
@@ -190,6 +191,14 @@ FP8_HD void finish_step(OptimScalars& s, double sumsq, const OptimHyper& h) {
     s.step_size = static_cast<float>(h.lr / (1.0 - pow_uint(h.beta1, t)));
     s.inv_bc2_sqrt = static_cast<float>(1.0 / sqrt(1.0 - pow_uint(h.beta2, t)));
   }
+}
+
+// finish_step over the model's squared norm plus, for fp8_optimizer_step_joint, `other` (the
+// squared norm of gradients outside the model; nullptr: none), added last; the clip factor of that
+// joint norm goes to *clip_out (when set) for the caller's own gradients: NaN when the step is skipped.
+FP8_HD void finish_joint_step(OptimScalars& s, double sumsq, const float* other, float* clip_out, const OptimHyper& h) {
+  finish_step(s, other ? sumsq + static_cast<double>(*other) : sumsq, h);
+  if (clip_out) *clip_out = s.skip ? nanf("") : s.clip;
 }
 
 // The per-element constants of a step, rounded to float once per step.

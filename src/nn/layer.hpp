@@ -63,6 +63,22 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// One layer call's transient buffers, carved out of the model's call scratch (Step::scratch): the
+// call adds up its sizes, then takes the base once, so the scratch grows (if it must) before any
+// pointer into it is handed out. Every region starts 256-byte aligned.
+class ScratchLayout {
+ public:
+  size_t add(size_t bytes) {
+    const size_t at = total_;
+    total_ += (bytes + 255) / 256 * 256;
+    return at;
+  }
+  char* base(DeviceBuffer& scratch) const { return scratch.ensure<char>(total_); }
+
+ private:
+  size_t total_ = 0;
+};
+
 // Device buffers lent to forward states (fp8_saved) and given back when a state is consumed or
 // destroyed, so a steady loop allocates nothing however many forwards are in flight. Shared by a
 // model and every state it made (a state may outlive its model). Best fit: the smallest free buffer
@@ -112,7 +128,10 @@ struct Step {
   bool fp8;                  // FP8 is on for this call (autocast, and training or FP8 eval allowed)
   bool training;
   uint64_t weights_version;  // grows with fp8_model_weights_changed and optimizer steps
-  DeviceBuffer* wgrad_scratch;  // the model's: a Linear's new FP32 dW before it joins an FP8 gradient
+  // The model's scratch for what one layer call needs only while it runs (a Linear's casts of x and
+  // dy, its new FP32 dW before it joins an FP8 gradient): one for all layers, since the calls of a
+  // model run one after the other on its stream.
+  DeviceBuffer* scratch;
   const std::shared_ptr<BufferPool>& pool;  // lends the forward states their buffers
   uint64_t capture_id;                      // the CUDA graph capture under way on the stream (0: none)
   // An optimizer step of this model was captured: its replays change the weights behind the host's

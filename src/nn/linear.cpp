@@ -70,14 +70,7 @@ class Linear final : public Layer {
         w_si_(backend),
         w_hp_(backend),
         b_bf16_(backend),
-        qx_(backend),
-        x_si_(backend),
-        qdy_(backend),
-        qdyt_(backend),
-        dy_si_(backend),
-        partials_(backend),
-        w_grid_(backend),
-        workspace_(backend) {
+        w_grid_(backend) {
     const int64_t w_shape[2] = {out, in};
     // The caller initialises the weights; zeros until then keep a forward defined.
     add_parameter("weight", 2, w_shape, 0.0f);
@@ -189,13 +182,24 @@ class Linear final : public Layer {
     const bool want_qxt = step.training && plan.wgrad;
     // x in A for a high-precision fprop or wgrad (the caller's tensor, or the hand-off dequantised).
     const bool need_x_hp = !plan.fprop || (step.training && !plan.wgrad);
-    refresh_copies(step, plan, act);
+    const bool cells = cell_scaling();
+    // This call's transient buffers: x's cast and its scales, and cell scaling's workspace (the
+    // weight copies' cast may use it first).
+    ScratchLayout lay;
+    const size_t at_qx = lay.add(static_cast<size_t>(m * in_));
+    const size_t at_x_si = lay.add(cells ? gemm_grid_floats(act_mode(), m, in_) * sizeof(float) : 16);
+    const size_t at_ws =
+        lay.add(cells ? std::max(recipe_quantize_workspace(weight_mode(), out_, in_),
+                                 recipe_quantize_workspace(act_mode(), m, in_))
+                      : 0);
+    char* scratch = lay.base(*step.scratch);
+    uint32_t* workspace = reinterpret_cast<uint32_t*>(scratch + at_ws);
+    refresh_copies(step, plan, act, workspace);
 
     Backend& be = step.backend;
     const void* x_hp = x->data;
     const uint8_t* qx = static_cast<const uint8_t*>(x->data);
     const float* qx_si = x->scale_inv;
-    const bool cells = cell_scaling();
     if (want_qxt) {
       const size_t codes = static_cast<size_t>(m * in_);
       s.qxt_scale_at = scale_inv_offset(codes);
@@ -211,21 +215,22 @@ class Linear final : public Layer {
       be.dequantize({qx, false, tensor_scale(x->scale_inv), s.x_copy.get(), act, m * in_});
     }
     if (cells && (plan.fprop || want_qxt)) {
-      float* grid = x_si_.ensure<float>(gemm_grid_floats(act_mode(), m, in_) * 4);
-      cast_cells(be, x_hp, act, m, in_, act_mode(), false, qx_.ensure<uint8_t>(static_cast<size_t>(m * in_)), grid,
-                 qxt, qxt ? s.xt_scale_inv() : nullptr, *s_x_);
-      qx = qx_.get<uint8_t>();
+      float* grid = reinterpret_cast<float*>(scratch + at_x_si);
+      uint8_t* out = reinterpret_cast<uint8_t*>(scratch + at_qx);
+      cast_cells(be, x_hp, act, m, in_, act_mode(), false, out, grid, qxt, qxt ? s.xt_scale_inv() : nullptr, *s_x_,
+                 workspace);
+      qx = out;
       qx_si = grid;
     } else if (x_fp8) {
       if (want_qxt) be.transpose({qx, m, in_, qxt, tensor_scale(x->scale_inv), tensor_scale(s.xt_scale_inv())});
     } else if (plan.fprop || want_qxt) {
-      float* si = x_si_.ensure<float>(16);
+      float* si = reinterpret_cast<float*>(scratch + at_x_si);
       QuantizeJob q{};
       q.in = x->data;
       q.in_dtype = act;
       q.rows = m;
       q.cols = in_;
-      q.out = qx_.ensure<uint8_t>(static_cast<size_t>(m * in_));
+      q.out = reinterpret_cast<uint8_t*>(scratch + at_qx);
       q.out_t = qxt;
       q.e5m2 = false;
       cast_through(q, *s_x_);
@@ -290,33 +295,42 @@ class Linear final : public Layer {
     const Plan& plan = s.plan;
     Backend& be = step.backend;
     float* dbias = bias_ ? static_cast<float*>(params_[1].grad->data) : nullptr;
-    float* partials = dbias ? partials_.ensure<float>(static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float))
-                            : nullptr;
-
+    fp8_tensor& grad = *params_[0].grad;
+    const bool grad8 = dtype_is_fp8(grad.dtype);
     const bool dgrad8 = dx && plan.dgrad;
-    uint8_t* qdy = nullptr;
-    uint8_t* qdyt = nullptr;
     const bool cells = cell_scaling();
+    const bool cast_dy = dgrad8 || plan.wgrad;
     const size_t dy_grid = cells ? gemm_grid_floats(act_mode(), m, out_) : 0;
-    float* dy_si = dy_si_.ensure<float>(cells ? (dy_grid + gemm_grid_floats(act_mode(), out_, m)) * sizeof(float)
-                                              : kScaleSlots * sizeof(float));
+    // This call's transient buffers: dy's casts and their scales, the bias gradient's partials, cell
+    // scaling's workspace, and the new dW of an FP8 gradient before it joins what the gradient holds.
+    ScratchLayout lay;
+    const size_t dy_bytes = cast_dy ? static_cast<size_t>(m * out_) : 0;
+    const size_t at_qdy = lay.add(dy_bytes), at_qdyt = lay.add(plan.wgrad ? dy_bytes : 0);
+    const size_t at_dy_si = lay.add(cells ? (dy_grid + gemm_grid_floats(act_mode(), out_, m)) * sizeof(float)
+                                          : kScaleSlots * sizeof(float));
+    const size_t at_partials = lay.add(dbias ? static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float) : 0);
+    const size_t at_ws = lay.add(cells ? recipe_quantize_workspace(act_mode(), m, out_) : 0);
+    const size_t at_dw = lay.add(grad8 && m > 0 ? static_cast<size_t>(out_ * in_) * sizeof(float) : 0);
+    char* scratch = lay.base(*step.scratch);
+    float* partials = dbias ? reinterpret_cast<float*>(scratch + at_partials) : nullptr;
+    uint8_t* qdy = cast_dy ? reinterpret_cast<uint8_t*>(scratch + at_qdy) : nullptr;
+    uint8_t* qdyt = cast_dy && plan.wgrad ? reinterpret_cast<uint8_t*>(scratch + at_qdyt) : nullptr;
+    float* dy_si = reinterpret_cast<float*>(scratch + at_dy_si);
     float* dyt_si = cells ? dy_si + dy_grid : dy_si + kScaleSlot2;
-    if (cells && (dgrad8 || plan.wgrad)) {
-      qdy = qdy_.ensure<uint8_t>(static_cast<size_t>(m * out_));
-      qdyt = plan.wgrad ? qdyt_.ensure<uint8_t>(static_cast<size_t>(m * out_)) : nullptr;
+    if (cells && cast_dy) {
       if (m > 0) {
         cast_cells(be, dy->data, act, m, out_, act_mode(), s_dy_->dtype == FP8_DTYPE_E5M2, qdy, dy_si, qdyt, dyt_si,
-                   *s_dy_);
+                   *s_dy_, reinterpret_cast<uint32_t*>(scratch + at_ws));
         if (dbias) be.bias_grad({dy->data, act, m, out_, dbias, partials});
       }
-    } else if (dgrad8 || plan.wgrad) {
+    } else if (cast_dy) {
       QuantizeJob q{};
       q.in = dy->data;
       q.in_dtype = act;
       q.rows = m;
       q.cols = out_;
-      q.out = qdy = qdy_.ensure<uint8_t>(static_cast<size_t>(m * out_));
-      q.out_t = qdyt = plan.wgrad ? qdyt_.ensure<uint8_t>(static_cast<size_t>(m * out_)) : nullptr;
+      q.out = qdy;
+      q.out_t = qdyt;
       q.e5m2 = s_dy_->dtype == FP8_DTYPE_E5M2;
       cast_through(q, *s_dy_);
       if (m > 0 && !s_dy_->current) s_dy_->pending = true;
@@ -353,14 +367,12 @@ class Linear final : public Layer {
     }
 
     if (m > 0) {  // dW [out, in] += dy^T [out, m] . x [m, in]
-      // An FP8 gradient (O1..O3) takes the new dW from the model's scratch in one requantising pass.
-      fp8_tensor& grad = *params_[0].grad;
-      const bool grad8 = dtype_is_fp8(grad.dtype);
+      // An FP8 gradient (O1..O3) takes the new dW from the call's scratch in one requantising pass.
       GemmJob g{};
       g.m = out_;
       g.n = in_;
       g.k = m;
-      g.d = grad8 ? step.wgrad_scratch->ensure(static_cast<size_t>(out_ * in_) * sizeof(float)) : grad.data;
+      g.d = grad8 ? scratch + at_dw : grad.data;
       g.d_dtype = FP8_DTYPE_F32;
       g.alpha = 1.0f;
       g.accumulate = !grad8;
@@ -421,7 +433,7 @@ class Linear final : public Layer {
   // along its own K, with grid_t, when out_t is set), grids as gemm_grid lays them out; cells whose
   // amax is not finite are counted in `state`.
   void cast_cells(Backend& be, const void* in, fp8_dtype_t dt, int64_t rows, int64_t cols, ScaleMode mode, bool e5m2,
-                  uint8_t* out, float* grid, uint8_t* out_t, float* grid_t, fp8_scaling& state) {
+                  uint8_t* out, float* grid, uint8_t* out_t, float* grid_t, fp8_scaling& state, uint32_t* workspace) {
     RecipeQuantizeJob j{};
     j.in = in;
     j.in_dtype = dt;
@@ -437,8 +449,7 @@ class Linear final : public Layer {
       j.out_t_scale_inv = gemm_grid(mode, cols, rows, grid_t);
     }
     j.nonfinite_cells = reinterpret_cast<int64_t*>(&state.state->nonfinite_count);
-    const size_t ws = recipe_quantize_workspace(mode, rows, cols);
-    if (ws > 0) j.workspace = workspace_.ensure<uint32_t>(ws);
+    if (recipe_quantize_workspace(mode, rows, cols) > 0) j.workspace = workspace;
     be.recipe_quantize(j);
   }
 
@@ -492,7 +503,7 @@ class Linear final : public Layer {
   // The FP8 weight (and its transpose) once per weights version; the weight in the activation dtype
   // and the bf16 bias when a GEMM takes them. The weight is FP32, F16 (O1/O2) or already E4M3 (O3:
   // only its transpose is made).
-  void refresh_copies(const Step& step, const Plan& p, fp8_dtype_t act) {
+  void refresh_copies(const Step& step, const Plan& p, fp8_dtype_t act, uint32_t* workspace) {
     const uint64_t version = weights_version(step);
     Backend& be = step.backend;
     const fp8_tensor& w = *params_[0].value;
@@ -505,7 +516,7 @@ class Linear final : public Layer {
       const ScaleDesc g = weight_grid(false), gt = weight_grid(true);
       cast_cells(be, src, wide ? w.dtype : act, out_, in_, weight_mode(), false,
                  qw_.ensure<uint8_t>(static_cast<size_t>(n)), g.ptr, qwt_.ensure<uint8_t>(static_cast<size_t>(n)), gt.ptr,
-                 *s_w_);
+                 *s_w_, workspace);
       fp8_weight_.made(version, step.capture_id);
     } else if (w8 && !fp8_weight_.current(step, version)) {
       float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale
@@ -601,10 +612,7 @@ class Linear final : public Layer {
   };
   CopyMark fp8_weight_, hp_weight_, bf16_bias_;
   fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;
-  DeviceBuffer qx_, x_si_;                      // one forward's cast of x and its scale_inv
-  DeviceBuffer qdy_, qdyt_, dy_si_, partials_;  // one backward's casts of dy, their scale_inv, dbias partials
-  DeviceBuffer w_grid_;     // cell scaling: the grids of the weight copy and of its transpose
-  DeviceBuffer workspace_;  // cell scaling: the per-row mode's row and column amaxes
+  DeviceBuffer w_grid_;  // cell scaling: the grids of the weight copy and of its transpose
 };
 
 }  // namespace

@@ -78,10 +78,10 @@ const Layer& layer_at(const fp8_model& m, int32_t id) {
 Step make_step(fp8_model& m) {
   const Recipe* r = m.recipe ? &*m.recipe : nullptr;
   const bool fp8 = r && m.autocast && (m.training || r->get(FP8_RECIPE_USE_AUTOCAST_DURING_EVAL));
-  if (!m.wgrad_scratch) m.wgrad_scratch = std::make_unique<DeviceBuffer>(m.backend);
+  if (!m.call_scratch) m.call_scratch = std::make_unique<DeviceBuffer>(m.backend);
   if (!m.pool) m.pool = std::make_shared<BufferPool>(m.backend);
   return Step{
-      *m.backend,     r, fp8, m.training, m.weights_version, m.wgrad_scratch.get(), m.pool, m.backend->capture_id(),
+      *m.backend,     r, fp8, m.training, m.weights_version, m.call_scratch.get(), m.pool, m.backend->capture_id(),
       m.step_captured};
 }
 

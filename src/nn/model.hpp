@@ -41,8 +41,8 @@ struct fp8_model {
   bool autowrap = false;
   bool step_captured = false;  // an optimizer step of this model was captured in a CUDA graph
   uint64_t weights_version = 0;
-  // Shared by the Linears' backward: dW before it is accumulated into an FP8 gradient (O1..O3).
-  std::unique_ptr<fp8::nn::DeviceBuffer> wgrad_scratch;
+  // Every layer call's transient buffers (Step::scratch).
+  std::unique_ptr<fp8::nn::DeviceBuffer> call_scratch;
   // The parameters' flat storage, at the level the recipe of the last conversion gives (fixed then),
   // and the optimizer that keeps MS-AMP state (compact scales) for the Linear weights while it lives.
   std::unique_ptr<fp8::nn::ParamStore> store;

@@ -331,7 +331,7 @@ fp8_model& model_of(const fp8_optimizer& o) {
   return *o.model;
 }
 
-void step(fp8_optimizer& o) {
+void step(fp8_optimizer& o, const float* other_sumsq, float* clip_out) {
   fp8_model& m = model_of(o);
   // (Under data parallelism these refusals are the same on every rank when the ranks make the same
   // calls; a step is not worth a host round trip to agree on them.)
@@ -357,7 +357,8 @@ void step(fp8_optimizer& o) {
   const OptimizerStepJob job{o.device_tensors, static_cast<int64_t>(o.tensors.size()),
                              o.device_chunks,  static_cast<int64_t>(o.chunks.size()),
                              o.partials,       o.scalars,
-                             o.hyper,          o.element_args};
+                             o.hyper,          o.element_args,
+                             other_sumsq,      clip_out};
   if (o.backend->capture_id()) m.step_captured = true;
   // Data parallel: every rank steps from the same averaged gradients, so the norm, the skip and the
   // update agree without further communication where the optimizer state is replicated.

@@ -74,7 +74,9 @@ void check_attr(fp8_optimizer_attr_t attr, double value);
 double get_attr(const fp8_optimizer& o, fp8_optimizer_attr_t attr);
 // Copies o.attrs to the device memory the step reads (after any change of them). Synchronous.
 void upload_hyper(fp8_optimizer& o);
-void step(fp8_optimizer& o);
+// One update (fp8_optimizer_step); with other_sumsq, a joint step (fp8_optimizer_step_joint):
+// device pointers to the other gradients' squared norm and to where their clip factor goes (or nullptr).
+void step(fp8_optimizer& o, const float* other_sumsq = nullptr, float* clip_out = nullptr);
 // The optimizer's model; FP8_ERR_INVALID_STATE once the model is destroyed.
 fp8_model& model_of(const fp8_optimizer& o);
 // Allocates m (and v) now if they do not exist yet (SGD makes its momentum buffer at the first step

@@ -227,6 +227,42 @@ TEST(GpuOptimizer, StepsAreBitIdenticalToTheCpuReference) {
   }
 }
 
+// fp8_optimizer_step_joint on the GPU: the other gradients' squared norm (a quarter of the model's,
+// then twice it, then none, then NaN) gives the CPU's parameters, statistics and clip factor, bit for bit.
+TEST(GpuOptimizer, JointStepsAreBitIdenticalToTheCpuReference) {
+  const double other_share[4] = {0.25, 2.0, 0.0, NAN};
+  for (const OptimCase& c : kOptimCases) {
+    SCOPED_TRACE(c.label);
+    OptimRig r;
+    ASSERT_NO_FATAL_FAILURE(r.init(c, 1));
+    Tensor other[2] = {make_tensor(r.gpu.get(), FP8_DTYPE_F32, {1}), make_tensor(r.cpu.get(), FP8_DTYPE_F32, {1})};
+    Tensor coef[2] = {make_tensor(r.gpu.get(), FP8_DTYPE_F32, {1}), make_tensor(r.cpu.get(), FP8_DTYPE_F32, {1})};
+    for (int s = 0; s < 4; ++s) {
+      const std::string what = std::string(c.label) + ", step " + std::to_string(s);
+      double norm = 0;
+      const auto g = r.gradients(static_cast<uint32_t>(20 + s), &norm);
+      const float other_sumsq = static_cast<float>(other_share[s] * norm * norm);
+      float got[2];
+      for (size_t k = 0; k < 2; ++k) {
+        ASSERT_NO_FATAL_FAILURE(r.write_gradients(k, g));
+        ASSERT_NO_FATAL_FAILURE(r.set_float(k, FP8_OPTIM_MAX_GRAD_NORM, 0.5 * norm));
+        upload(other[k].get(), std::vector<float>{other_sumsq});
+        FP8_ASSERT_OK(fp8_optimizer_step_joint(r.optims[k].get(), other[k].get(), coef[k].get()));
+        got[k] = download<float>(coef[k].get())[0];
+      }
+      expect_params_identical(r.models[0].get(), r.models[1].get(), what);
+      expect_stats_identical(stats_of(r.optims[0].get()), stats_of(r.optims[1].get()), what);
+      EXPECT_EQ(std::memcmp(&got[0], &got[1], sizeof(float)), 0) << what << ": " << got[0] << " vs " << got[1];
+      if (std::isnan(other_sumsq)) {
+        EXPECT_TRUE(std::isnan(got[0])) << what;
+      } else {
+        EXPECT_NEAR(got[0], 0.5 * norm / (std::sqrt(norm * norm + other_sumsq) + 1e-6), 1e-5) << what;
+      }
+    }
+    if (&c == &kOptimCases[0]) std::printf("[ joint step ] GPU == CPU bit for bit: parameters, statistics, clip factor\n");
+  }
+}
+
 // A gradient with an inf (in the middle of the biggest tensor), then one with a NaN (the last,
 // single-element chunk of ln.gamma): both steps are skipped on the GPU with nothing changed, and the
 // finite steps after them give the bits of a CPU twin that saw the same sequence, and those of a CPU

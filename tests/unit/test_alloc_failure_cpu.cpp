@@ -1,6 +1,7 @@
 // An application's allocator (fp8_context_set_allocator), and what an allocation that fails does:
 // every allocation a call makes is failed in turn, and the call must then change nothing.
 #include <cstdlib>
+#include <map>
 
 #include "fp8_test_util.hpp"
 
@@ -12,6 +13,8 @@ namespace {
 struct CountingAllocator {
   int64_t live = 0, total = 0;
   int64_t fail_at = -1;  // -1: never
+  std::map<void*, size_t> sizes;
+  size_t live_bytes = 0;
   static void* alloc(void* user, size_t bytes, int32_t device, CUstream_st*) {
     auto* a = static_cast<CountingAllocator*>(user);
     EXPECT_EQ(device, FP8_DEVICE_CPU);
@@ -21,10 +24,16 @@ struct CountingAllocator {
     }
     if (a->fail_at > 0) --a->fail_at;
     ++a->live, ++a->total;
-    return std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    a->sizes[p] = bytes;
+    a->live_bytes += bytes;
+    return p;
   }
   static void free(void* user, void* p, int32_t, CUstream_st*) {
-    --static_cast<CountingAllocator*>(user)->live;
+    auto* a = static_cast<CountingAllocator*>(user);
+    --a->live;
+    a->live_bytes -= a->sizes[p];
+    a->sizes.erase(p);
     std::free(p);
   }
 };
@@ -95,6 +104,49 @@ TEST(Allocator, TheModelsMemoryComesFromItAndGoesBack) {
     live = s.counter.live;
     EXPECT_EQ(live, 0) << "blocks not given back to the allocator that gave them";
   }
+}
+
+// A Linear call's transient buffers (its casts of x and dy) are the model's, shared by every layer:
+// each further layer costs its own memory (parameters, gradients, FP8 weight copies, the transposed
+// FP8 copy of x its forward state kept), not another set of m x (in + 2 out) bytes of casts.
+TEST(Allocator, ALayerCallsTransientBuffersAreSharedByEveryLayer) {
+  constexpr int64_t m = 1024, d = 64;
+  auto bytes_after_a_step = [&](int layers) {
+    CountingAllocator counter;
+    Context ctx = make_context(FP8_DEVICE_CPU);
+    EXPECT_OK(fp8_context_set_allocator(ctx.get(), CountingAllocator::alloc, CountingAllocator::free, &counter));
+    Model model = make_model(ctx.get());
+    for (int l = 0; l < layers; ++l) {
+      const std::string name = "fc" + std::to_string(l);
+      EXPECT_OK(fp8_model_add_linear(model.get(), name.c_str(), d, d, 0, nullptr));
+      set_param(model.get(), name + ".weight", randn(static_cast<size_t>(d * d), 10 + l, 0.1f));
+    }
+    Recipe r = make_recipe("backend=te, small_layer_fallback=0");
+    EXPECT_OK(fp8_convert_model(model.get(), r.get(), nullptr));
+    EXPECT_OK(fp8_model_set_autowrap(model.get(), 1));
+    std::vector<Tensor> acts;
+    acts.push_back(make_tensor(ctx.get(), FP8_DTYPE_F32, {m, d}));
+    upload(acts[0].get(), randn(static_cast<size_t>(m * d), 1, 1.0f));
+    std::vector<Saved> saved;
+    for (int l = 0; l < layers; ++l) {  // every forward first, as an autograd framework runs them
+      acts.push_back(make_tensor(ctx.get(), FP8_DTYPE_F32, {m, d}));
+      fp8_saved_t* s = nullptr;
+      EXPECT_OK(fp8_layer_forward_saved(model.get(), l, acts[l].get(), acts[l + 1].get(), &s));
+      saved.emplace_back(s);
+    }
+    Tensor dy = make_tensor(ctx.get(), FP8_DTYPE_F32, {m, d}), dx = make_tensor(ctx.get(), FP8_DTYPE_F32, {m, d});
+    upload(dy.get(), randn(static_cast<size_t>(m * d), 2, 1.0f));
+    for (int l = layers - 1; l >= 0; --l)
+      EXPECT_OK(fp8_layer_backward_saved(model.get(), l, saved[static_cast<size_t>(l)].get(), dy.get(), dx.get(), 0));
+    return static_cast<int64_t>(counter.live_bytes) -
+           static_cast<int64_t>((layers + 3) * m * d * sizeof(float));  // (the test's own tensors)
+  };
+  const int64_t one = bytes_after_a_step(1), four = bytes_after_a_step(4);
+  const int64_t per_layer = (four - one) / 3;
+  const int64_t own = 2 * d * d * 4 + 2 * d * d + m * d;  // weight and gradient, W and W^T in FP8, x^T in FP8
+  const int64_t casts = m * (d + 2 * d);                  // x's cast, dy's cast and its transpose
+  EXPECT_GT(per_layer, own / 2) << "the measure missed the layers' own memory";
+  EXPECT_LT(per_layer, own + casts / 2) << "each layer keeps transient buffers of its own";
 }
 
 TEST(Allocator, OnlyBothOrNeither) {

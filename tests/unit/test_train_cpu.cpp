@@ -479,6 +479,103 @@ TEST(OptimizerClipping, MaxGradNormAboveTheNormChangesNothing) {
   EXPECT_NE(first_bit_difference(clipped.params(), plain.params()), "");
 }
 
+// fp8_optimizer_step_joint: one clip over the model's gradients and others it does not hold (their
+// squared norm passed in), with the factor handed back for those others.
+struct JointStep {
+  OptimCase c;
+  Optimizer opt = make_optimizer(c.model.get(), FP8_OPTIMIZER_SGD);
+  Tensor other = make_tensor(c.ctx.get(), FP8_DTYPE_F32, {1});
+  Tensor coef = make_tensor(c.ctx.get(), FP8_DTYPE_F32, {1});
+  float step(float other_sumsq) {
+    upload(other.get(), std::vector<float>{other_sumsq});
+    upload(coef.get(), std::vector<float>{-7.0f});
+    EXPECT_OK(fp8_optimizer_step_joint(opt.get(), other.get(), coef.get()));
+    return download<float>(coef.get())[0];
+  }
+};
+
+// SGD shows the factor: p_new = p - lr (g coef) exactly (the rule's roundings), with coef
+// max_grad_norm / (sqrt(||g||^2 + other) + 1e-6), the joint norm reported before clipping.
+TEST(OptimizerJointStep, ClipsOverTheModelsAndTheOtherGradientsAndHandsTheFactorBack) {
+  JointStep j;
+  const float lr = 0.1f;
+  const double max_norm = 2.0;
+  FP8_ASSERT_OK(fp8_optimizer_set_float(j.opt.get(), FP8_OPTIM_LR, lr));
+  FP8_ASSERT_OK(fp8_optimizer_set_float(j.opt.get(), FP8_OPTIM_MAX_GRAD_NORM, max_norm));
+  const Params init = j.c.params(), g = j.c.make_grads(5);
+  const double own = sum_squares(g);
+  const float other = static_cast<float>(3.0 * own);
+  j.c.set_grads(g);
+  const float coef = j.step(other);
+  const double norm = std::sqrt(own + static_cast<double>(other));
+  EXPECT_NEAR(coef, max_norm / (norm + 1e-6), 1e-6 * coef);
+  EXPECT_LT(coef, static_cast<float>(max_norm / (std::sqrt(own) + 1e-6))) << "the other gradients did not count";
+  const Params got = j.c.params();
+  for (size_t k = 0; k < got.size(); ++k)
+    for (size_t i = 0; i < got[k].size(); ++i)
+      ASSERT_EQ(got[k][i], std::fma(-lr, g[k][i] * coef, init[k][i])) << "tensor " << k << ", element " << i;
+  EXPECT_NEAR(stats_of(j.opt.get()).last_grad_norm, norm, 1e-6 * norm);
+}
+
+// With nothing outside the model the joint step is fp8_optimizer_step, bit for bit (SGD, clipping
+// on), and the factor it hands back is the one it used; without clipping the factor is 1.
+TEST(OptimizerJointStep, WithNothingOutsideTheModelItIsThePlainStep) {
+  JointStep j;
+  OptimCase plain;
+  Optimizer b = make_optimizer(plain.model.get(), FP8_OPTIMIZER_SGD);
+  for (fp8_optimizer_t* o : {j.opt.get(), b.get()}) {
+    FP8_ASSERT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_LR, 0.01));
+    FP8_ASSERT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MAX_GRAD_NORM, 1.0));
+  }
+  for (uint32_t step = 0; step < 3; ++step) {
+    const Params g = j.c.make_grads(step);
+    j.c.set_grads(g);
+    plain.set_grads(g);
+    const float coef = j.step(0.0f);
+    FP8_ASSERT_OK(fp8_optimizer_step(b.get()));
+    EXPECT_EQ(first_bit_difference(j.c.params(), plain.params()), "") << "step " << step;
+    EXPECT_NEAR(coef, 1.0 / (std::sqrt(sum_squares(g)) + 1e-6), 1e-6 * coef);
+  }
+  FP8_ASSERT_OK(fp8_optimizer_set_float(j.opt.get(), FP8_OPTIM_MAX_GRAD_NORM, 0.0));
+  EXPECT_EQ(j.step(1e6f), 1.0f) << "no clipping: the factor is 1";
+}
+
+// A non-finite value on the other side skips the model's step too (nothing changes, the skip is
+// counted) and hands back NaN, as a non-finite gradient of the model's own does.
+TEST(OptimizerJointStep, ANonFiniteOtherNormSkipsTheStepAndHandsBackNaN) {
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    JointStep j;
+    FP8_ASSERT_OK(fp8_optimizer_set_float(j.opt.get(), FP8_OPTIM_MAX_GRAD_NORM, 1.0));
+    const Params init = j.c.params();
+    j.c.set_grads(j.c.make_grads(1));
+    EXPECT_TRUE(std::isnan(j.step(bad))) << bad;
+    EXPECT_EQ(first_bit_difference(j.c.params(), init), "") << bad;
+    const fp8_optimizer_stats_t s = stats_of(j.opt.get());
+    EXPECT_EQ(s.skipped_steps, 1);
+    EXPECT_EQ(s.steps, 0);
+    EXPECT_TRUE(std::isfinite(j.step(1.0f))) << "the next finite step runs";
+    EXPECT_EQ(stats_of(j.opt.get()).steps, 1);
+  }
+}
+
+TEST(OptimizerJointStep, BadArgumentsAreRefusedNamingThem) {
+  JointStep j;
+  const char* fn = "fp8_optimizer_step_joint";
+  EXPECT_REFUSED(fp8_optimizer_step_joint(nullptr, j.other.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn, "optimizer");
+  EXPECT_REFUSED(fp8_optimizer_step_joint(j.opt.get(), nullptr, nullptr), FP8_ERR_INVALID_ARGUMENT, fn, "other_sumsq");
+  Tensor two = make_tensor(j.c.ctx.get(), FP8_DTYPE_F32, {2});
+  Tensor bf16 = make_tensor(j.c.ctx.get(), FP8_DTYPE_BF16, {1});
+  EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(j.opt.get(), two.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn,
+                       "other_sumsq", "2 elements", "f32 of 1 element");
+  EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(j.opt.get(), j.other.get(), bf16.get()), FP8_ERR_INVALID_ARGUMENT,
+                       fn, "clip_coef", "bf16");
+  Context other_ctx = make_context(FP8_DEVICE_CPU);
+  Tensor foreign = make_tensor(other_ctx.get(), FP8_DTYPE_F32, {1});
+  EXPECT_REFUSED(fp8_optimizer_step_joint(j.opt.get(), foreign.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn,
+                 "another context");
+  EXPECT_EQ(stats_of(j.opt.get()).steps, 0) << "a refused step ran";
+}
+
 // =================================================================================================
 // 3. Non-finite gradients: the step is skipped, and the next one runs as if it never happened
 // =================================================================================================

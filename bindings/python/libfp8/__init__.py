@@ -187,6 +187,7 @@ for _name, _args in {
     "fp8_tensor_from_dlpack": (ctypes.POINTER(_p), _p, _p),
     "fp8_tensor_to_dlpack": (_p, ctypes.POINTER(_p)),
     "fp8_saved_needs_input": (_p, ctypes.POINTER(_i32)),
+    "fp8_optimizer_step_joint": (_p, _p, _p),
 }.items():
     if hasattr(_lib, _name):
         _declare(_name, _i32, *_args)
@@ -754,6 +755,13 @@ class Optimizer(_Handle):
 
     def step(self):
         _check(_lib.fp8_optimizer_step(self.handle))
+
+    def step_joint(self, other_sumsq, clip_coef=None):
+        """One step under one clip over the model's gradients and others (fp8_optimizer_step_joint):
+        other_sumsq, a one-element F32 Tensor holding their sum of squares; clip_coef (optional) a
+        one-element F32 Tensor that receives the clip factor for them (NaN when the step is skipped)."""
+        _check(_lib.fp8_optimizer_step_joint(self.handle, other_sumsq.handle,
+                                             clip_coef.handle if clip_coef is not None else None))
 
     def zero_grad(self):
         _check(_lib.fp8_optimizer_zero_grad(self.handle))

@@ -938,6 +938,13 @@ class Optimizer:
         opt = Optimizer(model, "adamw", lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0)
         loss.backward(); opt.step(); opt.zero_grad()
 
+    The clip runs inside libfp8's update (fp8_optimizer_step_joint: torch's gradients add their
+    squared norm, and take the factor back for their own update), so clipping costs a few small
+    launches over torch's parameters and no pass over libfp8's. (Layers of one module on several
+    devices form several libfp8 models: their joint clip runs as torch's clip_grad_norm_ would.)
+    A non-finite gradient skips libfp8's update; torch's parameters then get what clip_grad_norm_
+    would give them (a NaN factor).
+
     step() and zero_grad() queue work on the current stream without synchronising; set_lr() is
     synchronous for libfp8's part (call it between steps). FP8 weight gradients (O1, O2) are zeroed
     by zero_grad() here, not by torch's module.zero_grad()."""
@@ -958,7 +965,10 @@ class Optimizer:
         self.kind, self.max_grad_norm = kind, float(max_grad_norm)
         self.groups = _groups(module)
         self._fp8 = []
-        attrs = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=0.0)
+        # One libfp8 model: its step clips over everything (fp8_optimizer_step_joint). Several: the
+        # clip runs here first, over all of them (_clip_across_models).
+        self._joint = len(self.groups) == 1
+        attrs = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=self.max_grad_norm if self._joint else 0.0)
         if kind == "sgd":
             attrs["momentum"] = momentum
         else:
@@ -984,6 +994,10 @@ class Optimizer:
                 self.torch_optimizer = cls(self.torch_params, lr=lr, betas=tuple(betas), eps=eps,
                                            weight_decay=weight_decay, **fused)
         self._scratch = None
+        if self._joint:  # the torch gradients' squared norm in, their clip factor out (kept: wrapped once)
+            dev = self.groups[0].dev.device
+            self._other_sumsq = torch.zeros(1, dtype=torch.float32, device=dev)
+            self._clip_coef = torch.ones(1, dtype=torch.float32, device=dev)
 
     def set_lr(self, lr):
         for _, o in self._fp8:
@@ -1015,27 +1029,30 @@ class Optimizer:
         _check(_lib.fp8_dequantize(g.dev.ctx.handle, handle, g.dev.wrap(view)))
         return view
 
-    def _clip(self):
-        sq, device = [], None
+    def _torch_grads(self):
+        return _by_device_and_dtype([p.grad for p in self.torch_params if p.grad is not None])
+
+    @staticmethod
+    def _sumsq(grads, device):
+        """The sum of the squares of torch gradients (grouped by _by_device_and_dtype) on `device`."""
+        parts = [n.float().square().to(device) for (_, _), group in grads.items() for n in _norms(group)]
+        return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float32, device=device)
+
+    def _clip_across_models(self):
+        """torch's clip_grad_norm_ over every gradient, for a module whose layers form several libfp8
+        models (one per device), which no single libfp8 step sees whole, or none."""
+        if not self.groups:
+            torch.nn.utils.clip_grad_norm_(self.torch_params, self.max_grad_norm)
+            return
+        device, sq = self.groups[0].dev.device, []
         for g, _ in self._fp8:
             g.dev.follow_stream()
-            device = g.dev.device
-            for m, p, gv in self._fp32_lent(g):
-                if p.requires_grad and p.grad is None:  # dropped by torch: nothing accumulated since
-                    gv.zero_()
-                    p.grad = gv
-                sq.append(gv.pow(2).sum())
+            for _, p, gv in self._fp32_lent(g):
+                sq.append(gv.pow(2).sum().to(device))
             for _, handle, shape in self._fp8_lent(g):
-                sq.append(self._decoded(g, handle, shape).pow(2).sum())
-        # torch's parameters: a few launches per device and dtype (a model's hundreds of gradients,
-        # one small kernel each, would cost more than its step), as torch's clip_grad_norm_.
-        grads = _by_device_and_dtype([p.grad for p in self.torch_params if p.grad is not None])
-        for (dev, _), group in grads.items():
-            device = device or dev
-            sq += [n.float().square() for n in _norms(group)]
-        if not sq:
-            return
-        total = torch.stack([s.to(device) for s in sq]).sum().sqrt()
+                sq.append(self._decoded(g, handle, shape).pow(2).sum().to(device))
+        grads = self._torch_grads()
+        total = (torch.stack(sq).sum() + self._sumsq(grads, device)).sqrt()
         coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         for (dev, dtype), group in grads.items():
             _scale_(group, coef.to(dev, dtype))
@@ -1052,16 +1069,24 @@ class Optimizer:
     def step(self):
         for g, _ in self._fp8:
             g.close_region()  # a step inside an autocast block: the region's scales update first
-        if self.max_grad_norm > 0:
-            self._clip()
+        clip = self.max_grad_norm > 0
+        if clip and not self._joint:
+            self._clip_across_models()
         for g, o in self._fp8:
             g.dev.follow_stream()
-            if g.level == "te":  # a dropped .grad holds nothing of this step: libfp8's must not either
-                for _, p, gv in self._fp32_lent(g):
-                    if p.requires_grad and p.grad is None:
-                        gv.zero_()
-                        p.grad = gv
-            o.step()
+            for _, p, gv in self._fp32_lent(g):  # a dropped .grad holds nothing of this step: libfp8's must not either
+                if p.requires_grad and p.grad is None:
+                    gv.zero_()
+                    p.grad = gv
+            if clip and self._joint:
+                grads = self._torch_grads()
+                self._other_sumsq.copy_(self._sumsq(grads, g.dev.device).reshape(1))
+                dev = g.dev
+                _check(_lib.fp8_optimizer_step_joint(o.handle, dev.wrap(self._other_sumsq), dev.wrap(self._clip_coef)))
+                for (d, dtype), group in grads.items():
+                    _scale_(group, self._clip_coef.to(d, dtype))
+            else:
+                o.step()
             # torch sees no write to the lent values: take the versions as they are (libfp8 knows).
             for m in g.modules:
                 m._seen = m._versions()

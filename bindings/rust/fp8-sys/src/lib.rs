@@ -677,6 +677,11 @@ extern "C" {
         value: *mut f64,
     ) -> fp8_status_t;
     pub fn fp8_optimizer_step(optimizer: *mut fp8_optimizer_t) -> fp8_status_t;
+    pub fn fp8_optimizer_step_joint(
+        optimizer: *mut fp8_optimizer_t,
+        other_sumsq: *const fp8_tensor_t,
+        clip_coef: *mut fp8_tensor_t,
+    ) -> fp8_status_t;
     pub fn fp8_optimizer_zero_grad(optimizer: *mut fp8_optimizer_t) -> fp8_status_t;
     pub fn fp8_optimizer_stats_init(stats: *mut fp8_optimizer_stats_t);
     pub fn fp8_optimizer_get_stats(

@@ -2,6 +2,7 @@
 
 use crate::error::{check, Result};
 use crate::model::Model;
+use crate::tensor::AsTensor;
 use fp8_sys as sys;
 use std::marker::PhantomData;
 use std::ptr::{self, NonNull};
@@ -89,6 +90,15 @@ impl<'m> Optimizer<'m> {
     /// One update of every parameter from its gradient. Gradients are left as they are.
     pub fn step(&mut self) -> Result<()> {
         check(unsafe { sys::fp8_optimizer_step(self.raw.as_ptr()) })
+    }
+
+    /// One update under one gradient clip over the model's gradients and others it does not hold
+    /// (`fp8_optimizer_step_joint`): `other_sumsq`, an F32 tensor of one element, holds their sum
+    /// of squares; `clip_coef` (an F32 tensor of one element) receives the clip factor for them,
+    /// NaN when the step is skipped.
+    pub fn step_joint(&mut self, other_sumsq: &dyn AsTensor, clip_coef: Option<&mut dyn AsTensor>) -> Result<()> {
+        let coef = clip_coef.map_or(ptr::null_mut(), |t| t.as_ptr());
+        check(unsafe { sys::fp8_optimizer_step_joint(self.raw.as_ptr(), other_sumsq.as_ptr(), coef) })
     }
 
     /// Sets every gradient of the model to zero.

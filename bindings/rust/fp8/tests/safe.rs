@@ -273,6 +273,14 @@ fn ms_amp_levels_store_fp8() {
     let stats = opt.stats().unwrap();
     assert_eq!(stats.opt_level, 2);
     assert!(stats.training_bytes < stats.parameters * 16);
+    // A joint step: the other gradients' squared norm counts in the clip, and the factor comes back.
+    let norm = stats.last_grad_norm as f64;
+    opt.set(OptimAttr::MaxGradNorm, 0.5 * norm).unwrap();
+    let other = Tensor::from_host(&ctx, DType::F32, &[1], &[(3.0 * norm * norm) as f32]).unwrap();
+    let mut coef = Tensor::new(&ctx, DType::F32, &[1]).unwrap();
+    opt.step_joint(&other, Some(&mut coef)).unwrap();
+    let c = coef.to_vec::<f32>().unwrap()[0] as f64;
+    assert!((c - 0.25).abs() < 1e-3, "clip factor {c}: expected 0.5 ||g|| / sqrt(4 ||g||^2)");
 }
 
 #[test]
