@@ -156,6 +156,12 @@ def profile(name, train_step, data):
     print("| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
     for e in kernels[:25]:
         print(f"| {e.key[:90]} | {e.count / n:.0f} | {self_us(e) / n / 1e3:.2f} | {100 * self_us(e) / total:.1f}% |")
+    ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(f"\nhost of {name}: {sum(e.count for e in ops) / n:.0f} operator calls/step")
+    print("| operator (host) | calls/step | self ms/step |\n|---|---|---|")
+    for e in ops[:12]:
+        print(f"| {e.key[:90]} | {e.count / n:.0f} | {e.self_cpu_time_total / n / 1e3:.2f} |")
 
 
 def run(name, args, cfg, init_state, data_train, data_val, device):
