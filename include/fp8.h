@@ -1213,13 +1213,15 @@ FP8_API fp8_status_t fp8_optimizer_step(fp8_optimizer_t *optimizer);
  * embeddings and output layer, say) under one gradient clip over all of them, as torch's
  * clip_grad_norm_ over a whole module: [in] other_sumsq, an F32 tensor of one element on the
  * model's context holding the sum of the squares of those other gradients, added to the model's own
- * before the step takes its clip factor and its non-finite check (and in last_grad_norm); [out]
- * clip_coef (may be NULL), an F32 tensor of one element on the model's context, receives
- * min(1, max_grad_norm / (||g|| + 1e-6)) of that joint norm (1 when max_grad_norm is 0), or NaN
- * when the step is skipped (an inf or NaN on either side), for the caller to scale its own
- * gradients with before its own update. Both are read and written on the context's stream, in
- * order with the step: no synchronisation, and capturable. Under data parallelism every rank passes
- * the same value (the other gradients already averaged). Otherwise as fp8_optimizer_step. Since 0.2.
+ * before the step takes its clip factor and its non-finite check (and in last_grad_norm; a
+ * negative value counts as NaN); [out] clip_coef (may be NULL), an F32 tensor of one element on
+ * the model's context, receives min(1, max_grad_norm / (||g|| + 1e-6)) of that joint norm (1 when
+ * max_grad_norm is 0), for the caller to scale its own gradients with before its own update. Where
+ * the joint norm is not finite the model's step is skipped and clip_coef is what clip_grad_norm_
+ * would give: 0 for an infinite norm, NaN for a NaN one (1 without clipping). Both are read and
+ * written on the context's stream, in order with the step: no synchronisation, and capturable.
+ * Under data parallelism every rank passes the same value (the other gradients already averaged).
+ * Otherwise as fp8_optimizer_step. Since 0.2.
  */
 FP8_API fp8_status_t fp8_optimizer_step_joint(fp8_optimizer_t *optimizer, const fp8_tensor_t *other_sumsq,
                                               fp8_tensor_t *clip_coef);

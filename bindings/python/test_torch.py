@@ -456,6 +456,42 @@ class OptimizerTest(unittest.TestCase):
         for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
             self.assertLess(rel_err(p, q), 1e-6, n)
 
+    def test_a_dropped_grad_of_a_layer_left_out_does_not_count_in_the_clip(self):
+        # torch's zero_grad(set_to_none=True) drops .grad; a libfp8 layer the next forward leaves out
+        # must not bring last step's gradient into the clip (here with two libfp8 models: the clip
+        # over both runs in Python). Its own update differs from torch's (libfp8 steps every
+        # parameter, torch skips those without .grad): only the others are compared.
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                seq = torch.nn.Sequential
+                self.a, self.b = seq(torch.nn.Linear(32, 32)), seq(torch.nn.Linear(32, 32))
+                self.head = torch.nn.Linear(32, 10)
+
+            def forward(self, x, use_b):
+                h = torch.tanh(self.a(x))
+                return self.head(torch.tanh(self.b(h)) if use_b else h)
+
+        torch.manual_seed(0)
+        ref, m = Net().to(DEVICE), Net().to(DEVICE)
+        m.load_state_dict(ref.state_dict())
+        for part in (m.a, m.b):
+            lt.convert_model(part, recipe=lt.Recipe(backend="te"), **ALL)
+        ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        mo = lt.Optimizer(m, "adamw", lr=1e-2, max_grad_norm=0.05)
+        x, t = torch.randn(32, 32, device=DEVICE), torch.randn(32, 10, device=DEVICE)
+        for use_b in (True, False):
+            (ref(x, use_b) - t).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 0.05)
+            ro.step()
+            ref.zero_grad(set_to_none=True)
+            (m(x, use_b) - t).square().mean().backward()
+            mo.step()
+            m.zero_grad(set_to_none=True)
+        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+            if not n.startswith("b."):
+                self.assertLess(rel_err(p, q), 1e-5, n)
+
     def test_o2_trains_and_clips_fp8_gradients(self):
         ref, m = mlp(), mlp()
         recipe = lt.Recipe(backend="msamp", opt_level="O2", **FP8)
@@ -474,7 +510,8 @@ class OptimizerTest(unittest.TestCase):
         got = mo.stats()[0].last_grad_norm
         self.assertLess(abs(got - norm) / norm, 0.15)
         self.assertAlmostEqual(mo._clip_coef.item(), 0.05 / (got + 1e-6), delta=1e-6)
-        mo._fp8[0][1]["max_grad_norm"] = 0.0
+        mo.max_grad_norm = 0.0  # reaches libfp8's step, which clips
+        self.assertEqual(mo._fp8[0][1]["max_grad_norm"], 0.0)
         losses = []
         for _ in range(30):
             mo.zero_grad()

@@ -167,6 +167,14 @@ FP8_HD double pow_uint(double base, uint64_t e) {
 // Step scalars from the squared norm: the skip on a non-finite gradient, the clip factor and the
 // bias corrections for t = steps + 1. Runs on one GPU thread or on the host. (finish_joint_step
 // below is what a step calls.)
+// The clip factor of a gradient norm (torch's clip_grad_norm_): min(1, max_grad_norm / (norm + 1e-6)),
+// 1 without clipping; 0 for an infinite norm, NaN for a NaN one.
+FP8_HD double clip_factor(double norm, const OptimHyper& h) {
+  if (!(h.max_grad_norm > 0.0)) return 1.0;
+  const double clip = h.max_grad_norm / (norm + 1e-6);
+  return clip > 1.0 ? 1.0 : clip;
+}
+
 FP8_HD void finish_step(OptimScalars& s, double sumsq, const OptimHyper& h) {
   s.sumsq = sumsq;
   const double norm = sqrt(sumsq);
@@ -178,12 +186,7 @@ FP8_HD void finish_step(OptimScalars& s, double sumsq, const OptimHyper& h) {
   }
   s.skip = 0;
   const uint64_t t = ++s.steps;
-  double clip = 1.0;
-  if (h.max_grad_norm > 0.0) {
-    clip = h.max_grad_norm / (norm + 1e-6);
-    if (clip > 1.0) clip = 1.0;
-  }
-  s.clip = static_cast<float>(clip);
+  s.clip = static_cast<float>(clip_factor(norm, h));
   if (h.kind == FP8_OPTIMIZER_SGD) {
     s.step_size = static_cast<float>(h.lr);
     s.inv_bc2_sqrt = 1.0f;
@@ -194,11 +197,14 @@ FP8_HD void finish_step(OptimScalars& s, double sumsq, const OptimHyper& h) {
 }
 
 // finish_step over the model's squared norm plus, for fp8_optimizer_step_joint, `other` (the
-// squared norm of gradients outside the model; nullptr: none), added last; the clip factor of that
-// joint norm goes to *clip_out (when set) for the caller's own gradients: NaN when the step is skipped.
+// squared norm of gradients outside the model, added last; nullptr: none; a negative one counts as
+// NaN: no sum of squares is negative); the clip factor of that joint norm goes to *clip_out (when
+// set) for the caller's own gradients, also when the model's step is skipped (0 for an infinite
+// norm, NaN for a NaN one, as clip_grad_norm_ gives them).
 FP8_HD void finish_joint_step(OptimScalars& s, double sumsq, const float* other, float* clip_out, const OptimHyper& h) {
-  finish_step(s, other ? sumsq + static_cast<double>(*other) : sumsq, h);
-  if (clip_out) *clip_out = s.skip ? nanf("") : s.clip;
+  if (other) sumsq = *other >= 0.0f ? sumsq + static_cast<double>(*other) : static_cast<double>(nanf(""));
+  finish_step(s, sumsq, h);
+  if (clip_out) *clip_out = static_cast<float>(clip_factor(sqrt(sumsq), h));
 }
 
 // The per-element constants of a step, rounded to float once per step.

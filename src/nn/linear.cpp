@@ -183,15 +183,16 @@ class Linear final : public Layer {
     // x in A for a high-precision fprop or wgrad (the caller's tensor, or the hand-off dequantised).
     const bool need_x_hp = !plan.fprop || (step.training && !plan.wgrad);
     const bool cells = cell_scaling();
-    // This call's transient buffers: x's cast and its scales, and cell scaling's workspace (the
-    // weight copies' cast may use it first).
+    // This call's transient buffers, only where a cast runs (a high-precision call takes none): x's
+    // cast and its scales, and cell scaling's workspace (the weight copies' cast may use it first).
+    const bool cast_x = (plan.fprop || want_qxt) && (cells || !x_fp8);
+    const bool cast_w = needs_fp8_weight(step, plan);
     ScratchLayout lay;
-    const size_t at_qx = lay.add(static_cast<size_t>(m * in_));
-    const size_t at_x_si = lay.add(cells ? gemm_grid_floats(act_mode(), m, in_) * sizeof(float) : 16);
-    const size_t at_ws =
-        lay.add(cells ? std::max(recipe_quantize_workspace(weight_mode(), out_, in_),
-                                 recipe_quantize_workspace(act_mode(), m, in_))
-                      : 0);
+    const size_t at_qx = lay.add(cast_x ? static_cast<size_t>(m * in_) : 0);
+    const size_t at_x_si = lay.add(!cast_x ? 0 : cells ? gemm_grid_floats(act_mode(), m, in_) * sizeof(float) : 16);
+    const size_t at_ws = lay.add(cells ? std::max(cast_w ? recipe_quantize_workspace(weight_mode(), out_, in_) : 0,
+                                                  cast_x ? recipe_quantize_workspace(act_mode(), m, in_) : 0)
+                                       : 0);
     char* scratch = lay.base(*step.scratch);
     uint32_t* workspace = reinterpret_cast<uint32_t*>(scratch + at_ws);
     refresh_copies(step, plan, act, workspace);
@@ -306,8 +307,9 @@ class Linear final : public Layer {
     ScratchLayout lay;
     const size_t dy_bytes = cast_dy ? static_cast<size_t>(m * out_) : 0;
     const size_t at_qdy = lay.add(dy_bytes), at_qdyt = lay.add(plan.wgrad ? dy_bytes : 0);
-    const size_t at_dy_si = lay.add(cells ? (dy_grid + gemm_grid_floats(act_mode(), out_, m)) * sizeof(float)
-                                          : kScaleSlots * sizeof(float));
+    const size_t at_dy_si = lay.add(!cast_dy ? 0
+                                    : cells ? (dy_grid + gemm_grid_floats(act_mode(), out_, m)) * sizeof(float)
+                                            : kScaleSlots * sizeof(float));
     const size_t at_partials = lay.add(dbias ? static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float) : 0);
     const size_t at_ws = lay.add(cells ? recipe_quantize_workspace(act_mode(), m, out_) : 0);
     const size_t at_dw = lay.add(grad8 && m > 0 ? static_cast<size_t>(out_ * in_) * sizeof(float) : 0);
@@ -500,6 +502,9 @@ class Linear final : public Layer {
     }
   }
 
+  // Whether a call of this plan reads the FP8 weight copies (fprop, or dgrad when training).
+  static bool needs_fp8_weight(const Step& step, const Plan& p) { return p.fprop || (step.training && p.dgrad); }
+
   // The FP8 weight (and its transpose) once per weights version; the weight in the activation dtype
   // and the bf16 bias when a GEMM takes them. The weight is FP32, F16 (O1/O2) or already E4M3 (O3:
   // only its transpose is made).
@@ -508,7 +513,7 @@ class Linear final : public Layer {
     Backend& be = step.backend;
     const fp8_tensor& w = *params_[0].value;
     const int64_t n = out_ * in_;
-    const bool w8 = p.fprop || (step.training && p.dgrad);
+    const bool w8 = needs_fp8_weight(step, p);
     if (w8 && cell_scaling() && !fp8_weight_.current(step, version)) {
       // From the weight in high precision (O3's E4M3 weight dequantised), both layouts in one cast.
       const bool wide = !dtype_is_fp8(w.dtype);

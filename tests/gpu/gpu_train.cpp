@@ -228,16 +228,17 @@ TEST(GpuOptimizer, StepsAreBitIdenticalToTheCpuReference) {
 }
 
 // fp8_optimizer_step_joint on the GPU: the other gradients' squared norm (a quarter of the model's,
-// then twice it, then none, then NaN) gives the CPU's parameters, statistics and clip factor, bit for bit.
+// then twice it, then none, then NaN, then infinite) gives the CPU's parameters, statistics and clip
+// factor, bit for bit.
 TEST(GpuOptimizer, JointStepsAreBitIdenticalToTheCpuReference) {
-  const double other_share[4] = {0.25, 2.0, 0.0, NAN};
+  const double other_share[5] = {0.25, 2.0, 0.0, NAN, INFINITY};
   for (const OptimCase& c : kOptimCases) {
     SCOPED_TRACE(c.label);
     OptimRig r;
     ASSERT_NO_FATAL_FAILURE(r.init(c, 1));
     Tensor other[2] = {make_tensor(r.gpu.get(), FP8_DTYPE_F32, {1}), make_tensor(r.cpu.get(), FP8_DTYPE_F32, {1})};
     Tensor coef[2] = {make_tensor(r.gpu.get(), FP8_DTYPE_F32, {1}), make_tensor(r.cpu.get(), FP8_DTYPE_F32, {1})};
-    for (int s = 0; s < 4; ++s) {
+    for (int s = 0; s < 5; ++s) {
       const std::string what = std::string(c.label) + ", step " + std::to_string(s);
       double norm = 0;
       const auto g = r.gradients(static_cast<uint32_t>(20 + s), &norm);
@@ -255,6 +256,8 @@ TEST(GpuOptimizer, JointStepsAreBitIdenticalToTheCpuReference) {
       EXPECT_EQ(std::memcmp(&got[0], &got[1], sizeof(float)), 0) << what << ": " << got[0] << " vs " << got[1];
       if (std::isnan(other_sumsq)) {
         EXPECT_TRUE(std::isnan(got[0])) << what;
+      } else if (std::isinf(other_sumsq)) {
+        EXPECT_EQ(got[0], 0.0f) << what;
       } else {
         EXPECT_NEAR(got[0], 0.5 * norm / (std::sqrt(norm * norm + other_sumsq) + 1e-6), 1e-5) << what;
       }

@@ -540,21 +540,33 @@ TEST(OptimizerJointStep, WithNothingOutsideTheModelItIsThePlainStep) {
   EXPECT_EQ(j.step(1e6f), 1.0f) << "no clipping: the factor is 1";
 }
 
-// A non-finite value on the other side skips the model's step too (nothing changes, the skip is
-// counted) and hands back NaN, as a non-finite gradient of the model's own does.
-TEST(OptimizerJointStep, ANonFiniteOtherNormSkipsTheStepAndHandsBackNaN) {
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
-    JointStep j;
-    FP8_ASSERT_OK(fp8_optimizer_set_float(j.opt.get(), FP8_OPTIM_MAX_GRAD_NORM, 1.0));
-    const Params init = j.c.params();
-    j.c.set_grads(j.c.make_grads(1));
-    EXPECT_TRUE(std::isnan(j.step(bad))) << bad;
-    EXPECT_EQ(first_bit_difference(j.c.params(), init), "") << bad;
-    const fp8_optimizer_stats_t s = stats_of(j.opt.get());
-    EXPECT_EQ(s.skipped_steps, 1);
-    EXPECT_EQ(s.steps, 0);
-    EXPECT_TRUE(std::isfinite(j.step(1.0f))) << "the next finite step runs";
-    EXPECT_EQ(stats_of(j.opt.get()).steps, 1);
+// A non-finite or negative value on the other side skips the model's step too (nothing changes,
+// the skip is counted) and hands back clip_grad_norm_'s factor: NaN for a NaN norm (a negative sum
+// of squares counts as NaN), 0 for an infinite one; 1 without clipping.
+TEST(OptimizerJointStep, ANonFiniteOtherNormSkipsTheStepAndHandsBackClipGradNormsFactor) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (float bad : {nan, inf, -1.0f}) {
+    for (double max_norm : {1.0, 0.0}) {
+      SCOPED_TRACE(std::to_string(bad) + ", max_grad_norm " + std::to_string(max_norm));
+      JointStep j;
+      FP8_ASSERT_OK(fp8_optimizer_set_float(j.opt.get(), FP8_OPTIM_MAX_GRAD_NORM, max_norm));
+      const Params init = j.c.params();
+      j.c.set_grads(j.c.make_grads(1));
+      const float coef = j.step(bad);
+      if (max_norm == 0.0) {
+        EXPECT_EQ(coef, 1.0f);
+      } else if (bad == inf) {
+        EXPECT_EQ(coef, 0.0f);
+      } else {
+        EXPECT_TRUE(std::isnan(coef)) << coef;
+      }
+      EXPECT_EQ(first_bit_difference(j.c.params(), init), "");
+      const fp8_optimizer_stats_t s = stats_of(j.opt.get());
+      EXPECT_EQ(s.skipped_steps, 1);
+      EXPECT_EQ(s.steps, 0);
+      EXPECT_TRUE(std::isfinite(j.step(1.0f))) << "the next finite step runs";
+      EXPECT_EQ(stats_of(j.opt.get()).steps, 1);
+    }
   }
 }
 

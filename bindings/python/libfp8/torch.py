@@ -942,8 +942,9 @@ class Optimizer:
     squared norm, and take the factor back for their own update), so clipping costs a few small
     launches over torch's parameters and no pass over libfp8's. (Layers of one module on several
     devices form several libfp8 models: their joint clip runs as torch's clip_grad_norm_ would.)
-    A non-finite gradient skips libfp8's update; torch's parameters then get what clip_grad_norm_
-    would give them (a NaN factor).
+    A non-finite gradient skips libfp8's update; torch's gradients are then scaled as
+    clip_grad_norm_ would scale them (by 0 for an infinite norm, NaN for a NaN one).
+    max_grad_norm may be changed between steps (an attribute, as torch optimizers' hyper-parameters).
 
     step() and zero_grad() queue work on the current stream without synchronising; set_lr() is
     synchronous for libfp8's part (call it between steps). FP8 weight gradients (O1, O2) are zeroed
@@ -962,13 +963,13 @@ class Optimizer:
                 raise ValueError(f"Optimizer: {arg}={v!r}; expected a number >= 0")
         if weight_decay is None:
             weight_decay = 0.01 if kind == "adamw" else 0.0
-        self.kind, self.max_grad_norm = kind, float(max_grad_norm)
+        self.kind, self._max_grad_norm = kind, float(max_grad_norm)
         self.groups = _groups(module)
         self._fp8 = []
         # One libfp8 model: its step clips over everything (fp8_optimizer_step_joint). Several: the
         # clip runs here first, over all of them (_clip_across_models).
         self._joint = len(self.groups) == 1
-        attrs = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=self.max_grad_norm if self._joint else 0.0)
+        attrs = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=self._max_grad_norm if self._joint else 0.0)
         if kind == "sgd":
             attrs["momentum"] = momentum
         else:
@@ -998,6 +999,20 @@ class Optimizer:
             dev = self.groups[0].dev.device
             self._other_sumsq = torch.zeros(1, dtype=torch.float32, device=dev)
             self._clip_coef = torch.ones(1, dtype=torch.float32, device=dev)
+
+    @property
+    def max_grad_norm(self):
+        """The clip's global norm (0: no clipping)."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value):
+        if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
+            raise ValueError(f"Optimizer: max_grad_norm={value!r}; expected a number >= 0")
+        if self._joint:  # libfp8's step clips (synchronous for libfp8's part, as set_lr)
+            for _, o in self._fp8:
+                o["max_grad_norm"] = float(value)
+        self._max_grad_norm = float(value)
 
     def set_lr(self, lr):
         for _, o in self._fp8:
@@ -1069,15 +1084,16 @@ class Optimizer:
     def step(self):
         for g, _ in self._fp8:
             g.close_region()  # a step inside an autocast block: the region's scales update first
-        clip = self.max_grad_norm > 0
-        if clip and not self._joint:
-            self._clip_across_models()
-        for g, o in self._fp8:
             g.dev.follow_stream()
             for _, p, gv in self._fp32_lent(g):  # a dropped .grad holds nothing of this step: libfp8's must not either
                 if p.requires_grad and p.grad is None:
                     gv.zero_()
                     p.grad = gv
+        clip = self._max_grad_norm > 0
+        if clip and not self._joint:
+            self._clip_across_models()
+        for g, o in self._fp8:
+            g.dev.follow_stream()
             if clip and self._joint:
                 grads = self._torch_grads()
                 self._other_sumsq.copy_(self._sumsq(grads, g.dev.device).reshape(1))
