@@ -33,6 +33,21 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def train_beside_torch(test, ref, ro, m, mo, x, t, steps, max_norm, tol):
+    """`steps` steps on one batch: torch's `ref` with AdamW `ro` and clip_grad_norm_(max_norm), `m`
+    with libfp8.torch.Optimizer `mo`; then every parameter of m within `tol` of ref's."""
+    for _ in range(steps):
+        (ref(x) - t).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ro.step()
+        ro.zero_grad()
+        (m(x) - t).square().mean().backward()
+        mo.step()
+        mo.zero_grad()
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        test.assertLess(rel_err(p, q), tol, n)
+
+
 def fprops(model):
     """Each libfp8 layer's latest forward precision: 1 FP8, 0 high, -1 none yet."""
     return [libfp8.layer_report(m._group.model, m._layer_id).fprop for m in model.modules()
@@ -390,21 +405,9 @@ class OptimizerTest(unittest.TestCase):
         mo = lt.Optimizer(m, "adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=0.1)
         self.assertEqual(len(mo.torch_params), 2)
 
-        def rstep():
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-            ro.step()
-
         torch.manual_seed(5)
         x, t = torch.randn(32, 32, device=DEVICE), torch.randn(32, 10, device=DEVICE)
-        for _ in range(5):
-            (ref(x) - t).square().mean().backward()
-            rstep()
-            ro.zero_grad()
-            (m(x) - t).square().mean().backward()
-            mo.step()
-            mo.zero_grad()
-        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            self.assertLess(rel_err(p, q), 1e-5, n)
+        train_beside_torch(self, ref, ro, m, mo, x, t, steps=5, max_norm=0.1, tol=1e-5)
         self.assertEqual(mo.stats()[0].steps, 5)
 
     def test_one_clip_over_layers_in_several_libfp8_models_matches_torch(self):
@@ -425,16 +428,7 @@ class OptimizerTest(unittest.TestCase):
         self.assertEqual((len(mo.groups), len(mo.torch_params)), (2, 2))
         torch.manual_seed(5)
         x, t = torch.randn(32, 32, device=DEVICE), torch.randn(32, 10, device=DEVICE)
-        for _ in range(5):
-            (ref(x) - t).square().mean().backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-            ro.step()
-            ro.zero_grad()
-            (m(x) - t).square().mean().backward()
-            mo.step()
-            mo.zero_grad()
-        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            self.assertLess(rel_err(p, q), 1e-5, n)
+        train_beside_torch(self, ref, ro, m, mo, x, t, steps=5, max_norm=0.1, tol=1e-5)
 
     def test_a_module_with_nothing_converted_trains_as_torch_does(self):
         # Every Linear small (left to torch's): libfp8.torch.Optimizer is torch's AdamW and clip.
@@ -445,16 +439,7 @@ class OptimizerTest(unittest.TestCase):
         ro = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         mo = lt.Optimizer(m, "adamw", lr=1e-2, weight_decay=0.1, max_grad_norm=0.1)
         x, t = torch.randn(32, 32, device=DEVICE), torch.randn(32, 16, device=DEVICE)
-        for _ in range(3):
-            (ref(x) - t).square().mean().backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-            ro.step()
-            ro.zero_grad()
-            (m(x) - t).square().mean().backward()
-            mo.step()
-            mo.zero_grad()
-        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            self.assertLess(rel_err(p, q), 1e-6, n)
+        train_beside_torch(self, ref, ro, m, mo, x, t, steps=3, max_norm=0.1, tol=1e-6)
 
     def test_a_dropped_grad_of_a_layer_left_out_does_not_count_in_the_clip(self):
         # torch's zero_grad(set_to_none=True) drops .grad; a libfp8 layer the next forward leaves out
