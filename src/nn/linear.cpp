@@ -308,8 +308,8 @@ class Linear final : public Layer {
     const size_t dy_bytes = cast_dy ? static_cast<size_t>(m * out_) : 0;
     const size_t at_qdy = lay.add(dy_bytes), at_qdyt = lay.add(plan.wgrad ? dy_bytes : 0);
     const size_t at_dy_si = lay.add(!cast_dy ? 0
-                                    : cells ? (dy_grid + gemm_grid_floats(act_mode(), out_, m)) * sizeof(float)
-                                            : kScaleSlots * sizeof(float));
+                                    : cells  ? (dy_grid + gemm_grid_floats(act_mode(), out_, m)) * sizeof(float)
+                                             : kScaleSlots * sizeof(float));
     const size_t at_partials = lay.add(dbias ? static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float) : 0);
     const size_t at_ws = lay.add(cells ? recipe_quantize_workspace(act_mode(), m, out_) : 0);
     const size_t at_dw = lay.add(grad8 && m > 0 ? static_cast<size_t>(out_ * in_) * sizeof(float) : 0);
@@ -520,8 +520,8 @@ class Linear final : public Layer {
       const void* src = wide ? w.data : weight_in(step, act);
       const ScaleDesc g = weight_grid(false), gt = weight_grid(true);
       cast_cells(be, src, wide ? w.dtype : act, out_, in_, weight_mode(), false,
-                 qw_.ensure<uint8_t>(static_cast<size_t>(n)), g.ptr, qwt_.ensure<uint8_t>(static_cast<size_t>(n)), gt.ptr,
-                 *s_w_, workspace);
+                 qw_.ensure<uint8_t>(static_cast<size_t>(n)), g.ptr, qwt_.ensure<uint8_t>(static_cast<size_t>(n)),
+                 gt.ptr, *s_w_, workspace);
       fp8_weight_.made(version, step.capture_id);
     } else if (w8 && !fp8_weight_.current(step, version)) {
       float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale

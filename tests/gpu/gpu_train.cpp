@@ -262,7 +262,8 @@ TEST(GpuOptimizer, JointStepsAreBitIdenticalToTheCpuReference) {
         EXPECT_NEAR(got[0], 0.5 * norm / (std::sqrt(norm * norm + other_sumsq) + 1e-6), 1e-5) << what;
       }
     }
-    if (&c == &kOptimCases[0]) std::printf("[ joint step ] GPU == CPU bit for bit: parameters, statistics, clip factor\n");
+    if (&c == &kOptimCases[0])
+      std::printf("[ joint step ] GPU == CPU bit for bit: parameters, statistics, clip factor\n");
   }
 }
 

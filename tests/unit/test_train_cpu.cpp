@@ -579,8 +579,8 @@ TEST(OptimizerJointStep, BadArgumentsAreRefusedNamingThem) {
   Tensor bf16 = make_tensor(j.c.ctx.get(), FP8_DTYPE_BF16, {1});
   EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(j.opt.get(), two.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn,
                        "other_sumsq", "2 elements", "f32 of 1 element");
-  EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(j.opt.get(), j.other.get(), bf16.get()), FP8_ERR_INVALID_ARGUMENT,
-                       fn, "clip_coef", "bf16");
+  EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(j.opt.get(), j.other.get(), bf16.get()), FP8_ERR_INVALID_ARGUMENT, fn,
+                       "clip_coef", "bf16");
   Context other_ctx = make_context(FP8_DEVICE_CPU);
   Tensor foreign = make_tensor(other_ctx.get(), FP8_DTYPE_F32, {1});
   EXPECT_REFUSED(fp8_optimizer_step_joint(j.opt.get(), foreign.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn,
