@@ -132,21 +132,21 @@ def profile(name, train_step, data):
     (the 25 largest) and the host's time per step: where a step's time goes."""
     from torch.profiler import ProfilerActivity
     data = list(data)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()  # first unprofiled: is the host or the GPU the bound?
-    for x, y in data:
-        train_step(x, y)
-    host_plain = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    wall_plain = time.perf_counter() - t0
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+
+    def timed():  # (host seconds to queue the steps, wall seconds until they are done)
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         for x, y in data:
             train_step(x, y)
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return host, time.perf_counter() - t0
+
+    host_plain, wall_plain = timed()  # first unprofiled: is the host or the GPU the bound?
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        host, wall = timed()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     self_us = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
     kernels.sort(key=self_us, reverse=True)
     n, total = len(data), sum(self_us(e) for e in kernels)
@@ -156,7 +156,7 @@ def profile(name, train_step, data):
     print("| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
     for e in kernels[:25]:
         print(f"| {e.key[:90]} | {e.count / n:.0f} | {self_us(e) / n / 1e3:.2f} | {100 * self_us(e) / total:.1f}% |")
-    ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     print(f"\nhost of {name}: {sum(e.count for e in ops) / n:.0f} operator calls/step")
     print("| operator (host) | calls/step | self ms/step |\n|---|---|---|")

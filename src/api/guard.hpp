@@ -51,6 +51,15 @@ void require_same_context(const fp8_context* ctx, const Obj* obj, const char* na
          "); expected one made from ctx (device ", ctx->backend->device(), ")");
 }
 
+// The tensor `name` (not NULL) must belong to the context of `model` (an fp8_model).
+template <typename Model>
+void require_tensor(const Model* model, const fp8_tensor* t, const char* name) {
+  require_arg(t, name);
+  if (t->backend != model->backend)
+    fail(FP8_ERR_INVALID_ARGUMENT, name, " belongs to another context (device ", t->backend->device(),
+         "); expected one of the model's (device ", model->backend->device(), ")");
+}
+
 inline void require_wide(const fp8_tensor* t, const char* name) {
   if (!dtype_is_wide(t->dtype))
     fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(t->dtype), "; expected f32, f16 or bf16");

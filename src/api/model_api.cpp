@@ -9,6 +9,7 @@
 
 using fp8::guard;
 using fp8::require_arg;
+using fp8::require_tensor;
 
 namespace {
 
@@ -39,13 +40,6 @@ void require_norm_dim(int64_t dim) {
 void require_eps(float eps) {
   if (!(std::isfinite(eps) && eps > 0.0f))
     fp8::fail(FP8_ERR_INVALID_ARGUMENT, "eps = ", eps, "; expected a finite value > 0");
-}
-
-void require_tensor(const fp8_model* m, const fp8_tensor* t, const char* name) {
-  require_arg(t, name);
-  if (t->backend != m->backend)
-    fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " belongs to another context (device ", t->backend->device(),
-              "); expected one of the model's (device ", m->backend->device(), ")");
 }
 
 void require_no_autocast(const fp8_model* m, const char* what) {

@@ -66,12 +66,9 @@ FP8_API fp8_status_t fp8_optimizer_step_joint(fp8_optimizer_t* optimizer, const 
                                               fp8_tensor_t* clip_coef) {
   return guard("fp8_optimizer_step_joint", [&] {
     require_arg(optimizer, "optimizer");
-    require_arg(other_sumsq, "other_sumsq");
     const fp8_model& m = fp8::optim::model_of(*optimizer);
     auto require_scalar = [&](const fp8_tensor* t, const char* name) {
-      if (t->backend != m.backend)
-        fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " belongs to another context (device ", t->backend->device(),
-                  "); expected one of the model's (device ", m.backend->device(), ")");
+      fp8::require_tensor(&m, t, name);
       if (t->dtype != FP8_DTYPE_F32 || t->numel != 1)
         fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " is ", fp8::dtype_name(t->dtype), " of ", t->numel,
                   " elements; expected f32 of 1 element");

@@ -16,18 +16,6 @@ namespace fp8::dist {
 
 namespace {
 
-// Collective: the largest of the ranks' values.
-uint64_t largest_of_ranks(Transport& t, const std::shared_ptr<Backend>& be, uint64_t mine) {
-  const auto all = gather_host(t, *be, &mine, sizeof mine);
-  uint64_t most = 0;
-  for (int32_t k = 0; k < t.size(); ++k) {
-    uint64_t v;
-    std::memcpy(&v, all.data() + static_cast<size_t>(k) * sizeof v, sizeof v);
-    most = std::max(most, v);
-  }
-  return most;
-}
-
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
@@ -59,7 +47,7 @@ std::vector<std::string> describe(const fp8_model& m, const char* optimizer_kind
 void require_same_model(Transport& t, const fp8_model& m, const char* optimizer_kind, const char* when) {
   const std::shared_ptr<Backend>& be = m.backend;
   const std::vector<std::string> items = describe(m, optimizer_kind);
-  const uint64_t most = largest_of_ranks(t, be, items.size());
+  const uint64_t most = largest_of_ranks(t, *be, items.size());
   std::vector<uint64_t> hashes(most, 0);
   for (size_t i = 0; i < items.size(); ++i) hashes[i] = fnv1a(items[i]);
   const auto all = gather_host(t, *be, hashes.data(), most * sizeof(uint64_t));
@@ -221,7 +209,7 @@ PeerMode agreed_peer_mode(Transport& t, const std::shared_ptr<Backend>& be) {
   PeerMode mine = PeerMode::kAuto;
   all_or_none(
       t, be, "FP8_PEER_EXCHANGE", [&] { mine = peer_mode_asked(); }, [] {});
-  return static_cast<PeerMode>(largest_of_ranks(t, be, static_cast<uint64_t>(mine)));
+  return static_cast<PeerMode>(largest_of_ranks(t, *be, static_cast<uint64_t>(mine)));
 }
 
 // Collective: the peer windows for the layout in effect (ModelComm::Plan::kCodes, kScales), or
@@ -249,7 +237,7 @@ std::unique_ptr<PeerWindows> map_peers(fp8_model& m, Transport& t, PeerMode mode
 size_t agreed_slice_bytes(Transport& t, const std::shared_ptr<Backend>& be) {
   uint64_t mine = 0;
   all_or_none(t, be, "FP8_EXCHANGE_SLICE_BYTES", [&] { mine = slice_bytes_asked(); }, [] {});
-  return static_cast<size_t>(largest_of_ranks(t, be, mine)) / nn::kSliceAlign * nn::kSliceAlign;
+  return static_cast<size_t>(largest_of_ranks(t, *be, mine)) / nn::kSliceAlign * nn::kSliceAlign;
 }
 
 // `receive`: the exchange goes through the transport's collectives, into buffers of the plan.

@@ -5,7 +5,6 @@
 #include <nccl.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <fstream>
@@ -417,13 +416,7 @@ class NcclTransport final : public Transport {
     // The worst verdict of any rank, with who found it: code << 24 | rank << 12 | peer.
     const uint32_t mine =
         verdict == kReachable ? 0u : verdict << 24 | static_cast<uint32_t>(rank_) << 12 | static_cast<uint32_t>(peer);
-    const std::vector<unsigned char> all = gather_host(*this, *backend_, &mine, sizeof mine);
-    uint32_t word = 0;
-    for (size_t k = 0; k < all.size(); k += sizeof word) {
-      uint32_t theirs;
-      std::memcpy(&theirs, all.data() + k, sizeof theirs);
-      word = std::max(word, theirs);
-    }
+    const auto word = static_cast<uint32_t>(largest_of_ranks(*this, *backend_, mine));
     if (word == 0) return windows;
     *why = verdict_text(word >> 24, static_cast<int32_t>((word >> 12) & 0xFFFu), static_cast<int32_t>(word & 0xFFFu));
     windows->close();

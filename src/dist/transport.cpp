@@ -1,5 +1,7 @@
 #include "dist/transport.hpp"
 
+#include <algorithm>
+#include <cstring>
 #include <functional>
 #include <memory>
 
@@ -44,6 +46,17 @@ std::vector<unsigned char> gather_host(Transport& t, Backend& be, const void* mi
   be.copy_to_host(out.data(), staging.get(), n * bytes);  // (waits for the collective)
   t.check();
   return out;
+}
+
+uint64_t largest_of_ranks(Transport& t, Backend& be, uint64_t mine) {
+  const auto all = gather_host(t, be, &mine, sizeof mine);
+  uint64_t most = 0;
+  for (size_t k = 0; k < all.size(); k += sizeof most) {
+    uint64_t v;
+    std::memcpy(&v, all.data() + k, sizeof v);
+    most = std::max(most, v);
+  }
+  return most;
 }
 
 int32_t common_alignment(const std::vector<void*>& table) {

@@ -129,5 +129,7 @@ class Transport {
 // Collective: every rank's `bytes` of host data `mine`, in rank order, gathered through `be`'s memory
 // (synchronous).
 std::vector<unsigned char> gather_host(Transport& t, Backend& be, const void* mine, size_t bytes);
+// Collective: the largest of the ranks' values (through gather_host).
+uint64_t largest_of_ranks(Transport& t, Backend& be, uint64_t mine);
 
 }  // namespace fp8::dist

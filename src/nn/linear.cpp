@@ -316,7 +316,7 @@ class Linear final : public Layer {
     char* scratch = lay.base(*step.scratch);
     float* partials = dbias ? reinterpret_cast<float*>(scratch + at_partials) : nullptr;
     uint8_t* qdy = cast_dy ? reinterpret_cast<uint8_t*>(scratch + at_qdy) : nullptr;
-    uint8_t* qdyt = cast_dy && plan.wgrad ? reinterpret_cast<uint8_t*>(scratch + at_qdyt) : nullptr;
+    uint8_t* qdyt = plan.wgrad ? reinterpret_cast<uint8_t*>(scratch + at_qdyt) : nullptr;
     float* dy_si = reinterpret_cast<float*>(scratch + at_dy_si);
     float* dyt_si = cells ? dy_si + dy_grid : dy_si + kScaleSlot2;
     if (cells && cast_dy) {

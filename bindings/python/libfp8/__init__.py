@@ -704,9 +704,14 @@ class Saved(_Handle):
     @property
     def needs_input(self):
         """Whether the backward reads the forward's x (fp8_saved_needs_input)."""
-        v = _i32()
-        _check(_lib.fp8_saved_needs_input(self.handle, ctypes.byref(v)))
-        return bool(v.value)
+        return saved_needs_input(self.handle)
+
+
+def saved_needs_input(handle):
+    """fp8_saved_needs_input of an fp8_saved_t handle: whether its backward reads the forward's x."""
+    v = _i32()
+    _check(_lib.fp8_saved_needs_input(handle, ctypes.byref(v)))
+    return bool(v.value)
 
 
 class LayerReport(ctypes.Structure):
@@ -759,7 +764,8 @@ class Optimizer(_Handle):
     def step_joint(self, other_sumsq, clip_coef=None):
         """One step under one clip over the model's gradients and others (fp8_optimizer_step_joint):
         other_sumsq, a one-element F32 Tensor holding their sum of squares; clip_coef (optional) a
-        one-element F32 Tensor that receives the clip factor for them (NaN when the step is skipped)."""
+        one-element F32 Tensor that receives the clip factor for them (clip_grad_norm_'s, also when
+        a non-finite norm skips the step: 0 for inf, NaN for NaN)."""
         _check(_lib.fp8_optimizer_step_joint(self.handle, other_sumsq.handle,
                                              clip_coef.handle if clip_coef is not None else None))
 

@@ -488,10 +488,8 @@ class _LayerFunction(torch.autograd.Function):
         # x's memory, which must stay alive even where torch.utils.checkpoint drops saved tensors and
         # recomputes them. An FP8 Linear's state keeps x's FP8 copy instead: x is let go (half or a
         # quarter of the memory an activation would hold until the backward).
-        needs = _i32()
-        _check(_lib.fp8_saved_needs_input(saved.handle, ctypes.byref(needs)))
         ctx.module, ctx.saved, ctx.y_dtype = module, saved, y.dtype
-        ctx.x = x if needs.value else None
+        ctx.x = x if _f.saved_needs_input(saved.handle) else None
         ctx.x_version, ctx.x_shape, ctx.x_dtype = x._version, x.shape, x.dtype
         return y
 
@@ -1097,10 +1095,10 @@ class Optimizer:
             if clip and self._joint:
                 grads = self._torch_grads()
                 self._other_sumsq.copy_(self._sumsq(grads, g.dev.device).reshape(1))
-                dev = g.dev
-                _check(_lib.fp8_optimizer_step_joint(o.handle, dev.wrap(self._other_sumsq), dev.wrap(self._clip_coef)))
-                for (d, dtype), group in grads.items():
-                    _scale_(group, self._clip_coef.to(d, dtype))
+                _check(_lib.fp8_optimizer_step_joint(o.handle, g.dev.wrap(self._other_sumsq),
+                                                     g.dev.wrap(self._clip_coef)))
+                for (dev, dtype), group in grads.items():
+                    _scale_(group, self._clip_coef.to(dev, dtype))
             else:
                 o.step()
             # torch sees no write to the lent values: take the versions as they are (libfp8 knows).
