@@ -129,7 +129,7 @@ def fp8_layer_summary(model):
 
 def profile(name, train_step, data):
     """Runs train_step over `data` under torch.profiler and prints the GPU time per step by kernel
-    (the 25 largest) and the host's time per step: where a step's time goes."""
+    (the 40 largest) and the host's time per step: where a step's time goes."""
     from torch.profiler import ProfilerActivity
     data = list(data)
 
@@ -154,8 +154,8 @@ def profile(name, train_step, data):
           f"{host_plain / n * 1e3:.1f} ms; profiled: {wall / n * 1e3:.1f} ms wall, host {host / n * 1e3:.1f} ms, "
           f"GPU kernels {total / n / 1e3:.1f} ms")
     print("| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
-    for e in kernels[:25]:
-        print(f"| {e.key[:90]} | {e.count / n:.0f} | {self_us(e) / n / 1e3:.2f} | {100 * self_us(e) / total:.1f}% |")
+    for e in kernels[:40]:
+        print(f"| {e.key[:120]} | {e.count / n:.0f} | {self_us(e) / n / 1e3:.2f} | {100 * self_us(e) / total:.1f}% |")
     ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     print(f"\nhost of {name}: {sum(e.count for e in ops) / n:.0f} operator calls/step")

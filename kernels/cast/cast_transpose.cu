@@ -47,43 +47,89 @@ __device__ __forceinline__ void tile_column_sums(const float (&sums)[16], float*
   }
 }
 
-template <fp8_dtype_t DT, bool E5M2, bool DBIAS>
+// One tensor of a cast: the tiles [first_tile, first_tile + its tile count) of the group's range.
+struct CastItem {
+  const void* in;
+  uint8_t* out;
+  uint8_t* out_t;
+  int64_t rows, cols, tiles_c, first_tile;
+  bool rows_aligned, cols_aligned;
+  ScalingHeader* state;
+  float* out_scale_inv;
+  float* out_t_scale_inv;
+  float* out_scale;
+};
+
+// N tensors cast in one launch (N = 1: one cast; larger N: a group of weight copies, whose tensors
+// are each too small to fill the GPU alone). __grid_constant__ lets the kernel index the items.
+template <int N>
+struct CastItems {
+  CastItem item[N];
+  int count;
+  int64_t tiles;  // over all items
+};
+constexpr int kMaxGroup = 64;  // items per launch: 64 x 96 bytes of kernel parameters
+
+template <fp8_dtype_t DT, bool E5M2, bool DBIAS, int N>
 __global__ void __launch_bounds__(kThreads)
-    cast_transpose_kernel(const typename Wide<DT>::Raw* __restrict__ in, uint8_t* __restrict__ out,
-                               uint8_t* __restrict__ out_t, int64_t rows, int64_t cols, bool rows_aligned,
-                               bool cols_aligned,
-                               ScalingHeader* state, float current_max, bool current_pow2,
-                               float* out_scale_inv, float* out_t_scale_inv, float* out_scale,
-                               float* __restrict__ dbias_partials) {
+    cast_transpose_kernel(const __grid_constant__ CastItems<N> g, float current_max, bool current_pow2,
+                          float* __restrict__ dbias_partials) {
+  using Raw = typename Wide<DT>::Raw;
   __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
   __shared__ float col_part[DBIAS ? kThreads / 32 * kTile : 1];
-  const float scale = cast_scale(state, current_max, current_pow2);
   const int tid = threadIdx.x;
-  const int64_t tiles_c = (cols + kTile - 1) / kTile;
-  const int64_t tiles = ((rows + kTile - 1) / kTile) * tiles_c;
-  auto full = [&](int64_t t) {
-    return cols_aligned && (t / tiles_c + 1) * kTile <= rows && (t % tiles_c + 1) * kTile <= cols;
+  // The item of tile t, searched from `from` on (a block's tiles ascend).
+  auto item_of = [&](int64_t t, int from) {
+    int k = from;
+    while (k + 1 < g.count && t >= g.item[k + 1].first_tile) ++k;
+    return k;
+  };
+  auto full = [&](const CastItem& it, int64_t t) {
+    return it.cols_aligned && (t / it.tiles_c + 1) * kTile <= it.rows && (t % it.tiles_c + 1) * kTile <= it.cols;
+  };
+  auto origin = [&](const CastItem& it, int64_t t, int64_t& R0, int64_t& C0) {
+    R0 = (t / it.tiles_c) * kTile;
+    C0 = (t % it.tiles_c) * kTile;
   };
   uint32_t amax = 0;
+  int k = 0;  // the item of the tiles whose amax `amax` holds
   // Software pipeline: the loads of a block's next tile are in flight while it writes the
   // transposed output of the current one.
   TileLoads<DT> next;
-  if (blockIdx.x < tiles && full(blockIdx.x)) next.issue(in, cols, (blockIdx.x / tiles_c) * kTile, (blockIdx.x % tiles_c) * kTile);
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t R0 = (t / tiles_c) * kTile, C0 = (t % tiles_c) * kTile;
-    if (full(t)) {
+  auto prefetch = [&](int64_t t, int from) {
+    if (t >= g.tiles) return;
+    const CastItem& it = g.item[item_of(t, from)];
+    const int64_t lt = t - it.first_tile;
+    int64_t R0, C0;
+    origin(it, lt, R0, C0);
+    if (full(it, lt)) next.issue(static_cast<const Raw*>(it.in), it.cols, R0, C0);
+  };
+  prefetch(blockIdx.x, 0);
+  for (int64_t t = blockIdx.x; t < g.tiles; t += gridDim.x) {
+    const int kt = item_of(t, k);
+    if (N > 1 && kt != k) {  // the block moves to another tensor: its amax so far goes to the last one
+      block_amax_accumulate(amax, scaling_history(g.item[k].state), nullptr);
+      amax = 0;
+      k = kt;
+    }
+    const CastItem& it = g.item[k];
+    const float scale = cast_scale(it.state, current_max, current_pow2);
+    const Raw* in = static_cast<const Raw*>(it.in);
+    const int64_t lt = t - it.first_tile, rows = it.rows, cols = it.cols;
+    int64_t R0, C0;
+    origin(it, lt, R0, C0);
+    if (full(it, lt)) {
       // Phase 1: 128 rows x 8 chunks of 16 columns; codes to `out` and to the shared tile.
       const TileLoads<DT> cur = next;
-      const int64_t t_next = t + gridDim.x;
-      if (t_next < tiles && full(t_next)) next.issue(in, cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
+      prefetch(t + gridDim.x, k);
       float sums[16] = {};
 #pragma unroll
-      for (int k = 0; k < TileLoads<DT>::kChunks; ++k) {
-        const int ch = tid + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
+      for (int c8 = 0; c8 < TileLoads<DT>::kChunks; ++c8) {
+        const int ch = tid + c8 * kThreads, r = ch >> 3, c = (ch & 7) * 16;
         uint32_t w[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const Vec8<DT>& v = cur.x[k][h];
+          const Vec8<DT>& v = cur.x[c8][h];
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             amax = max(amax, abs_bits(v.get(i)));
@@ -93,15 +139,15 @@ __global__ void __launch_bounds__(kThreads)
           w[2 * h + 1] = cast4<E5M2>(v.get(4) * scale, v.get(5) * scale, v.get(6) * scale, v.get(7) * scale);
         }
         const uint4 codes = make_uint4(w[0], w[1], w[2], w[3]);
-        *reinterpret_cast<uint4*>(out + (R0 + r) * cols + C0 + c) = codes;
+        *reinterpret_cast<uint4*>(it.out + (R0 + r) * cols + C0 + c) = codes;
         *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) = codes;
       }
-      if constexpr (DBIAS) tile_column_sums(sums, col_part, dbias_partials, t / tiles_c, C0, cols);
+      if constexpr (DBIAS) tile_column_sums(sums, col_part, dbias_partials, lt / it.tiles_c, C0, cols);
       __syncthreads();
       // Phase 2: transposed row c (input column C0 + c), input rows r0..r0+15: one 16-byte store
       // when rows keeps the transposed rows 16-byte aligned, else 16 byte stores (e.g. a vocabulary
       // of 50257 rows still gets the vector loads and the row-major stores of phase 1).
-      store_tile_transposed<kThreads, kTilePitch>(tile, out_t, rows, R0, C0, rows_aligned);
+      store_tile_transposed<kThreads, kTilePitch>(tile, it.out_t, rows, R0, C0, it.rows_aligned);
       __syncthreads();  // the tile is reused by the next iteration
     } else {
       // Edge or unaligned tile: element by element, rows spread over the threads.
@@ -111,52 +157,97 @@ __global__ void __launch_bounds__(kThreads)
         const float x = Wide<DT>::to_float(in[r * cols + c]);
         amax = max(amax, abs_bits(x));
         const uint8_t q = cast1<E5M2>(x * scale);
-        out[r * cols + c] = q;
-        out_t[c * rows + r] = q;
+        it.out[r * cols + c] = q;
+        it.out_t[c * rows + r] = q;
       }
       if constexpr (DBIAS) {
         // One column per thread, rows in order (edge tiles are few; they read their input twice).
         if (tid < kTile && C0 + tid < cols) {
           float total = 0.0f;
           for (int64_t r = R0; r < R0 + kTile && r < rows; ++r) total += Wide<DT>::to_float(in[r * cols + C0 + tid]);
-          dbias_partials[(t / tiles_c) * cols + C0 + tid] = total;
+          dbias_partials[(lt / it.tiles_c) * cols + C0 + tid] = total;
         }
       }
-      const int64_t t_next = t + gridDim.x;
-      if (t_next < tiles && full(t_next)) next.issue(in, cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
+      prefetch(t + gridDim.x, k);
     }
   }
-  if (blockIdx.x == 0 && tid == 0) {
-    *out_scale_inv = state->scale_inv;
-    *out_t_scale_inv = state->scale_inv;
-    if (out_scale) *out_scale = scale;
+  // Each item's scale_inv and scale, written by the block that takes its first tile.
+  for (int i = 0; i < g.count; ++i) {
+    const CastItem& it = g.item[i];
+    if (tid == 0 && it.first_tile % gridDim.x == blockIdx.x) {
+      *it.out_scale_inv = it.state->scale_inv;
+      *it.out_t_scale_inv = it.state->scale_inv;
+      if (it.out_scale) *it.out_scale = cast_scale(it.state, current_max, current_pow2);
+    }
   }
-  block_amax_accumulate(amax, scaling_history(state), nullptr);
+  block_amax_accumulate(amax, scaling_history(g.item[k].state), nullptr);
+}
+
+}  // namespace
+
+namespace {
+
+CastItem cast_item(const QuantizeJob& j, int64_t first_tile) {
+  CastItem it{};
+  it.in = j.in;
+  it.out = j.out;
+  it.out_t = j.out_t;
+  it.rows = j.rows;
+  it.cols = j.cols;
+  it.tiles_c = (j.cols + kTile - 1) / kTile;
+  it.first_tile = first_tile;
+  // Phase 1 (loads and row-major stores) needs 16-byte aligned rows of `in` and `out`; phase 2's
+  // vector stores need 16-byte aligned rows of `out_t`.
+  it.cols_aligned = j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out);
+  it.rows_aligned = j.rows % 16 == 0 && aligned16(j.out_t);
+  it.state = j.state;
+  it.out_scale_inv = j.out_scale_inv.ptr;
+  it.out_t_scale_inv = j.out_t_scale_inv.ptr;
+  it.out_scale = j.out_scale.ptr;
+  return it;
+}
+
+int64_t tile_count(const QuantizeJob& j) { return ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile); }
+
+template <int N>
+void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbias, const QuantizeJob& first,
+                  const LaunchLimits& lim, cudaStream_t stream) {
+  auto launch = [&](auto dt, auto e5, auto db) {
+    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N>;
+    // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
+    const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, g.tiles, lim.sm_count, false);
+    kernel<<<grid, kThreads, 0, stream>>>(g, first.current ? first.current_fp8_max : 0.0f, first.current_pow2,
+                                          first.dbias_partials);
+  };
+  dispatch(dtype, e5m2, [&](auto dt, auto e5) {
+    if constexpr (N == 1) {
+      if (dbias) return launch(dt, e5, std::true_type{});
+    }
+    launch(dt, e5, std::false_type{});
+  });
+  cuda_check(cudaGetLastError(), "cast_transpose kernel launch");
 }
 
 }  // namespace
 
 void cast_transpose(const QuantizeJob& j, const LaunchLimits& lim, cudaStream_t stream) {
-  // Phase 1 (loads and row-major stores) needs 16-byte aligned rows of `in` and `out`; phase 2's
-  // vector stores need 16-byte aligned rows of `out_t`.
-  const bool cols_aligned = j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out);
-  const bool rows_aligned = j.rows % 16 == 0 && aligned16(j.out_t);
-  const int64_t tiles = ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
-  auto launch = [&](auto dt, auto e5m2, auto dbias) {
-    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(dbias)::value>;
-    // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
-    const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
-    kernel<<<grid, kThreads, 0, stream>>>(
-        static_cast<const typename Wide<decltype(dt)::value>::Raw*>(j.in), j.out, j.out_t, j.rows, j.cols, rows_aligned,
-        cols_aligned, j.state, j.current ? j.current_fp8_max : 0.0f, j.current_pow2, j.out_scale_inv.ptr,
-        j.out_t_scale_inv.ptr, j.out_scale.ptr, j.dbias_partials);
-  };
-  dispatch(j.in_dtype, j.e5m2, [&](auto dt, auto e5m2) {
-    if (j.dbias) launch(dt, e5m2, std::true_type{});
-    else launch(dt, e5m2, std::false_type{});
-  });
-  cuda_check(cudaGetLastError(), "cast_transpose kernel launch");
+  CastItems<1> g{};
+  g.item[0] = cast_item(j, 0);
+  g.count = 1;
+  g.tiles = tile_count(j);
+  launch_items(g, j.in_dtype, j.e5m2, j.dbias != nullptr, j, lim, stream);
   if (j.dbias) bias_grad_finish(j.dbias_partials, j.rows, j.cols, j.dbias, lim, stream);
+}
+
+void cast_transpose_group(const QuantizeJob* jobs, size_t count, const LaunchLimits& lim, cudaStream_t stream) {
+  for (size_t at = 0; at < count; at += kMaxGroup) {
+    CastItems<kMaxGroup> g{};
+    for (size_t i = at; i < count && i < at + kMaxGroup; ++i) {
+      g.item[g.count++] = cast_item(jobs[i], g.tiles);
+      g.tiles += tile_count(jobs[i]);
+    }
+    launch_items(g, jobs[at].in_dtype, jobs[at].e5m2, false, jobs[at], lim, stream);
+  }
 }
 
 }  // namespace fp8::kernels

@@ -1,7 +1,10 @@
-// LayerNorm / RMSNorm. Forward and the dx half of the backward give each block one row at a time
-// (two-pass statistics in float, block sums in a fixed order). dgamma and dbeta are column sums
-// over rows: a first kernel sums rows rc, rc+R, rc+2R, ... for each column into the context's
-// scratch (R partial rows), a second adds the R partials in order: deterministic, no atomics.
+// LayerNorm / RMSNorm. Forward and backward give each block one row at a time (two-pass statistics
+// in float, block sums in a fixed order). dgamma and dbeta are column sums over rows. Up to
+// kFusedMaxCols columns, the backward reads x and dy once for dx and the column sums: each thread
+// keeps its columns' sums in registers over its block's rows (r = b, b + G, ...), each block writes
+// one partial row of each into the context's scratch, and a second kernel adds the G partials in
+// order. Wider rows take two kernels: dx, then the partial sums over rows rc, rc + R, ... (R partial
+// rows). Deterministic either way, no atomics.
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -12,38 +15,71 @@ namespace fp8::kernels {
 namespace {
 
 constexpr int kThreads = 256;
+// Columns per thread a kernel keeps in registers: a row's values up to kHoldPerThread, the fused
+// backward's column sums up to kFusedPerThread.
+constexpr int kHoldPerThread = 8, kFusedPerThread = 32;
+constexpr int64_t kFusedMaxCols = int64_t{kThreads} * kFusedPerThread;
 
-template <fp8_dtype_t DT, fp8_dtype_t OUT>
+// PT > 0: each thread holds its PT columns (t + j * kThreads) of the row in registers, so x is read
+// once (d <= PT * kThreads); PT = 0: any d, the row read three times.
+template <fp8_dtype_t DT, fp8_dtype_t OUT, int PT>
 __global__ void __launch_bounds__(kThreads)
     norm_forward_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x, int64_t rows, int64_t d,
                         const float* __restrict__ gamma, const float* __restrict__ beta, float eps, void* __restrict__ y,
                         ScalingHeader* state, float* y_scale_inv, float* mean_out, float* rstd_out) {
+  constexpr int kHeld = PT > 0 ? PT : 1;
   __shared__ float scratch[32];
   const float scale = state ? state->scale : 1.0f;
+  const int t = threadIdx.x;
   uint32_t amax = 0;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const typename Wide<DT>::Raw* row = x + r * d;
+    float v[kHeld];
     float s = 0.0f;
-    if (!rms)
-      for (int64_t c = threadIdx.x; c < d; c += kThreads) s += Wide<DT>::to_float(row[c]);
+    if constexpr (PT > 0) {
+#pragma unroll
+      for (int j = 0; j < PT; ++j) {
+        const int64_t c = t + j * kThreads;
+        v[j] = c < d ? Wide<DT>::to_float(row[c]) : 0.0f;
+        s += v[j];
+      }
+    } else if (!rms) {
+      for (int64_t c = t; c < d; c += kThreads) s += Wide<DT>::to_float(row[c]);
+    }
     const float mean = rms ? 0.0f : block_sum(s, scratch) / static_cast<float>(d);
     float sq = 0.0f;
-    for (int64_t c = threadIdx.x; c < d; c += kThreads) {
-      const float v = Wide<DT>::to_float(row[c]) - mean;
-      sq += v * v;
+    if constexpr (PT > 0) {
+#pragma unroll
+      for (int j = 0; j < PT; ++j) {
+        const float u = v[j] - mean;
+        if (t + j * kThreads < d) sq += u * u;
+      }
+    } else {
+      for (int64_t c = t; c < d; c += kThreads) {
+        const float u = Wide<DT>::to_float(row[c]) - mean;
+        sq += u * u;
+      }
     }
     const float rstd = 1.0f / sqrtf(block_sum(sq, scratch) / static_cast<float>(d) + eps);
-    if (threadIdx.x == 0) {
+    if (t == 0) {
       if (mean_out) mean_out[r] = mean;
       if (rstd_out) rstd_out[r] = rstd;
     }
-    for (int64_t c = threadIdx.x; c < d; c += kThreads) {
-      const float v = (Wide<DT>::to_float(row[c]) - mean) * rstd * gamma[c] + (beta ? beta[c] : 0.0f);
-      store_output<OUT>(y, r * d + c, v, scale, amax);
+    if constexpr (PT > 0) {
+#pragma unroll
+      for (int j = 0; j < PT; ++j) {
+        const int64_t c = t + j * kThreads;
+        if (c < d) store_output<OUT>(y, r * d + c, (v[j] - mean) * rstd * gamma[c] + (beta ? beta[c] : 0.0f), scale, amax);
+      }
+    } else {
+      for (int64_t c = t; c < d; c += kThreads) {
+        const float u = (Wide<DT>::to_float(row[c]) - mean) * rstd * gamma[c] + (beta ? beta[c] : 0.0f);
+        store_output<OUT>(y, r * d + c, u, scale, amax);
+      }
     }
   }
   if (state) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) *y_scale_inv = state->scale_inv;
+    if (blockIdx.x == 0 && t == 0) *y_scale_inv = state->scale_inv;
     block_amax_accumulate(amax, scaling_history(state), nullptr);
   }
 }
@@ -77,6 +113,74 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The fused backward: dx as norm_backward_dx_kernel, and the block's partial row of dgamma (in
+// partial[blockIdx.x]) and of dbeta (in partial[gridDim.x + blockIdx.x]). Thread t holds columns
+// t + j * kThreads, j < PT (unrolled, so the sums stay in registers); up to kHoldPerThread columns
+// per thread it also keeps the row's values between the two halves, wider rows read them again.
+
+template <fp8_dtype_t DT, fp8_dtype_t DY, fp8_dtype_t DX, int PT>
+__global__ void __launch_bounds__(kThreads)
+    norm_backward_fused_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x,
+                               const typename Wide<DY>::Raw* __restrict__ dy, int64_t rows, int64_t d,
+                               const float* __restrict__ gamma, const float* __restrict__ mean_in,
+                               const float* __restrict__ rstd_in, bool accumulate,
+                               typename Wide<DX>::Raw* __restrict__ dx, float* __restrict__ partial) {
+  constexpr bool kHold = PT <= kHoldPerThread;
+  constexpr int kHeld = kHold ? PT : 1;
+  __shared__ float scratch[32];
+  const int t = threadIdx.x;
+  float dg[PT], db[PT];
+#pragma unroll
+  for (int j = 0; j < PT; ++j) dg[j] = db[j] = 0.0f;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
+    const typename Wide<DT>::Raw* xr = x + r * d;
+    const typename Wide<DY>::Raw* dyr = dy + r * d;
+    float xh[kHeld], g[kHeld];
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PT; ++j) {
+      const int64_t c = t + j * kThreads;
+      if (c < d) {
+        const float dyv = Wide<DY>::to_float(dyr[c]);
+        const float xhat = (Wide<DT>::to_float(xr[c]) - mean) * rstd;
+        const float gv = dyv * gamma[c];
+        sg += gv;
+        sgx += gv * xhat;
+        dg[j] += dyv * xhat;
+        db[j] += dyv;
+        if constexpr (kHold) xh[j] = xhat, g[j] = gv;
+      }
+    }
+    const float mean_g = rms ? 0.0f : block_sum(sg, scratch) / static_cast<float>(d);
+    const float mean_gx = block_sum(sgx, scratch) / static_cast<float>(d);
+#pragma unroll
+    for (int j = 0; j < PT; ++j) {
+      const int64_t c = t + j * kThreads;
+      if (c < d) {
+        float xhat, gv;
+        if constexpr (kHold) {
+          xhat = xh[j], gv = g[j];
+        } else {
+          xhat = (Wide<DT>::to_float(xr[c]) - mean) * rstd;
+          gv = Wide<DY>::to_float(dyr[c]) * gamma[c];
+        }
+        const float v = rstd * (gv - mean_g - xhat * mean_gx);
+        // (__fadd_rn: one rounding of the sum, as on the CPU; a contraction into an FMA would differ)
+        dx[r * d + c] = Wide<DX>::from_float(accumulate ? __fadd_rn(Wide<DX>::to_float(dx[r * d + c]), v) : v);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < PT; ++j) {
+    const int64_t c = t + j * kThreads;
+    if (c < d) {
+      partial[static_cast<int64_t>(blockIdx.x) * d + c] = dg[j];
+      partial[static_cast<int64_t>(gridDim.x + blockIdx.x) * d + c] = db[j];
+    }
+  }
+}
+
 // partial[rc][c] = sum over rows r = rc (mod R) of dy * xhat (and of dy, after R*d floats).
 template <fp8_dtype_t DT, fp8_dtype_t DY>
 __global__ void __launch_bounds__(kThreads)
@@ -98,15 +202,30 @@ __global__ void __launch_bounds__(kThreads)
   partial[static_cast<int64_t>(R) * d + static_cast<int64_t>(rc) * d + c] = sb;
 }
 
+// dgamma[c] (+)= sum of the R partial rows of dgamma, dbeta alike. A block takes 32 columns; its 8
+// warps sum the partial rows w, w + 8, ... (lane = column), then one warp adds the 8 sums in order.
+constexpr int kReduceCols = 32, kReduceLanes = kThreads / kReduceCols;
 __global__ void __launch_bounds__(kThreads) norm_backward_reduce_kernel(const float* __restrict__ partial, int64_t d,
                                                                         int R, float* dgamma, float* dbeta,
                                                                         bool accumulate) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (c >= d) return;
+  __shared__ float sums[2][kReduceLanes][kReduceCols];
+  const int col = threadIdx.x % kReduceCols, lane = threadIdx.x / kReduceCols;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kReduceCols + col;
   float g = 0.0f, b = 0.0f;
-  for (int rc = 0; rc < R; ++rc) {
-    g += partial[static_cast<int64_t>(rc) * d + c];
-    b += partial[static_cast<int64_t>(R) * d + static_cast<int64_t>(rc) * d + c];
+  if (c < d) {
+    for (int rc = lane; rc < R; rc += kReduceLanes) {
+      g += partial[static_cast<int64_t>(rc) * d + c];
+      b += partial[static_cast<int64_t>(R) * d + static_cast<int64_t>(rc) * d + c];
+    }
+  }
+  sums[0][lane][col] = g;
+  sums[1][lane][col] = b;
+  __syncthreads();
+  if (lane != 0 || c >= d) return;
+  g = b = 0.0f;
+  for (int l = 0; l < kReduceLanes; ++l) {
+    g += sums[0][l][col];
+    b += sums[1][l][col];
   }
   dgamma[c] = accumulate ? dgamma[c] + g : g;
   if (dbeta) dbeta[c] = accumulate ? dbeta[c] + b : b;
@@ -119,10 +238,14 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
     dispatch_wide(j.x_dtype, [&](auto dt) {
       auto go = [&](auto out) {
         using Raw = typename Wide<decltype(dt)::value>::Raw;
-        auto* kernel = norm_forward_kernel<decltype(dt)::value, decltype(out)::value>;
-        const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
-        kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta,
-                                              j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
+        auto launch = [&](auto per_thread) {
+          auto* kernel = norm_forward_kernel<decltype(dt)::value, decltype(out)::value, decltype(per_thread)::value>;
+          const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
+          kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta,
+                                                j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
+        };
+        if (j.cols <= kThreads * kHoldPerThread) launch(std::integral_constant<int, kHoldPerThread>{});
+        else launch(std::integral_constant<int, 0>{});
       };
       dispatch_any(j.y_dtype, go);
     });
@@ -133,21 +256,38 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
     dispatch_wide(j.dy_dtype, [&](auto dyt) {
       using RawX = typename Wide<decltype(dt)::value>::Raw;
       using RawDy = typename Wide<decltype(dyt)::value>::Raw;
+      // Partial rows of dgamma and dbeta that fit the scratch (more rows per partial when few do).
+      const int64_t fit = static_cast<int64_t>(scratch_floats) / (2 * j.cols);
+      int R = 0;
       dispatch_wide(j.dx_dtype, [&](auto dxt) {
+        using RawDx = typename Wide<decltype(dxt)::value>::Raw;
+        auto fused = [&](auto per_thread) {
+          auto* kernel = norm_backward_fused_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
+                                                    decltype(per_thread)::value>;
+          // At most 4 blocks per SM: each writes two partial rows, which the reduce reads back.
+          R = grid_size(reinterpret_cast<const void*>(kernel), kThreads,
+                        std::min<int64_t>({j.rows, fit, 4LL * lim.sm_count}), lim.sm_count);
+          kernel<<<R, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
+                                             j.rows, j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
+                                             static_cast<RawDx*>(j.dx), scratch);
+        };
+        if (j.cols <= kThreads * kHoldPerThread) return fused(std::integral_constant<int, kHoldPerThread>{});
+        if (j.cols <= kFusedMaxCols) return fused(std::integral_constant<int, kFusedPerThread>{});
         auto* kernel = norm_backward_dx_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value>;
         const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
         kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
                                               j.rows, j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
-                                              static_cast<typename Wide<decltype(dxt)::value>::Raw*>(j.dx));
+                                              static_cast<RawDx*>(j.dx));
       });
-      // R partial rows of dgamma and dbeta fit the scratch; more rows per partial when they do not.
-      const int64_t fit = static_cast<int64_t>(scratch_floats) / (2 * j.cols);
-      const int R = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(fit, j.rows), 256)));
-      const dim3 grid(static_cast<unsigned>((j.cols + kThreads - 1) / kThreads), static_cast<unsigned>(R));
-      norm_backward_partial_kernel<decltype(dt)::value, decltype(dyt)::value><<<grid, kThreads, 0, stream>>>(
-          j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.mean, j.rstd, R, scratch);
-      norm_backward_reduce_kernel<<<grid.x, kThreads, 0, stream>>>(scratch, j.cols, R, j.dgamma, j.dbeta,
-                                                                   j.accumulate_params);
+      if (R == 0) {
+        R = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(fit, j.rows), 256)));
+        const dim3 grid(static_cast<unsigned>((j.cols + kThreads - 1) / kThreads), static_cast<unsigned>(R));
+        norm_backward_partial_kernel<decltype(dt)::value, decltype(dyt)::value><<<grid, kThreads, 0, stream>>>(
+            j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.mean, j.rstd, R,
+            scratch);
+      }
+      norm_backward_reduce_kernel<<<static_cast<unsigned>((j.cols + kReduceCols - 1) / kReduceCols), kThreads, 0,
+                                    stream>>>(scratch, j.cols, R, j.dgamma, j.dbeta, j.accumulate_params);
     });
   });
   cuda_check(cudaGetLastError(), "norm backward kernel launch");

@@ -69,6 +69,11 @@ class Backend {
   virtual std::string describe() const { return "the CPU backend"; }
 
   virtual void quantize(const QuantizeJob& job) = 0;
+  // The same as quantize() of each job in turn; a backend may run them together (the CUDA backend
+  // does, in one launch, for casts with a transposed copy under delayed scaling).
+  virtual void quantize_group(const QuantizeJob* jobs, size_t count) {
+    for (size_t i = 0; i < count; ++i) quantize(jobs[i]);
+  }
   virtual void recipe_quantize(const RecipeQuantizeJob& job) = 0;
   virtual void dequantize(const DequantizeJob& job) = 0;
   virtual void amax(const AmaxJob& job) = 0;

@@ -207,6 +207,22 @@ class CudaBackend final : public Backend {
         kernels::bias_grad({job.in, job.in_dtype, job.rows, job.cols, job.dbias, job.dbias_partials}, limits_, stream_);
     }
   }
+  void quantize_group(const QuantizeJob* jobs, size_t count) override {
+    // One launch for the casts it can take together (each a transposed copy under delayed scaling,
+    // no column sums, the first's dtype and format), the others alone.
+    std::vector<QuantizeJob> together;
+    for (size_t i = 0; i < count; ++i) {
+      const QuantizeJob& j = jobs[i];
+      require_tensor_scales(j, "CUDA");
+      const bool joins = j.out_t_scale_inv.ptr && !j.current && !j.dbias && j.in_dtype == jobs[0].in_dtype &&
+                         j.e5m2 == jobs[0].e5m2;
+      if (joins) together.push_back(j);
+      else quantize(j);
+    }
+    if (together.empty()) return;
+    DeviceScope scope(limits_.device);
+    kernels::cast_transpose_group(together.data(), together.size(), limits_, stream_);
+  }
   void recipe_quantize(const RecipeQuantizeJob& job) override {
     check_recipe_quantize(job);
     DeviceScope scope(limits_.device);

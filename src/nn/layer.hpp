@@ -121,6 +121,8 @@ class PooledBuffer {
   std::unique_ptr<DeviceBuffer> buffer_;
 };
 
+class Layer;
+
 // What a layer call needs from its model.
 struct Step {
   Backend& backend;
@@ -137,6 +139,9 @@ struct Step {
   // An optimizer step of this model was captured: its replays change the weights behind the host's
   // back, so an eager call remakes weight copies instead of trusting their version.
   bool steps_replayed;
+  // The model's layers, whose FP8 weight copies the first Linear that needs a new one makes
+  // together (make_weight_copies).
+  const std::vector<std::unique_ptr<Layer>>& layers;
 };
 
 // A parameter's value and gradient: views into the model's flat storage (nn/storage.hpp). FP32
@@ -217,6 +222,11 @@ class Layer {
   // copy is made with, recording no amax (the original copy's was recorded already); 0 unpins.
   virtual bool weight_copy_scale(uint64_t /*model_version*/, float* /*scale*/) const { return false; }
   virtual void pin_weight_copy_scale(float /*scale*/) {}
+  // Adds the cast of the layer's next FP8 weight copy to `jobs` (true) when the layer made one for
+  // earlier weights under delayed scaling and the copy for these is still to make; then, once the
+  // casts are queued, weight_copy_made counts it as made (make_weight_copies).
+  virtual bool stage_weight_copy(const Step& /*step*/, std::vector<QuantizeJob>& /*jobs*/) { return false; }
+  virtual void weight_copy_made(const Step& /*step*/) {}
 
  protected:
   // Adds a parameter with a zeroed gradient, its value filled with `init`.
@@ -236,6 +246,12 @@ class Layer {
   bool converted_ = false;
   uint64_t epoch_ = 0;  // convert() increments it
 };
+
+// Makes the FP8 weight copies of every layer of step.layers whose copy is due (stage_weight_copy)
+// in one Backend::quantize_group: the copies each layer's first FP8 call after a weights change
+// would make (same scales, same amaxes recorded), but in one pass over the weights instead of one
+// launch per layer, too small each to fill the GPU.
+void make_weight_copies(const Step& step);
 
 std::unique_ptr<Layer> make_linear(std::shared_ptr<Backend> backend, std::string name, int64_t in_features,
                                    int64_t out_features, bool with_bias);

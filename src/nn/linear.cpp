@@ -524,29 +524,20 @@ class Linear final : public Layer {
                  gt.ptr, *s_w_, workspace);
       fp8_weight_.made(version, step.capture_id);
     } else if (w8 && !fp8_weight_.current(step, version)) {
-      float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale
-      uint8_t* qwt = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
-      if (w.dtype == FP8_DTYPE_E4M3) {
-        be.transpose(
-            {static_cast<const uint8_t*>(w.data), out_, in_, qwt, tensor_scale(w.scale_inv), tensor_scale(si)});
-      } else {
-        QuantizeJob q{};
-        q.in = w.data;
-        q.in_dtype = w.dtype;
-        q.rows = out_;
-        q.cols = in_;
-        q.out = qw_.ensure<uint8_t>(static_cast<size_t>(n));
-        q.out_t = qwt;
-        q.e5m2 = false;
-        cast_through(q, pinned_ ? *pinned_w_ : *s_w_);
-        if (!pinned_ && !s_w_->current) s_w_->pending = true;
-        q.out_scale_inv = tensor_scale(si);
-        q.out_t_scale_inv = tensor_scale(si);
-        q.out_scale = tensor_scale(si + kScaleSlot2);
-        be.quantize(q);
-        pinned_ = false;  // (its memory stays until the next pin: the queued cast reads it)
+      // Under delayed scaling the copies of every layer that is due are made together, this one's
+      // among them unless it never made one (its first FP8 call) or its scale is pinned.
+      if (groups_weight_copies(step)) make_weight_copies(step);
+      if (!fp8_weight_.current(step, version)) {
+        if (w.dtype == FP8_DTYPE_E4M3) {
+          float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));
+          be.transpose({static_cast<const uint8_t*>(w.data), out_, in_, qwt_.ensure<uint8_t>(static_cast<size_t>(n)),
+                        tensor_scale(w.scale_inv), tensor_scale(si)});
+        } else {
+          be.quantize(weight_cast());
+          pinned_ = false;  // (its memory stays until the next pin: the queued cast reads it)
+        }
+        fp8_weight_.made(version, step.capture_id);
       }
-      fp8_weight_.made(version, step.capture_id);
     }
     if (!p.fprop || (step.training && !p.dgrad)) weight_in(step, act);
     const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);  // (cuBLASLt's FP8 bias is bf16)
@@ -556,6 +547,44 @@ class Linear final : public Layer {
       bf16_bias_.made(version, step.capture_id);
     }
   }
+
+  // The cast of the weight (FP32 or F16) into its FP8 copy and the copy's transpose, through the
+  // pinned state after a checkpoint load, else the layer's (marked as having recorded an amax).
+  QuantizeJob weight_cast() {
+    const int64_t n = out_ * in_;
+    const fp8_tensor& w = *params_[0].value;
+    float* si = w_si_.ensure<float>(kScaleSlots * sizeof(float));  // scale_inv, and at kScaleSlot2 the scale
+    QuantizeJob q{};
+    q.in = w.data;
+    q.in_dtype = w.dtype;
+    q.rows = out_;
+    q.cols = in_;
+    q.out = qw_.ensure<uint8_t>(static_cast<size_t>(n));
+    q.out_t = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
+    q.e5m2 = false;
+    cast_through(q, pinned_ ? *pinned_w_ : *s_w_);
+    if (!pinned_ && !s_w_->current) s_w_->pending = true;
+    q.out_scale_inv = tensor_scale(si);
+    q.out_t_scale_inv = tensor_scale(si);
+    q.out_scale = tensor_scale(si + kScaleSlot2);
+    return q;
+  }
+
+  // Whether the layer's weight copy can be made in a group: a cast (FP32 or F16 weight) under delayed
+  // scaling with the layer's own state, and a copy that stays current once made (an eager call
+  // after captured optimizer steps remakes its copy at every call).
+  bool groups_weight_copies(const Step& step) const {
+    return converted_ && scaling() == FP8_SCALING_DELAYED && !pinned_ &&
+           params_[0].value->dtype != FP8_DTYPE_E4M3 && !(step.steps_replayed && step.capture_id == 0);
+  }
+
+  bool stage_weight_copy(const Step& step, std::vector<QuantizeJob>& jobs) override {
+    if (!groups_weight_copies(step) || fp8_weight_.version == kNever || fp8_weight_.current(step, weights_version(step)))
+      return false;
+    jobs.push_back(weight_cast());
+    return true;
+  }
+  void weight_copy_made(const Step& step) override { fp8_weight_.made(weights_version(step), step.capture_id); }
 
   bool weight_copy_scale(uint64_t model_version, float* scale) const override {
     if (!converted_ || cell_scaling() || params_[0].value->dtype == FP8_DTYPE_E4M3 ||
@@ -621,6 +650,16 @@ class Linear final : public Layer {
 };
 
 }  // namespace
+
+void make_weight_copies(const Step& step) {
+  std::vector<QuantizeJob> jobs;
+  std::vector<Layer*> staged;
+  for (const auto& layer : step.layers)
+    if (layer->stage_weight_copy(step, jobs)) staged.push_back(layer.get());
+  if (jobs.empty()) return;
+  step.backend.quantize_group(jobs.data(), jobs.size());
+  for (Layer* layer : staged) layer->weight_copy_made(step);  // (only once the casts are queued)
+}
 
 std::unique_ptr<Layer> make_linear(std::shared_ptr<Backend> backend, std::string name, int64_t in_features,
                                    int64_t out_features, bool with_bias) {

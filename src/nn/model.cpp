@@ -80,9 +80,16 @@ Step make_step(fp8_model& m) {
   const bool fp8 = r && m.autocast && (m.training || r->get(FP8_RECIPE_USE_AUTOCAST_DURING_EVAL));
   if (!m.call_scratch) m.call_scratch = std::make_unique<DeviceBuffer>(m.backend);
   if (!m.pool) m.pool = std::make_shared<BufferPool>(m.backend);
-  return Step{
-      *m.backend,     r, fp8, m.training, m.weights_version, m.call_scratch.get(), m.pool, m.backend->capture_id(),
-      m.step_captured};
+  return Step{*m.backend,
+              r,
+              fp8,
+              m.training,
+              m.weights_version,
+              m.call_scratch.get(),
+              m.pool,
+              m.backend->capture_id(),
+              m.step_captured,
+              m.layers};
 }
 
 std::unique_ptr<fp8_saved> layer_forward(fp8_model& m, int32_t id, const fp8_tensor* x, fp8_tensor* y) {

@@ -782,6 +782,48 @@ TEST(LinearWeightCopy, MadeOncePerWeightsVersion) {
   EXPECT_EQ(region(scale), 0.0f);
 }
 
+// After a weights change, the first FP8 forward makes the copies of every Linear that made one for
+// the earlier weights (nn::make_weight_copies: one grouped cast on the GPU): their weight states
+// record the new weights' amax although only the first Linear ran; a Linear that never made a copy
+// (never ran in FP8) is left to its own first call. Fails on per-layer copies.
+TEST(LinearWeightCopy, TheFirstForwardAfterAWeightsChangeMakesEveryDueCopy) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model m = make_model(ctx.get());
+  const int64_t d = 32, tokens = 16;
+  for (const char* name : {"l0", "l1", "l2"}) FP8_ASSERT_OK(fp8_model_add_linear(m.get(), name, d, d, 0, nullptr));
+  std::vector<std::vector<float>> w;
+  for (int i = 0; i < 3; ++i) {
+    w.push_back(randn(static_cast<size_t>(d * d), 10 + static_cast<uint32_t>(i), 0.5f * (i + 1)));
+    set_param(m.get(), "l" + std::to_string(i) + ".weight", w.back());
+  }
+  Recipe r = make_recipe("backend=te, small_layer_fallback=off");  // (FP32 weights: amaxes exact)
+  FP8_ASSERT_OK(fp8_convert_model(m.get(), r.get(), nullptr));
+  Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {tokens, d}), y = make_tensor(ctx.get(), FP8_DTYPE_F32, {tokens, d});
+  upload(x.get(), randn(static_cast<size_t>(tokens * d), 3, 1.0f));
+  auto weight_amax = [&](int32_t id) { return state_info(m.get(), id, FP8_SCALING_WEIGHT).amax; };
+  // Step 1: l0 and l1 run (each makes its own first copy); l2 never does.
+  FP8_ASSERT_OK(fp8_autocast_begin(m.get()));
+  for (int32_t id : {0, 1}) FP8_ASSERT_OK(forward_only(m.get(), id, x.get(), y.get()));
+  EXPECT_EQ(weight_amax(1), amax_of(w[1]));
+  FP8_ASSERT_OK(fp8_autocast_end(m.get()));
+  // New weights; only l0 runs.
+  for (int i = 0; i < 3; ++i) {
+    w[i] = randn(static_cast<size_t>(d * d), 20 + static_cast<uint32_t>(i), 0.25f * (i + 1));
+    set_param(m.get(), "l" + std::to_string(i) + ".weight", w[i]);
+  }
+  FP8_ASSERT_OK(fp8_autocast_begin(m.get()));
+  FP8_ASSERT_OK(forward_only(m.get(), 0, x.get(), y.get()));
+  EXPECT_EQ(weight_amax(0), amax_of(w[0]));
+  EXPECT_EQ(weight_amax(1), amax_of(w[1])) << "l1's copy was made with l0's";
+  EXPECT_EQ(weight_amax(2), 0.0f) << "l2 never ran in FP8: no copy made for it";
+  // l1's forward reuses that copy: no second cast records anything after the update.
+  FP8_ASSERT_OK(fp8_autocast_end(m.get()));
+  FP8_ASSERT_OK(fp8_autocast_begin(m.get()));
+  FP8_ASSERT_OK(forward_only(m.get(), 1, x.get(), y.get()));
+  EXPECT_EQ(weight_amax(1), 0.0f) << "l1's copy is current";
+  FP8_ASSERT_OK(fp8_autocast_end(m.get()));
+}
+
 // A new bias alone is a new weights version too: the next FP8 forward adds its bf16 copy (and casts
 // W again, with the weight state's current scale).
 TEST(LinearWeightCopy, NewBiasIsSeenByTheNextForward) {
