@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
 // per thread it also keeps the row's values between the two halves, wider rows read them again.
 
 template <fp8_dtype_t DT, fp8_dtype_t DY, fp8_dtype_t DX, int PT>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, PT <= kHoldPerThread ? 4 : 2)
     norm_backward_fused_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x,
                                const typename Wide<DY>::Raw* __restrict__ dy, int64_t rows, int64_t d,
                                const float* __restrict__ gamma, const float* __restrict__ mean_in,
@@ -264,9 +264,8 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
         auto fused = [&](auto per_thread) {
           auto* kernel = norm_backward_fused_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
                                                     decltype(per_thread)::value>;
-          // At most 4 blocks per SM: each writes two partial rows, which the reduce reads back.
-          R = grid_size(reinterpret_cast<const void*>(kernel), kThreads,
-                        std::min<int64_t>({j.rows, fit, 4LL * lim.sm_count}), lim.sm_count);
+          // One block per resident slot (each writes two partial rows, which the reduce reads back).
+          R = grid_size(reinterpret_cast<const void*>(kernel), kThreads, std::min<int64_t>(j.rows, fit), lim.sm_count);
           kernel<<<R, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
                                              j.rows, j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
                                              static_cast<RawDx*>(j.dx), scratch);

@@ -121,20 +121,20 @@ FP8_HD uint16_t float_to_bf16(float f) {
 // NaN -> 0x7FFF.
 FP8_HD float f16_to_float(uint16_t h) {
 #if defined(__CUDA_ARCH__)
-  // The hardware conversion (exact, as below) for every value but NaN, whose payload the code
-  // below keeps: the branchy form made f16-input casts compute-bound.
-  if ((h & 0x7FFFu) <= 0x7C00u) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-  }
-#endif
+  // The hardware conversion (exact, as below) for every value, then a select that keeps a NaN's
+  // sign and payload as the code below does: no branch, so an f16-input cast stays memory-bound.
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  const uint32_t nan = (static_cast<uint32_t>(h & 0x8000u) << 16) | 0x7F800000u | (static_cast<uint32_t>(h & 0x3FFu) << 13);
+  return (h & 0x7FFFu) > 0x7C00u ? bits_float(nan) : f;
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t e = (h >> 10) & 0x1Fu;
   const uint32_t m = h & 0x3FFu;
   if (e == 0x1F) return bits_float(sign | 0x7F800000u | (m << 13));
   if (e == 0) return bits_float(sign | float_bits(static_cast<float>(m) * 5.9604644775390625e-8f));  // 2^-24
   return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+#endif
 }
 FP8_HD uint16_t float_to_f16(float f) {
   const uint32_t u = float_bits(f);
