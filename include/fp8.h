@@ -833,7 +833,11 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * its backward (as in any autograd), unless fp8_saved_needs_input says its backward does not read it.
  * One backward per forward. A Linear's dx must be 16-byte aligned when its dgrad runs in FP8 (tensors
  * from fp8_tensor_create always are). Writing any parameter of a Linear (the bias too) makes it remake
- * its weight copies. Scaling states are updated in batched launches at the end of an autocast
+ * its weight copies. Under delayed scaling the first FP8 call after weights change makes the copies
+ * of every Linear that made one before, in one pass (one launch on the GPU): the same copies, scales
+ * and recorded amaxes as each layer's own first call would give, since the weight states are only
+ * updated at the end of a region (a layer that then runs in high precision has recorded its
+ * weight's amax all the same). Scaling states are updated in batched launches at the end of an autocast
  * region and of fp8_model_backward (see fp8_autocast_begin). A model is externally synchronised; calls are asynchronous
  * on the context's stream unless stated.
  * --------------------------------------------------------------------------------------------- */

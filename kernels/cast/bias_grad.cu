@@ -59,12 +59,23 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-__global__ void column_finish_kernel(const float* __restrict__ partials, int64_t tiles, int64_t cols,
-                                     float* __restrict__ dbias) {
+// One thread per column adds its partials in tile order. The loads of 16 partials are issued
+// before their adds (which stay in order), so the thread is not one load latency per partial.
+constexpr int kFinishThreads = 64, kFinishBatch = 16;
+__global__ void __launch_bounds__(kFinishThreads)
+    column_finish_kernel(const float* __restrict__ partials, int64_t tiles, int64_t cols, float* __restrict__ dbias) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   float total = 0.0f;
-  for (int64_t t = 0; t < tiles; ++t) total += partials[t * cols + c];
+  int64_t t = 0;
+  for (; t + kFinishBatch <= tiles; t += kFinishBatch) {
+    float v[kFinishBatch];
+#pragma unroll
+    for (int i = 0; i < kFinishBatch; ++i) v[i] = partials[(t + i) * cols + c];
+#pragma unroll
+    for (int i = 0; i < kFinishBatch; ++i) total += v[i];
+  }
+  for (; t < tiles; ++t) total += partials[t * cols + c];
   dbias[c] += total;
 }
 
@@ -74,7 +85,8 @@ void bias_grad_finish(const float* partials, int64_t rows, int64_t cols, float* 
                       cudaStream_t stream) {
   const int64_t tiles = (rows + kBiasGradRows - 1) / kBiasGradRows;
   if (tiles == 0 || cols == 0) return;
-  column_finish_kernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, stream>>>(partials, tiles, cols, dbias);
+  column_finish_kernel<<<static_cast<unsigned>((cols + kFinishThreads - 1) / kFinishThreads), kFinishThreads, 0, stream>>>(
+      partials, tiles, cols, dbias);
   cuda_check(cudaGetLastError(), "bias gradient kernel launch");
 }
 
