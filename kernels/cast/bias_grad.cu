@@ -85,8 +85,8 @@ void bias_grad_finish(const float* partials, int64_t rows, int64_t cols, float* 
                       cudaStream_t stream) {
   const int64_t tiles = (rows + kBiasGradRows - 1) / kBiasGradRows;
   if (tiles == 0 || cols == 0) return;
-  column_finish_kernel<<<static_cast<unsigned>((cols + kFinishThreads - 1) / kFinishThreads), kFinishThreads, 0, stream>>>(
-      partials, tiles, cols, dbias);
+  column_finish_kernel<<<static_cast<unsigned>((cols + kFinishThreads - 1) / kFinishThreads), kFinishThreads, 0,
+                         stream>>>(partials, tiles, cols, dbias);
   cuda_check(cudaGetLastError(), "bias gradient kernel launch");
 }
 

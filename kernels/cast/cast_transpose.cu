@@ -214,7 +214,9 @@ CastItem cast_item(const QuantizeJob& j, int64_t first_tile) {
   return it;
 }
 
-int64_t tile_count(const QuantizeJob& j) { return ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile); }
+int64_t tile_count(const QuantizeJob& j) {
+  return ((j.rows + kTile - 1) / kTile) * ((j.cols + kTile - 1) / kTile);
+}
 
 template <int N>
 void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbias, const QuantizeJob& first,

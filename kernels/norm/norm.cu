@@ -25,8 +25,9 @@ constexpr int64_t kFusedMaxCols = int64_t{kThreads} * kFusedPerThread;
 template <fp8_dtype_t DT, fp8_dtype_t OUT, int PT>
 __global__ void __launch_bounds__(kThreads)
     norm_forward_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x, int64_t rows, int64_t d,
-                        const float* __restrict__ gamma, const float* __restrict__ beta, float eps, void* __restrict__ y,
-                        ScalingHeader* state, float* y_scale_inv, float* mean_out, float* rstd_out) {
+                        const float* __restrict__ gamma, const float* __restrict__ beta, float eps,
+                        void* __restrict__ y, ScalingHeader* state, float* y_scale_inv, float* mean_out,
+                        float* rstd_out) {
   constexpr int kHeld = PT > 0 ? PT : 1;
   __shared__ float scratch[32];
   const float scale = state ? state->scale : 1.0f;
@@ -69,7 +70,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < PT; ++j) {
         const int64_t c = t + j * kThreads;
-        if (c < d) store_output<OUT>(y, r * d + c, (v[j] - mean) * rstd * gamma[c] + (beta ? beta[c] : 0.0f), scale, amax);
+        if (c < d)
+          store_output<OUT>(y, r * d + c, (v[j] - mean) * rstd * gamma[c] + (beta ? beta[c] : 0.0f), scale, amax);
       }
     } else {
       for (int64_t c = t; c < d; c += kThreads) {
@@ -244,8 +246,10 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
           kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta,
                                                 j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
         };
-        if (j.cols <= kThreads * kHoldPerThread) launch(std::integral_constant<int, kHoldPerThread>{});
-        else launch(std::integral_constant<int, 0>{});
+        if (j.cols <= kThreads * kHoldPerThread)
+          launch(std::integral_constant<int, kHoldPerThread>{});
+        else
+          launch(std::integral_constant<int, 0>{});
       };
       dispatch_any(j.y_dtype, go);
     });
@@ -281,9 +285,9 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
       if (R == 0) {
         R = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(fit, j.rows), 256)));
         const dim3 grid(static_cast<unsigned>((j.cols + kThreads - 1) / kThreads), static_cast<unsigned>(R));
-        norm_backward_partial_kernel<decltype(dt)::value, decltype(dyt)::value><<<grid, kThreads, 0, stream>>>(
-            j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.mean, j.rstd, R,
-            scratch);
+        norm_backward_partial_kernel<decltype(dt)::value, decltype(dyt)::value>
+            <<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
+                                            j.rows, j.cols, j.mean, j.rstd, R, scratch);
       }
       norm_backward_reduce_kernel<<<static_cast<unsigned>((j.cols + kReduceCols - 1) / kReduceCols), kThreads, 0,
                                     stream>>>(scratch, j.cols, R, j.dgamma, j.dbeta, j.accumulate_params);

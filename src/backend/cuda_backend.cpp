@@ -214,10 +214,12 @@ class CudaBackend final : public Backend {
     for (size_t i = 0; i < count; ++i) {
       const QuantizeJob& j = jobs[i];
       require_tensor_scales(j, "CUDA");
-      const bool joins = j.out_t_scale_inv.ptr && !j.current && !j.dbias && j.in_dtype == jobs[0].in_dtype &&
-                         j.e5m2 == jobs[0].e5m2;
-      if (joins) together.push_back(j);
-      else quantize(j);
+      const bool joins =
+          j.out_t_scale_inv.ptr && !j.current && !j.dbias && j.in_dtype == jobs[0].in_dtype && j.e5m2 == jobs[0].e5m2;
+      if (joins)
+        together.push_back(j);
+      else
+        quantize(j);
     }
     if (together.empty()) return;
     DeviceScope scope(limits_.device);

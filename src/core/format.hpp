@@ -125,7 +125,8 @@ FP8_HD float f16_to_float(uint16_t h) {
   // sign and payload as the code below does: no branch, so an f16-input cast stays memory-bound.
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  const uint32_t nan = (static_cast<uint32_t>(h & 0x8000u) << 16) | 0x7F800000u | (static_cast<uint32_t>(h & 0x3FFu) << 13);
+  const uint32_t nan =
+      (static_cast<uint32_t>(h & 0x8000u) << 16) | 0x7F800000u | (static_cast<uint32_t>(h & 0x3FFu) << 13);
   return (h & 0x7FFFu) > 0x7C00u ? bits_float(nan) : f;
 #else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

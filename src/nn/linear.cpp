@@ -574,12 +574,13 @@ class Linear final : public Layer {
   // scaling with the layer's own state, and a copy that stays current once made (an eager call
   // after captured optimizer steps remakes its copy at every call).
   bool groups_weight_copies(const Step& step) const {
-    return converted_ && scaling() == FP8_SCALING_DELAYED && !pinned_ &&
-           params_[0].value->dtype != FP8_DTYPE_E4M3 && !(step.steps_replayed && step.capture_id == 0);
+    return converted_ && scaling() == FP8_SCALING_DELAYED && !pinned_ && params_[0].value->dtype != FP8_DTYPE_E4M3 &&
+           !(step.steps_replayed && step.capture_id == 0);
   }
 
   bool stage_weight_copy(const Step& step, std::vector<QuantizeJob>& jobs) override {
-    if (!groups_weight_copies(step) || fp8_weight_.version == kNever || fp8_weight_.current(step, weights_version(step)))
+    if (!groups_weight_copies(step) || fp8_weight_.version == kNever ||
+        fp8_weight_.current(step, weights_version(step)))
       return false;
     jobs.push_back(weight_cast());
     return true;

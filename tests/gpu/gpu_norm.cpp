@@ -15,8 +15,8 @@ namespace {
 TEST(GpuNorm, ForwardAndBackwardMatchTheCpuReference) {
   Context cpu = make_context(FP8_DEVICE_CPU), gpu = make_context(0);
   Recipe recipe = make_recipe();
-  const std::vector<std::vector<int64_t>> shapes = {{1, 1}, {3, 1000}, {257, 64}, {2, 3, 40}, {128, 4096}, {2048, 1024},
-                                                   {1000, 3000}, {3, 9000}};
+  const std::vector<std::vector<int64_t>> shapes = {{1, 1},      {3, 1000},    {257, 64},    {2, 3, 40},
+                                                    {128, 4096}, {2048, 1024}, {1000, 3000}, {3, 9000}};
   uint32_t seed = 1;
   for (fp8_norm_t kind : {FP8_NORM_LAYERNORM, FP8_NORM_RMSNORM}) {
     const bool rms = kind == FP8_NORM_RMSNORM;
