@@ -4,7 +4,9 @@
 // column), 16 input rows each, so `out_t` is written in whole 128-byte lines too. The loads of a
 // block's next tile are issued before it writes the current one. bench/RESULTS.md records the
 // register-only designs this one beat. With DBIAS the pass also writes one partial column sum per
-// tile (the Linear's bias gradient from the dy cast; see kBiasGradRows), in a fixed order.
+// tile (the Linear's bias gradient from the dy cast; see kBiasGradRows), in a fixed order. One
+// launch may cast several tensors (the model's weight copies, cast_transpose_group): the tiles of
+// all of them form one range, each block's amax going to the state of the tensor its tiles are in.
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
 
