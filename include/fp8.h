@@ -34,7 +34,9 @@
  *   allocation during a capture is refused with FP8_ERR_INVALID_STATE saying so); make synchronous
  *   calls (fp8_optimizer_set_float, copies to and from the host, fp8_*_get_info) between replays,
  *   never inside a capture. Within a captured sequence a Linear makes its FP8 and bf16 weight copies
- *   at its first forward (replays follow optimizer steps the capture cannot know of) and reuses them
+ *   at its first forward, or an earlier Linear's forward makes its FP8 copy with its own (see the
+ *   weight copies under "Models and layers"; replays follow optimizer steps the capture cannot know
+ *   of) and reuses them
  *   for later micro-batches; the scaling states updated at the end of each region are those that
  *   recorded an amax in the captured calls, the same in every replay. A graph uses the model's
  *   buffers as they were at capture: between its replays, run no other call of that model that
@@ -834,10 +836,11 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * One backward per forward. A Linear's dx must be 16-byte aligned when its dgrad runs in FP8 (tensors
  * from fp8_tensor_create always are). Writing any parameter of a Linear (the bias too) makes it remake
  * its weight copies. Under delayed scaling the first FP8 call after weights change makes the copies
- * of every Linear that made one before, in one pass (one launch on the GPU): the same copies, scales
- * and recorded amaxes as each layer's own first call would give, since the weight states are only
- * updated at the end of a region (a layer that then runs in high precision has recorded its
- * weight's amax all the same). Scaling states are updated in batched launches at the end of an autocast
+ * of every Linear that used one at this weights version or the one before, in one pass (on the GPU
+ * one launch per weight dtype): the same copies, scales and recorded amaxes as each layer's own
+ * first call would give, since the weight states are only updated at the end of a region. (A layer
+ * that then does not run in FP8 in that region has recorded its weight's amax all the same, once:
+ * after a second weights change without an FP8 call it is no longer cast.) Scaling states are updated in batched launches at the end of an autocast
  * region and of fp8_model_backward (see fp8_autocast_begin). A model is externally synchronised; calls are asynchronous
  * on the context's stream unless stated.
  * --------------------------------------------------------------------------------------------- */

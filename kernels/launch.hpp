@@ -19,8 +19,8 @@ constexpr int kScalingBatch = 1024;
 
 void quantize(const QuantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);        // no transpose
 void cast_transpose(const QuantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);  // job.out_t set
-// Several casts with transposed copies in one launch per 64 (delayed scaling, one input dtype and
-// format, no column sums: Backend::quantize_group checked them).
+// Several casts with transposed copies, one launch per 64 (delayed scaling, one input dtype and
+// format, no column sums: the CUDA backend's quantize_group sorted them so).
 void cast_transpose_group(const QuantizeJob* jobs, size_t count, const LaunchLimits& lim, cudaStream_t stream);
 // Fused amax + quantize under a recipe's scale grid (job checked by check_recipe_quantize).
 void recipe_quantize(const RecipeQuantizeJob& job, const LaunchLimits& lim, cudaStream_t stream);

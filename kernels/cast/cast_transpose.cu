@@ -71,6 +71,8 @@ struct CastItems {
   int64_t tiles;  // over all items
 };
 constexpr int kMaxGroup = 64;  // items per launch: 64 x 96 bytes of kernel parameters
+// (More than the 4 KiB of kernel parameters before CUDA 12.1; sm_70+ with CUDA >= 12.1 take 32 KiB.)
+static_assert(sizeof(CastItems<kMaxGroup>) <= 32764, "a group's items must fit the kernel parameters");
 
 template <fp8_dtype_t DT, bool E5M2, bool DBIAS, int N>
 __global__ void __launch_bounds__(kThreads)

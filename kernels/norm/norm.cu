@@ -2,9 +2,9 @@
 // in float, block sums in a fixed order). dgamma and dbeta are column sums over rows. Up to
 // kFusedMaxCols columns, the backward reads x and dy once for dx and the column sums: each thread
 // keeps its columns' sums in registers over its block's rows (r = b, b + G, ...), each block writes
-// one partial row of each into the context's scratch, and a second kernel adds the G partials in
-// order. Wider rows take two kernels: dx, then the partial sums over rows rc, rc + R, ... (R partial
-// rows). Deterministic either way, no atomics.
+// one partial row of each into the context's scratch, and a second kernel adds the G partials in a
+// fixed order. Wider rows take two kernels: dx, then the partial sums over rows rc, rc + R, ... (R
+// partial rows). G and R depend on the shape alone: deterministic on every device, no atomics.
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -19,9 +19,10 @@ constexpr int kThreads = 256;
 // backward's column sums up to kFusedPerThread.
 constexpr int kHoldPerThread = 8, kFusedPerThread = 32;
 constexpr int64_t kFusedMaxCols = int64_t{kThreads} * kFusedPerThread;
+constexpr int64_t kFusedPartials = 512;  // the fused backward's blocks, at most
 
 // PT > 0: each thread holds its PT columns (t + j * kThreads) of the row in registers, so x is read
-// once (d <= PT * kThreads); PT = 0: any d, the row read three times.
+// once (d <= PT * kThreads); PT = 0: any d, the row read three times (RMSNorm: twice).
 template <fp8_dtype_t DT, fp8_dtype_t OUT, int PT>
 __global__ void __launch_bounds__(kThreads)
     norm_forward_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x, int64_t rows, int64_t d,
@@ -268,8 +269,10 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
         auto fused = [&](auto per_thread) {
           auto* kernel = norm_backward_fused_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
                                                     decltype(per_thread)::value>;
-          // One block per resident slot (each writes two partial rows, which the reduce reads back).
-          R = grid_size(reinterpret_cast<const void*>(kernel), kThreads, std::min<int64_t>(j.rows, fit), lim.sm_count);
+          // One block per partial row; their number depends on the rows alone, not on the device,
+          // so dgamma and dbeta have the same bits on every GPU (kFusedPartials fills an H100 at 4
+          // blocks per SM).
+          R = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({j.rows, fit, kFusedPartials})));
           kernel<<<R, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
                                              j.rows, j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
                                              static_cast<RawDx*>(j.dx), scratch);

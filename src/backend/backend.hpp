@@ -70,7 +70,8 @@ class Backend {
 
   virtual void quantize(const QuantizeJob& job) = 0;
   // The same as quantize() of each job in turn; a backend may run them together (the CUDA backend
-  // does, in one launch, for casts with a transposed copy under delayed scaling).
+  // does, one launch per input dtype and format, for casts with a transposed copy under delayed
+  // scaling).
   virtual void quantize_group(const QuantizeJob* jobs, size_t count) {
     for (size_t i = 0; i < count; ++i) quantize(jobs[i]);
   }

@@ -208,22 +208,28 @@ class CudaBackend final : public Backend {
     }
   }
   void quantize_group(const QuantizeJob* jobs, size_t count) override {
-    // One launch for the casts it can take together (each a transposed copy under delayed scaling,
-    // no column sums, the first's dtype and format), the others alone.
+    // The casts it can take together (each a transposed copy under delayed scaling, no column sums)
+    // in one launch per input dtype and format (and per 64 casts), the others alone.
     std::vector<QuantizeJob> together;
     for (size_t i = 0; i < count; ++i) {
-      const QuantizeJob& j = jobs[i];
-      require_tensor_scales(j, "CUDA");
-      const bool joins =
-          j.out_t_scale_inv.ptr && !j.current && !j.dbias && j.in_dtype == jobs[0].in_dtype && j.e5m2 == jobs[0].e5m2;
-      if (joins)
-        together.push_back(j);
+      require_tensor_scales(jobs[i], "CUDA");
+      if (jobs[i].out_t_scale_inv.ptr && !jobs[i].current && !jobs[i].dbias)
+        together.push_back(jobs[i]);
       else
-        quantize(j);
+        quantize(jobs[i]);
     }
-    if (together.empty()) return;
+    std::stable_sort(together.begin(), together.end(), [](const QuantizeJob& a, const QuantizeJob& b) {
+      return std::make_pair(a.in_dtype, a.e5m2) < std::make_pair(b.in_dtype, b.e5m2);
+    });
     DeviceScope scope(limits_.device);
-    kernels::cast_transpose_group(together.data(), together.size(), limits_, stream_);
+    for (size_t first = 0; first < together.size();) {
+      size_t end = first + 1;
+      while (end < together.size() && together[end].in_dtype == together[first].in_dtype &&
+             together[end].e5m2 == together[first].e5m2)
+        ++end;
+      kernels::cast_transpose_group(together.data() + first, end - first, limits_, stream_);
+      first = end;
+    }
   }
   void recipe_quantize(const RecipeQuantizeJob& job) override {
     check_recipe_quantize(job);

@@ -106,6 +106,7 @@ class Linear final : public Layer {
     converted_ = fp8;
     ++epoch_;
     fp8_weight_ = CopyMark{};
+    used_copy_at_ = kNever;
     pinned_ = false;
   }
 
@@ -525,7 +526,8 @@ class Linear final : public Layer {
       fp8_weight_.made(version, step.capture_id);
     } else if (w8 && !fp8_weight_.current(step, version)) {
       // Under delayed scaling the copies of every layer that is due are made together, this one's
-      // among them unless it never made one (its first FP8 call) or its scale is pinned.
+      // among them unless it did not use one at this or the previous weights version (its first
+      // FP8 call) or its scale is pinned.
       if (groups_weight_copies(step)) make_weight_copies(step);
       if (!fp8_weight_.current(step, version)) {
         if (w.dtype == FP8_DTYPE_E4M3) {
@@ -534,11 +536,12 @@ class Linear final : public Layer {
                         tensor_scale(w.scale_inv), tensor_scale(si)});
         } else {
           be.quantize(weight_cast());
-          pinned_ = false;  // (its memory stays until the next pin: the queued cast reads it)
+          weight_cast_queued();
         }
         fp8_weight_.made(version, step.capture_id);
       }
     }
+    if (w8) used_copy_at_ = step.weights_version;
     if (!p.fprop || (step.training && !p.dgrad)) weight_in(step, act);
     const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);  // (cuBLASLt's FP8 bias is bf16)
     if (bf16_bias && !bf16_bias_.current(step, version)) {
@@ -549,7 +552,7 @@ class Linear final : public Layer {
   }
 
   // The cast of the weight (FP32 or F16) into its FP8 copy and the copy's transpose, through the
-  // pinned state after a checkpoint load, else the layer's (marked as having recorded an amax).
+  // pinned state after a checkpoint load, else the layer's; weight_cast_queued once it is queued.
   QuantizeJob weight_cast() {
     const int64_t n = out_ * in_;
     const fp8_tensor& w = *params_[0].value;
@@ -563,11 +566,16 @@ class Linear final : public Layer {
     q.out_t = qwt_.ensure<uint8_t>(static_cast<size_t>(n));
     q.e5m2 = false;
     cast_through(q, pinned_ ? *pinned_w_ : *s_w_);
-    if (!pinned_ && !s_w_->current) s_w_->pending = true;
     q.out_scale_inv = tensor_scale(si);
     q.out_t_scale_inv = tensor_scale(si);
     q.out_scale = tensor_scale(si + kScaleSlot2);
     return q;
+  }
+  // The layer's own state recorded an amax (a pinned one records none, and is used once: its
+  // memory stays until the next pin, as the queued cast reads it).
+  void weight_cast_queued() {
+    if (!pinned_ && !s_w_->current) s_w_->pending = true;
+    pinned_ = false;
   }
 
   // Whether the layer's weight copy can be made in a group: a cast (FP32 or F16 weight) under delayed
@@ -578,14 +586,19 @@ class Linear final : public Layer {
            !(step.steps_replayed && step.capture_id == 0);
   }
 
+  // Due: the layer used its copy at this weights version or the one before (so a layer that stops
+  // running FP8 is cast once more at most), and the copy is not current.
   bool stage_weight_copy(const Step& step, std::vector<QuantizeJob>& jobs) override {
-    if (!groups_weight_copies(step) || fp8_weight_.version == kNever ||
+    if (!groups_weight_copies(step) || used_copy_at_ == kNever || used_copy_at_ + 1 < step.weights_version ||
         fp8_weight_.current(step, weights_version(step)))
       return false;
     jobs.push_back(weight_cast());
     return true;
   }
-  void weight_copy_made(const Step& step) override { fp8_weight_.made(weights_version(step), step.capture_id); }
+  void weight_copy_made(const Step& step) override {
+    weight_cast_queued();
+    fp8_weight_.made(weights_version(step), step.capture_id);
+  }
 
   bool weight_copy_scale(uint64_t model_version, float* scale) const override {
     if (!converted_ || cell_scaling() || params_[0].value->dtype == FP8_DTYPE_E4M3 ||
@@ -646,6 +659,7 @@ class Linear final : public Layer {
     void made(uint64_t v, uint64_t capture_id) { version = v, capture = capture_id; }
   };
   CopyMark fp8_weight_, hp_weight_, bf16_bias_;
+  uint64_t used_copy_at_ = kNever;  // the model's weights version at the last call that read the FP8 copy
   fp8_dtype_t hp_weight_dtype_ = FP8_DTYPE_F32;
   DeviceBuffer w_grid_;  // cell scaling: the grids of the weight copy and of its transpose
 };

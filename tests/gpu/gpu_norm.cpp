@@ -1,7 +1,7 @@
 // LayerNorm / RMSNorm on the GPU against the CPU reference (float statistics against double):
 // forward outputs in every dtype (FP8 included) with the saved statistics, and the backward's dx,
 // dgamma and dbeta, on awkward shapes: rows held in registers (d <= 2048), re-read (d <= 8192), and
-// the two-kernel backward of wider rows (d = 9000).
+// the two-kernel backward of wider rows (d > 8192), each side of both limits.
 #include <cmath>
 #include <random>
 
@@ -16,7 +16,8 @@ TEST(GpuNorm, ForwardAndBackwardMatchTheCpuReference) {
   Context cpu = make_context(FP8_DEVICE_CPU), gpu = make_context(0);
   Recipe recipe = make_recipe();
   const std::vector<std::vector<int64_t>> shapes = {{1, 1},      {3, 1000},    {257, 64},    {2, 3, 40},
-                                                    {128, 4096}, {2048, 1024}, {1000, 3000}, {3, 9000}};
+                                                    {128, 4096}, {2048, 1024}, {1000, 3000}, {3, 9000},
+                                                    {5, 2048},   {7, 2049},    {4, 8192},    {3, 8193}};
   uint32_t seed = 1;
   for (fp8_norm_t kind : {FP8_NORM_LAYERNORM, FP8_NORM_RMSNORM}) {
     const bool rms = kind == FP8_NORM_RMSNORM;

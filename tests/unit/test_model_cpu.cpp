@@ -782,10 +782,11 @@ TEST(LinearWeightCopy, MadeOncePerWeightsVersion) {
   EXPECT_EQ(region(scale), 0.0f);
 }
 
-// After a weights change, the first FP8 forward makes the copies of every Linear that made one for
-// the earlier weights (nn::make_weight_copies: one grouped cast on the GPU): their weight states
-// record the new weights' amax although only the first Linear ran; a Linear that never made a copy
-// (never ran in FP8) is left to its own first call. Fails on per-layer copies.
+// After a weights change, the first FP8 forward makes the copies of every Linear that used one at
+// this weights version or the one before (nn::make_weight_copies: one grouped cast on the GPU):
+// their weight states record the new weights' amax although only the first Linear ran; a Linear
+// that never ran in FP8, or not for two versions, is left to its own first call. Fails on per-layer
+// copies.
 TEST(LinearWeightCopy, TheFirstForwardAfterAWeightsChangeMakesEveryDueCopy) {
   Context ctx = make_context(FP8_DEVICE_CPU);
   Model m = make_model(ctx.get());
@@ -822,6 +823,19 @@ TEST(LinearWeightCopy, TheFirstForwardAfterAWeightsChangeMakesEveryDueCopy) {
   FP8_ASSERT_OK(forward_only(m.get(), 1, x.get(), y.get()));
   EXPECT_EQ(weight_amax(1), 0.0f) << "l1's copy is current";
   FP8_ASSERT_OK(fp8_autocast_end(m.get()));
+  // From now on only l0 runs: l1, which used its copy at the weights version before, is cast once
+  // more (the documented exception), then no longer.
+  for (int change = 0; change < 2; ++change) {
+    FP8_ASSERT_OK(fp8_model_weights_changed(m.get()));
+    FP8_ASSERT_OK(fp8_autocast_begin(m.get()));
+    FP8_ASSERT_OK(forward_only(m.get(), 0, x.get(), y.get()));
+    EXPECT_EQ(weight_amax(0), amax_of(w[0]));
+    if (change == 0)
+      EXPECT_EQ(weight_amax(1), amax_of(w[1])) << "l1 used its copy at the version before";
+    else
+      EXPECT_EQ(weight_amax(1), 0.0f) << "l1 has not used a copy for two versions: not cast";
+    FP8_ASSERT_OK(fp8_autocast_end(m.get()));
+  }
 }
 
 // A new bias alone is a new weights version too: the next FP8 forward adds its bf16 copy (and casts
