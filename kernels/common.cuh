@@ -94,11 +94,14 @@ __device__ __forceinline__ void block_max_accumulate(uint32_t v, uint32_t* dst) 
 // slot 0 before the kernel; block 0's thread 0 records it in the state (record_current_scale).
 // Every block computes the same value; none reads the header's scale in that mode, and the amax the
 // kernel accumulates into slot 0 at its end equals what is there, so nothing races.
+// cast_scale_value is the same scale without recording it.
+__device__ __forceinline__ float cast_scale_value(ScalingHeader* state, float current_max, bool current_pow2) {
+  return current_max == 0.0f ? state->scale : recipe_scale(scaling_history(state)[0], current_max, current_pow2);
+}
 __device__ __forceinline__ float cast_scale(ScalingHeader* state, float current_max, bool current_pow2) {
-  if (current_max == 0.0f) return state->scale;
-  const float amax = scaling_history(state)[0];
-  const float scale = recipe_scale(amax, current_max, current_pow2);
-  if (blockIdx.x == 0 && threadIdx.x == 0) record_current_scale(state, amax, scale);
+  const float scale = cast_scale_value(state, current_max, current_pow2);
+  if (current_max != 0.0f && blockIdx.x == 0 && threadIdx.x == 0)
+    record_current_scale(state, scaling_history(state)[0], scale);
   return scale;
 }
 

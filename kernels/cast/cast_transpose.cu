@@ -95,14 +95,10 @@ __global__ void __launch_bounds__(kThreads)
     R0 = (t / it.tiles_c) * kTile;
     C0 = (t % it.tiles_c) * kTile;
   };
-  // The scale of an item's cast, recorded in its state once (cast_scale, block 0, item 0: only a
-  // single cast runs under current scaling).
-  auto scale_of = [&](const CastItem& it) {
-    return current_max == 0.0f ? it.state->scale
-                               : recipe_scale(scaling_history(it.state)[0], current_max, current_pow2);
-  };
   uint32_t amax = 0;
   int k = 0;  // the item of the tiles whose amax `amax` holds
+  // Its scale, recorded in its state once (cast_scale: block 0, item 0; only a single cast runs under
+  // current scaling).
   float scale = cast_scale(g.item[0].state, current_max, current_pow2);
   // Software pipeline: the loads of a block's next tile are in flight while it writes the
   // transposed output of the current one.
@@ -122,7 +118,7 @@ __global__ void __launch_bounds__(kThreads)
       block_amax_accumulate(amax, scaling_history(g.item[k].state), nullptr);
       amax = 0;
       k = kt;
-      scale = scale_of(g.item[k]);
+      scale = cast_scale_value(g.item[k].state, current_max, current_pow2);
     }
     const CastItem& it = g.item[k];
     const Raw* in = static_cast<const Raw*>(it.in);
@@ -188,7 +184,7 @@ __global__ void __launch_bounds__(kThreads)
     if (tid == 0 && it.first_tile % gridDim.x == blockIdx.x) {
       *it.out_scale_inv = it.state->scale_inv;
       *it.out_t_scale_inv = it.state->scale_inv;
-      if (it.out_scale) *it.out_scale = scale_of(it);
+      if (it.out_scale) *it.out_scale = cast_scale_value(it.state, current_max, current_pow2);
     }
   }
   block_amax_accumulate(amax, scaling_history(g.item[k].state), nullptr);

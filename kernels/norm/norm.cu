@@ -87,6 +87,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// dx[i] (+)= rstd * (g - mean(g) - xhat * mean(g xhat)), g = dy * gamma.
+template <fp8_dtype_t DX>
+__device__ __forceinline__ void put_dx(typename Wide<DX>::Raw* dx, int64_t i, float rstd, float g, float xhat,
+                                       float mean_g, float mean_gx, bool accumulate) {
+  const float v = rstd * (g - mean_g - xhat * mean_gx);
+  // (__fadd_rn: one rounding of the sum, as on the CPU; a contraction into an FMA would differ)
+  dx[i] = Wide<DX>::from_float(accumulate ? __fadd_rn(Wide<DX>::to_float(dx[i]), v) : v);
+}
+
 template <fp8_dtype_t DT, fp8_dtype_t DY, fp8_dtype_t DX>
 __global__ void __launch_bounds__(kThreads)
     norm_backward_dx_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x,
@@ -109,9 +118,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t c = threadIdx.x; c < d; c += kThreads) {
       const float xhat = (Wide<DT>::to_float(x[r * d + c]) - mean) * rstd;
       const float g = Wide<DY>::to_float(dy[r * d + c]) * gamma[c];
-      const float v = rstd * (g - mean_g - xhat * mean_gx);
-      // (__fadd_rn: one rounding of the sum, as on the CPU; a contraction into an FMA would differ)
-      dx[r * d + c] = Wide<DX>::from_float(accumulate ? __fadd_rn(Wide<DX>::to_float(dx[r * d + c]), v) : v);
+      put_dx<DX>(dx, r * d + c, rstd, g, xhat, mean_g, mean_gx, accumulate);
     }
   }
 }
@@ -120,7 +127,6 @@ __global__ void __launch_bounds__(kThreads)
 // partial[blockIdx.x]) and of dbeta (in partial[gridDim.x + blockIdx.x]). Thread t holds columns
 // t + j * kThreads, j < PT (unrolled, so the sums stay in registers); up to kHoldPerThread columns
 // per thread it also keeps the row's values between the two halves, wider rows read them again.
-
 template <fp8_dtype_t DT, fp8_dtype_t DY, fp8_dtype_t DX, int PT>
 __global__ void __launch_bounds__(kThreads, PT <= kHoldPerThread ? 4 : 2)
     norm_backward_fused_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x,
@@ -168,9 +174,7 @@ __global__ void __launch_bounds__(kThreads, PT <= kHoldPerThread ? 4 : 2)
           xhat = (Wide<DT>::to_float(xr[c]) - mean) * rstd;
           gv = Wide<DY>::to_float(dyr[c]) * gamma[c];
         }
-        const float v = rstd * (gv - mean_g - xhat * mean_gx);
-        // (__fadd_rn: one rounding of the sum, as on the CPU; a contraction into an FMA would differ)
-        dx[r * d + c] = Wide<DX>::from_float(accumulate ? __fadd_rn(Wide<DX>::to_float(dx[r * d + c]), v) : v);
+        put_dx<DX>(dx, r * d + c, rstd, gv, xhat, mean_g, mean_gx, accumulate);
       }
     }
   }
@@ -261,32 +265,31 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
     dispatch_wide(j.dy_dtype, [&](auto dyt) {
       using RawX = typename Wide<decltype(dt)::value>::Raw;
       using RawDy = typename Wide<decltype(dyt)::value>::Raw;
-      // Partial rows of dgamma and dbeta that fit the scratch (more rows per partial when few do).
+      // R partial rows of dgamma and dbeta, as many as fit the scratch (more rows per partial when few
+      // do) up to a number that depends on the shape alone, not on the device, so dgamma and dbeta
+      // have the same bits on every GPU. The fused kernel runs one block per partial row
+      // (kFusedPartials fills an H100 at 4 blocks per SM).
+      const bool fused = j.cols <= kFusedMaxCols;
       const int64_t fit = static_cast<int64_t>(scratch_floats) / (2 * j.cols);
-      int R = 0;
+      const int R =
+          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({j.rows, fit, fused ? kFusedPartials : 256})));
       dispatch_wide(j.dx_dtype, [&](auto dxt) {
         using RawDx = typename Wide<decltype(dxt)::value>::Raw;
-        auto fused = [&](auto per_thread) {
-          auto* kernel = norm_backward_fused_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
-                                                    decltype(per_thread)::value>;
-          // One block per partial row; their number depends on the rows alone, not on the device,
-          // so dgamma and dbeta have the same bits on every GPU (kFusedPartials fills an H100 at 4
-          // blocks per SM).
-          R = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({j.rows, fit, kFusedPartials})));
-          kernel<<<R, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
-                                             j.rows, j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
-                                             static_cast<RawDx*>(j.dx), scratch);
+        auto launch_fused = [&](auto per_thread) {
+          norm_backward_fused_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
+                                     decltype(per_thread)::value><<<R, kThreads, 0, stream>>>(
+              j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.gamma, j.mean,
+              j.rstd, j.accumulate_dx, static_cast<RawDx*>(j.dx), scratch);
         };
-        if (j.cols <= kThreads * kHoldPerThread) return fused(std::integral_constant<int, kHoldPerThread>{});
-        if (j.cols <= kFusedMaxCols) return fused(std::integral_constant<int, kFusedPerThread>{});
+        if (j.cols <= kThreads * kHoldPerThread) return launch_fused(std::integral_constant<int, kHoldPerThread>{});
+        if (fused) return launch_fused(std::integral_constant<int, kFusedPerThread>{});
         auto* kernel = norm_backward_dx_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value>;
         const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
         kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
                                               j.rows, j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
                                               static_cast<RawDx*>(j.dx));
       });
-      if (R == 0) {
-        R = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(fit, j.rows), 256)));
+      if (!fused) {
         const dim3 grid(static_cast<unsigned>((j.cols + kThreads - 1) / kThreads), static_cast<unsigned>(R));
         norm_backward_partial_kernel<decltype(dt)::value, decltype(dyt)::value>
             <<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),

@@ -164,9 +164,6 @@ FP8_HD double pow_uint(double base, uint64_t e) {
   return r;
 }
 
-// Step scalars from the squared norm: the skip on a non-finite gradient, the clip factor and the
-// bias corrections for t = steps + 1. Runs on one GPU thread or on the host. (finish_joint_step
-// below is what a step calls.)
 // The clip factor of a gradient norm (torch's clip_grad_norm_): min(1, max_grad_norm / (norm + 1e-6)),
 // 1 without clipping; 0 for an infinite norm, NaN for a NaN one.
 FP8_HD double clip_factor(double norm, const OptimHyper& h) {
@@ -175,6 +172,9 @@ FP8_HD double clip_factor(double norm, const OptimHyper& h) {
   return clip > 1.0 ? 1.0 : clip;
 }
 
+// Step scalars from the squared norm: the skip on a non-finite gradient, the clip factor and the
+// bias corrections for t = steps + 1. Runs on one GPU thread or on the host. (finish_joint_step
+// below is what a step calls.)
 FP8_HD void finish_step(OptimScalars& s, double sumsq, const OptimHyper& h) {
   s.sumsq = sumsq;
   const double norm = sqrt(sumsq);

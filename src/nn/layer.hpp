@@ -222,9 +222,10 @@ class Layer {
   // copy is made with, recording no amax (the original copy's was recorded already); 0 unpins.
   virtual bool weight_copy_scale(uint64_t /*model_version*/, float* /*scale*/) const { return false; }
   virtual void pin_weight_copy_scale(float /*scale*/) {}
-  // Adds the cast of the layer's next FP8 weight copy to `jobs` (true) when the layer made one for
-  // earlier weights under delayed scaling and the copy for these is still to make; then, once the
-  // casts are queued, weight_copy_made counts it as made (make_weight_copies).
+  // Adds the cast of the layer's next FP8 weight copy to `jobs` (true) when it is due: under delayed
+  // scaling, a layer that used its copy at this weights version or the one before and whose copy
+  // for these weights is still to make; then, once the casts are queued, weight_copy_made counts it
+  // as made (make_weight_copies).
   virtual bool stage_weight_copy(const Step& /*step*/, std::vector<QuantizeJob>& /*jobs*/) { return false; }
   virtual void weight_copy_made(const Step& /*step*/) {}
 

@@ -1090,8 +1090,7 @@ class Optimizer:
         clip = self._max_grad_norm > 0
         if clip and not self._joint:
             self._clip_across_models()
-        for g, o in self._fp8:
-            g.dev.follow_stream()
+        for g, o in self._fp8:  # (each context follows torch's stream since the first loop)
             if clip and self._joint:
                 grads = self._torch_grads()
                 self._other_sumsq.copy_(self._sumsq(grads, g.dev.device).reshape(1))
