@@ -1056,6 +1056,38 @@ FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t *model, int32_t layer_
  */
 FP8_API fp8_status_t fp8_saved_needs_input(const fp8_saved_t *saved, int32_t *needs_input);
 
+/**
+ * Layers [first_layer, first_layer + layer_count) as one sequential stack, each layer's y the next
+ * one's x, as fp8_model_forward runs the whole model (the same checks and the same E4M3 hand-offs
+ * between a converted norm or activation and a Linear that runs its forward GEMM in FP8), and
+ * [out] saved: a state of the whole stack for fp8_stack_backward_saved (fp8_layer_backward_saved
+ * refuses it). A framework calls it for a run of layers it treats as one operation (PyTorch's
+ * nn.Sequential): the activations between them never leave libfp8. The state holds, on loan from
+ * the model's pool, the activations between the layers that their backwards read (the others go
+ * back to the pool when the forward returns) and each layer's own state; x must stay alive and
+ * unchanged until the backward when fp8_saved_needs_input says so (the first layer's rule).
+ * x: F32 or BF16, [.., in_features of the first layer]; y: the last layer's output shape and x's
+ * dtype; x and y must not overlap. Asynchronous. Since 0.2.
+ */
+FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t *model, int32_t first_layer, int32_t layer_count,
+                                             const fp8_tensor_t *x, fp8_tensor_t *y, fp8_saved_t **saved);
+
+/**
+ * Backward of the fp8_stack_forward_saved that made `saved`: [in] dy (y's shape and dtype), [out]
+ * dx (x's shape and dtype; NULL when x needs no gradient), [in] flags 0 or
+ * FP8_BACKWARD_ACCUMULATE_DX. Parameter gradients accumulate. A ReLU or GELU activation layer
+ * after a Linear whose dy cast runs in FP8 with its transposed copy (delayed scaling, an FP8
+ * weight gradient, and an FP8 dgrad if that Linear's dx is needed) is differentiated inside that
+ * cast: the values cast, max-reduced into the gradient state and summed into the bias gradient are
+ * act'(x) * dy in float, with no round trip of the activation's gradient through the activation
+ * dtype (fp8_model_backward does the same). Refused before anything runs as
+ * fp8_layer_backward_saved refuses a layer's state (another model's, consumed, eval mode, a layer
+ * converted or weights changed since), and for a state of fp8_layer_forward_saved. On success the
+ * state is consumed. Asynchronous. Since 0.2.
+ */
+FP8_API fp8_status_t fp8_stack_backward_saved(fp8_model_t *model, fp8_saved_t *saved, const fp8_tensor_t *dy,
+                                              fp8_tensor_t *dx, uint32_t flags);
+
 /** Releases a forward state (consumed or not); NULL does nothing. It may outlive its model. */
 FP8_API void fp8_saved_destroy(fp8_saved_t *saved);
 
@@ -1076,8 +1108,10 @@ FP8_API fp8_status_t fp8_model_forward(fp8_model_t *model, const fp8_tensor_t *x
  * otherwise, and after a change of mode or a conversion since). Per-layer calls in between do not
  * disturb it. [in] dy: y's shape and dtype; [out] dx: x's shape
  * and dtype, or NULL when the input needs no gradient; it must not overlap x. Every check runs before
- * any layer does, so a refusal changes nothing. Parameter gradients accumulate. At its end
- * the gradient scaling states it fed are updated in one batched launch. Asynchronous.
+ * any layer does, so a refusal changes nothing. Parameter gradients accumulate. A ReLU or GELU
+ * layer after a Linear is differentiated inside that Linear's dy cast where it can be (see
+ * fp8_stack_backward_saved). At its end the gradient scaling states it fed are updated in one
+ * batched launch. Asynchronous.
  */
 FP8_API fp8_status_t fp8_model_backward(fp8_model_t *model, const fp8_tensor_t *dy, fp8_tensor_t *dx);
 

@@ -7,6 +7,9 @@
 // tile (the Linear's bias gradient from the dy cast; see kBiasGradRows), in a fixed order. One
 // launch may cast several tensors (the model's weight copies, cast_transpose_group): the tiles of
 // all of them form one range, each block's amax going to the state of the tensor its tiles are in.
+// With ACT the values cast are an activation's gradient, act_grad(act_x, in): the dy cast of a
+// Linear followed by ReLU or GELU, the activation's backward never written out in bf16.
+#include "core/activation.hpp"
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
 
@@ -52,6 +55,7 @@ __device__ __forceinline__ void tile_column_sums(const float (&sums)[16], float*
 // One tensor of a cast: the tiles [first_tile, first_tile + its tile count) of the group's range.
 struct CastItem {
   const void* in;
+  const void* act_x;  // ACT: the activation's input
   uint8_t* out;
   uint8_t* out_t;
   int64_t rows, cols, tiles_c, first_tile;
@@ -70,11 +74,23 @@ struct CastItems {
   int count;
   int64_t tiles;  // over all items
 };
-constexpr int kMaxGroup = 64;  // items per launch: 64 x 96 bytes of kernel parameters
+constexpr int kMaxGroup = 64;  // items per launch: 64 x 104 bytes of kernel parameters
 // (More than the 4 KiB of kernel parameters before CUDA 12.1; sm_70+ with CUDA >= 12.1 take 32 KiB.)
 static_assert(sizeof(CastItems<kMaxGroup>) <= 32764, "a group's items must fit the kernel parameters");
 
-template <fp8_dtype_t DT, bool E5M2, bool DBIAS, int N>
+// Element i of what an edge tile casts: in[i], or the activation's gradient there.
+template <fp8_dtype_t DT, int ACT>
+__device__ __forceinline__ float value(const typename Wide<DT>::Raw* in, const void* act_x, int64_t i) {
+  using Raw = typename Wide<DT>::Raw;
+  const float v = Wide<DT>::to_float(in[i]);
+  if constexpr (ACT == -1) return v;
+  else return act_grad(static_cast<fp8_activation_t>(ACT), Wide<DT>::to_float(static_cast<const Raw*>(act_x)[i]), v);
+}
+
+// ACT: kNoActivation, or the activation (FP8_ACTIVATION_RELU, _GELU) whose gradient is cast.
+constexpr int kNoActivation = -1;
+
+template <fp8_dtype_t DT, bool E5M2, bool DBIAS, int N, int ACT>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const __grid_constant__ CastItems<N> g, float current_max, bool current_pow2,
                           float* __restrict__ dbias_partials) {
@@ -133,17 +149,27 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int c8 = 0; c8 < TileLoads<DT>::kChunks; ++c8) {
         const int ch = tid + c8 * kThreads, r = ch >> 3, c = (ch & 7) * 16;
+        // The activation's input of this chunk is loaded here, not prefetched: a second tile held in
+        // registers would cost the occupancy the prefetch lives on.
+        Vec8<DT> ax[2];
+        if constexpr (ACT != kNoActivation) {
+          const Raw* p = static_cast<const Raw*>(it.act_x) + (R0 + r) * cols + C0 + c;
+          ax[0].load(p);
+          ax[1].load(p + 8);
+        }
         uint32_t w[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const Vec8<DT>& v = cur.x[c8][h];
+          float f[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            amax = max(amax, abs_bits(v.get(i)));
-            if constexpr (DBIAS) sums[8 * h + i] += v.get(i);
+            f[i] = cur.x[c8][h].get(i);
+            if constexpr (ACT != kNoActivation) f[i] = act_grad(static_cast<fp8_activation_t>(ACT), ax[h].get(i), f[i]);
+            amax = max(amax, abs_bits(f[i]));
+            if constexpr (DBIAS) sums[8 * h + i] += f[i];
           }
-          w[2 * h] = cast4<E5M2>(v.get(0) * scale, v.get(1) * scale, v.get(2) * scale, v.get(3) * scale);
-          w[2 * h + 1] = cast4<E5M2>(v.get(4) * scale, v.get(5) * scale, v.get(6) * scale, v.get(7) * scale);
+          w[2 * h] = cast4<E5M2>(f[0] * scale, f[1] * scale, f[2] * scale, f[3] * scale);
+          w[2 * h + 1] = cast4<E5M2>(f[4] * scale, f[5] * scale, f[6] * scale, f[7] * scale);
         }
         const uint4 codes = make_uint4(w[0], w[1], w[2], w[3]);
         *reinterpret_cast<uint4*>(it.out + (R0 + r) * cols + C0 + c) = codes;
@@ -161,7 +187,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t e = tid; e < int64_t{kTile} * kTile; e += kThreads) {
         const int64_t r = R0 + e / kTile, c = C0 + e % kTile;
         if (r >= rows || c >= cols) continue;
-        const float x = Wide<DT>::to_float(in[r * cols + c]);
+        const float x = value<DT, ACT>(in, it.act_x, r * cols + c);
         amax = max(amax, abs_bits(x));
         const uint8_t q = cast1<E5M2>(x * scale);
         it.out[r * cols + c] = q;
@@ -171,7 +197,7 @@ __global__ void __launch_bounds__(kThreads)
         // One column per thread, rows in order (edge tiles are few; they read their input twice).
         if (tid < kTile && C0 + tid < cols) {
           float total = 0.0f;
-          for (int64_t r = R0; r < R0 + kTile && r < rows; ++r) total += Wide<DT>::to_float(in[r * cols + C0 + tid]);
+          for (int64_t r = R0; r < R0 + kTile && r < rows; ++r) total += value<DT, ACT>(in, it.act_x, r * cols + C0 + tid);
           dbias_partials[(lt / it.tiles_c) * cols + C0 + tid] = total;
         }
       }
@@ -197,6 +223,7 @@ namespace {
 CastItem cast_item(const QuantizeJob& j, int64_t first_tile) {
   CastItem it{};
   it.in = j.in;
+  it.act_x = j.act_x;
   it.out = j.out;
   it.out_t = j.out_t;
   it.rows = j.rows;
@@ -205,7 +232,7 @@ CastItem cast_item(const QuantizeJob& j, int64_t first_tile) {
   it.first_tile = first_tile;
   // Phase 1 (loads and row-major stores) needs 16-byte aligned rows of `in` and `out`; phase 2's
   // vector stores need 16-byte aligned rows of `out_t`.
-  it.cols_aligned = j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out);
+  it.cols_aligned = j.cols % 16 == 0 && aligned16(j.in) && aligned16(j.out) && (!j.act_x || aligned16(j.act_x));
   it.rows_aligned = j.rows % 16 == 0 && aligned16(j.out_t);
   it.state = j.state;
   it.out_scale_inv = j.out_scale_inv.ptr;
@@ -221,18 +248,28 @@ int64_t tile_count(const QuantizeJob& j) {
 template <int N>
 void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbias, const QuantizeJob& first,
                   const LaunchLimits& lim, cudaStream_t stream) {
-  auto launch = [&](auto dt, auto e5, auto db) {
-    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N>;
+  auto launch = [&](auto dt, auto e5, auto db, auto act) {
+    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N,
+                                         decltype(act)::value>;
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, g.tiles, lim.sm_count, false);
     kernel<<<grid, kThreads, 0, stream>>>(g, first.current ? first.current_fp8_max : 0.0f, first.current_pow2,
                                           first.dbias_partials);
   };
+  using None = std::integral_constant<int, kNoActivation>;
   dispatch(dtype, e5m2, [&](auto dt, auto e5) {
-    if constexpr (N == 1) {
-      if (dbias) return launch(dt, e5, std::true_type{});
+    if constexpr (N == 1) {  // a single cast: column sums and a folded activation gradient
+      auto with_act = [&](auto db) {
+        if (!first.act_x) return launch(dt, e5, db, None{});
+        if (first.act == FP8_ACTIVATION_RELU)
+          return launch(dt, e5, db, std::integral_constant<int, FP8_ACTIVATION_RELU>{});
+        launch(dt, e5, db, std::integral_constant<int, FP8_ACTIVATION_GELU>{});
+      };
+      if (dbias) return with_act(std::true_type{});
+      return with_act(std::false_type{});
+    } else {
+      launch(dt, e5, std::false_type{}, None{});
     }
-    launch(dt, e5, std::false_type{});
   });
   cuda_check(cudaGetLastError(), "cast_transpose kernel launch");
 }

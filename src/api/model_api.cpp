@@ -404,6 +404,35 @@ FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_
   });
 }
 
+FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t* model, int32_t first_layer, int32_t layer_count,
+                                             const fp8_tensor_t* x, fp8_tensor_t* y, fp8_saved_t** saved) {
+  return guard("fp8_stack_forward_saved", [&] {
+    require_arg(model, "model");
+    require_arg(saved, "saved");
+    require_tensor(model, x, "x");
+    require_tensor(model, y, "y");
+    fp8::nn::AutowrapRegion region(*model);
+    std::unique_ptr<fp8_saved> s = fp8::nn::stack_forward(*model, first_layer, layer_count, x, y);
+    region.close();
+    *saved = s.release();
+  });
+}
+
+FP8_API fp8_status_t fp8_stack_backward_saved(fp8_model_t* model, fp8_saved_t* saved, const fp8_tensor_t* dy,
+                                              fp8_tensor_t* dx, uint32_t flags) {
+  return guard("fp8_stack_backward_saved", [&] {
+    require_arg(model, "model");
+    require_arg(saved, "saved");
+    require_tensor(model, dy, "dy");
+    if (dx) require_tensor(model, dx, "dx");
+    if (flags & ~FP8_BACKWARD_ACCUMULATE_DX)
+      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags, "; expected 0 or FP8_BACKWARD_ACCUMULATE_DX (1)");
+    fp8::nn::AutowrapRegion region(*model);
+    fp8::nn::stack_backward(*model, *saved, dy, dx, (flags & FP8_BACKWARD_ACCUMULATE_DX) != 0);
+    region.close();
+  });
+}
+
 FP8_API fp8_status_t fp8_saved_needs_input(const fp8_saved_t* saved, int32_t* needs_input) {
   return guard("fp8_saved_needs_input", [&] {
     require_arg(saved, "saved");

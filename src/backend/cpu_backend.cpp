@@ -279,10 +279,20 @@ class CpuBackend final : public Backend {
       record_current_scale(j.state, a, recipe_scale(a, j.current_fp8_max, j.current_pow2));
     }
     const float scale = j.state->scale;
+    // A folded activation gradient: the values are act_grad(act_x, in), for the cast and the sums.
+    std::vector<float> folded;
+    if (j.act_x) {
+      folded.resize(static_cast<size_t>(j.rows * j.cols));
+      for (size_t i = 0; i < folded.size(); ++i)
+        folded[i] = act_grad(j.act, load_wide(j.act_x, j.in_dtype, static_cast<int64_t>(i)),
+                             load_wide(j.in, j.in_dtype, static_cast<int64_t>(i)));
+    }
+    const void* values = j.act_x ? static_cast<const void*>(folded.data()) : j.in;
+    const fp8_dtype_t values_dtype = j.act_x ? FP8_DTYPE_F32 : j.in_dtype;
     uint32_t amax = 0;  // (under current scaling the same amax again: slot 0 keeps it)
     for (int64_t r = 0; r < j.rows; ++r) {
       for (int64_t c = 0; c < j.cols; ++c) {
-        const float x = load_wide(j.in, j.in_dtype, r * j.cols + c);
+        const float x = load_wide(values, values_dtype, r * j.cols + c);
         amax = std::max(amax, abs_bits(x));
         const uint8_t q = encode_fp8(x * scale, j.e5m2);
         j.out[r * j.cols + c] = q;
@@ -293,7 +303,7 @@ class CpuBackend final : public Backend {
     *j.out_scale_inv.ptr = j.state->scale_inv;
     if (j.out_t_scale_inv.ptr) *j.out_t_scale_inv.ptr = j.state->scale_inv;
     if (j.out_scale.ptr) *j.out_scale.ptr = j.state->scale;
-    if (j.dbias) add_column_sums(j.in, j.in_dtype, j.rows, j.cols, j.dbias);
+    if (j.dbias) add_column_sums(values, values_dtype, j.rows, j.cols, j.dbias);
   }
 
   void recipe_quantize(const RecipeQuantizeJob& j) override { cpu_recipe_quantize(j); }

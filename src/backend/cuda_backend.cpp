@@ -208,12 +208,13 @@ class CudaBackend final : public Backend {
     }
   }
   void quantize_group(const QuantizeJob* jobs, size_t count) override {
-    // The casts it can take together (each a transposed copy under delayed scaling, no column sums)
+    // The casts it can take together (each a transposed copy under delayed scaling, no column sums,
+    // no activation gradient)
     // in one launch per input dtype and format (and per 64 casts), the others alone.
     std::vector<QuantizeJob> together;
     for (size_t i = 0; i < count; ++i) {
       require_tensor_scales(jobs[i], "CUDA");
-      if (jobs[i].out_t_scale_inv.ptr && !jobs[i].current && !jobs[i].dbias)
+      if (jobs[i].out_t_scale_inv.ptr && !jobs[i].current && !jobs[i].dbias && !jobs[i].act_x)
         together.push_back(jobs[i]);
       else
         quantize(jobs[i]);

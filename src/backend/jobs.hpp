@@ -46,6 +46,12 @@ struct QuantizeJob {
   bool current = false;
   float current_fp8_max = 0.0f;
   bool current_pow2 = false;
+  // An activation's backward folded into the cast (a Linear followed by ReLU or GELU): the values
+  // cast, summed into dbias and max-reduced are act_grad(act_x, in) (core/activation.hpp) instead
+  // of in; act_x is the activation's input, in_dtype, [rows, cols]. Only with a transposed copy and
+  // without current scaling (require_tensor_scales refuses the rest).
+  const void* act_x = nullptr;
+  fp8_activation_t act = FP8_ACTIVATION_GELU;  // ReLU or GELU; read only when act_x is set
 };
 
 // Fused amax + quantize under the scaling recipes' scale grids (core/recipe_scaling_rule.hpp).
@@ -306,6 +312,9 @@ struct DivideJob {
 // before any work: each operation that takes scales calls its job's overload first. `backend`
 // ("CPU", "CUDA") goes into the message.
 inline void require_tensor_scales(const QuantizeJob& j, const char* backend) {
+  if (j.act_x && (!j.out_t_scale_inv.ptr || j.current || (j.act != FP8_ACTIVATION_RELU && j.act != FP8_ACTIVATION_GELU)))
+    fail(FP8_ERR_INTERNAL, backend, " quantize: an activation's gradient folds only into a delayed-scaling cast with a ",
+         "transposed copy, for ReLU or GELU");
   require_tensor_scale(j.out_scale_inv, "quantize's out_scale_inv", backend);
   require_tensor_scale(j.out_t_scale_inv, "quantize's out_t_scale_inv", backend);
   require_tensor_scale(j.out_scale, "quantize's out_scale", backend);

@@ -43,6 +43,12 @@ FP8_HD float gelu_grad(float x, float dy) {
   return dy * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du);
 }
 
+// The gradient of an elementwise activation (ReLU or GELU; anything else is GELU's), for the casts
+// that fold it in (QuantizeJob::act_x).
+FP8_HD float act_grad(fp8_activation_t act, float x, float dy) {
+  return act == FP8_ACTIVATION_RELU ? relu_grad(x, dy) : gelu_grad(x, dy);
+}
+
 // SwiGLU on a pair (a from the first half of the row, b from the second): silu(a) * b.
 FP8_HD float swiglu(float a, float b) { return a * act_sigmoid(a) * b; }
 FP8_HD float swiglu_grad_a(float a, float b, float dy) {

@@ -25,6 +25,7 @@ struct fp8_saved {
   uint64_t layer_epoch = 0;  // the layer's conversion count when the forward ran
   bool training = false;
   bool consumed = false;
+  bool stack = false;  // made by fp8_stack_forward_saved (nn::StackSaved), for fp8_stack_backward_saved
   // Whether the backward reads the caller's x (fp8_saved_needs_input): a norm's and an activation's
   // always; a Linear's only for a high-precision weight gradient from the caller's own x.
   bool reads_input = true;
@@ -166,6 +167,13 @@ struct LayerStats {
   std::string reason;          // why the latest such forward did not run (all) in FP8
 };
 
+// An elementwise activation (ReLU or GELU) whose backward a stack's backward folds into the one of
+// the Linear before it: the activation's dx is never written, the Linear's dy cast computes it.
+struct ActivationGrad {
+  fp8_activation_t act;
+  const void* x;  // the activation's input (the Linear's y), the Linear's activation dtype
+};
+
 class Layer {
  public:
   Layer(std::shared_ptr<Backend> backend, std::string name, int32_t kind)
@@ -184,9 +192,16 @@ class Layer {
   virtual std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) = 0;
   // Differentiates the forward that made `saved` (already checked to be this layer's, unconsumed, of
   // this conversion and from training mode). dx may be nullptr when no input gradient is wanted (a
-  // Linear); accumulate_dx adds into dx instead of overwriting it.
-  virtual void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx,
-                        bool accumulate_dx) = 0;
+  // Linear); accumulate_dx adds into dx instead of overwriting it. With `folded` (only where
+  // folds_activation_grad said yes) dy is the gradient of folded->act(y), not of y.
+  virtual void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
+                        const ActivationGrad* folded = nullptr) = 0;
+  // An activation layer: whether its backward of `saved` can be folded into the layer before it,
+  // and what that layer then needs (ReLU and GELU can; SwiGLU changes the width and cannot).
+  virtual bool foldable_activation(const fp8_saved& /*saved*/, ActivationGrad* /*out*/) const { return false; }
+  // A Linear: whether its backward of `saved` can take `act`'s gradient folded into its dy cast (an
+  // FP8 dy cast with its transposed copy under delayed scaling, and an FP8 dgrad if dx is wanted).
+  virtual bool folds_activation_grad(const fp8_saved& /*saved*/, bool /*dx_wanted*/) const { return false; }
   // Conversions so far: a forward state from an earlier one is refused.
   uint64_t epoch() const { return epoch_; }
   // Whether the parameters `saved`'s forward used are still the layer's (an optimizer step or a write

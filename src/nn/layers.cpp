@@ -243,7 +243,8 @@ class Norm final : public ElementwiseBase {
     return s;
   }
 
-  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx) override {
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
+                const ActivationGrad* /*folded: never for a norm or an activation*/) override {
     const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
     check_backward(s, dy, dx, dim_);
     NormJob j{};
@@ -307,7 +308,14 @@ class Activation final : public ElementwiseBase {
     return s;
   }
 
-  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx) override {
+  bool foldable_activation(const fp8_saved& saved, ActivationGrad* out) const override {
+    if (act_ != FP8_ACTIVATION_RELU && act_ != FP8_ACTIVATION_GELU) return false;
+    *out = {act_, static_cast<const ElementwiseSaved&>(saved).x};
+    return true;
+  }
+
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
+                const ActivationGrad* /*folded: never for a norm or an activation*/) override {
     const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
     const int64_t cols = s.cols();
     check_backward(s, dy, dx, act_ == FP8_ACTIVATION_SWIGLU ? cols / 2 : cols);

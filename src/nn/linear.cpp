@@ -282,7 +282,13 @@ class Linear final : public Layer {
     return saved;
   }
 
-  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx) override {
+  bool folds_activation_grad(const fp8_saved& saved, bool dx_wanted) const override {
+    const Plan& plan = static_cast<const LinearSaved&>(saved).plan;
+    return scaling() == FP8_SCALING_DELAYED && plan.wgrad && (plan.dgrad || !dx_wanted);
+  }
+
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
+                const ActivationGrad* folded) override {
     LinearSaved& s = static_cast<LinearSaved&>(saved);
     const fp8_dtype_t act = s.act;
     const int64_t m = s.rows;
@@ -295,6 +301,8 @@ class Linear final : public Layer {
       require_disjoint_buffers(name_, dy, "dy", dx, "dx");
     }
     const Plan& plan = s.plan;
+    if (folded && !folds_activation_grad(s, dx != nullptr))
+      fail(FP8_ERR_INTERNAL, "layer '", name_, "' was given an activation's gradient it cannot fold");
     Backend& be = step.backend;
     float* dbias = bias_ ? static_cast<float*>(params_[1].grad->data) : nullptr;
     fp8_tensor& grad = *params_[0].grad;
@@ -341,6 +349,10 @@ class Linear final : public Layer {
       q.out_t_scale_inv = tensor_scale(qdyt ? dyt_si : nullptr);
       q.dbias = dbias;
       q.dbias_partials = partials;
+      if (folded) {  // dy is the activation's output gradient: the cast makes the activation's dx
+        q.act_x = folded->x;
+        q.act = folded->act;
+      }
       if (m > 0) be.quantize(q);
     } else if (dbias && m > 0) {
       be.bias_grad({dy->data, act, m, out_, dbias, partials});

@@ -108,6 +108,9 @@ namespace {
 // The refusals of a backward given `saved`, before anything runs.
 void require_own_state(const fp8_model& m, int32_t id, const fp8_saved& s) {
   const Layer& layer = layer_at(m, id);
+  if (s.stack)
+    fail(FP8_ERR_INVALID_ARGUMENT, "saved comes from fp8_stack_forward_saved; differentiate it with ",
+         "fp8_stack_backward_saved, not layer by layer");
   if (s.model_serial != m.serial)
     fail(FP8_ERR_INVALID_ARGUMENT, "saved comes from another model's forward; layer '", layer.name(),
          "' differentiates only its own");
@@ -243,20 +246,34 @@ void AutowrapRegion::close() {
   update_model_scaling(m_);
 }
 
-fp8_tensor* ScratchTensor::bind(fp8_dtype_t dtype, int32_t ndim, const int64_t* shape) {
+namespace {
+
+// The bytes a tensor of dtype x shape takes, with an FP8 tensor's scale_inv slot behind its codes.
+size_t tensor_bytes(fp8_dtype_t dtype, int32_t ndim, const int64_t* shape) {
   int64_t numel = 1;
   for (int32_t i = 0; i < ndim; ++i) numel *= shape[i];
   const size_t bytes = static_cast<size_t>(numel) * dtype_size(dtype);
-  const size_t scale_at = scale_inv_offset(bytes);
-  char* base = storage.ensure<char>(dtype_is_fp8(dtype) ? scale_at + sizeof(float) : std::max<size_t>(bytes, 1));
-  // The storage owns the memory: the view owns nothing (owns_data stays false).
+  return dtype_is_fp8(dtype) ? scale_inv_offset(bytes) + sizeof(float) : std::max<size_t>(bytes, 1);
+}
+
+// Points `view` (which owns nothing) at `base`, of at least tensor_bytes.
+fp8_tensor* lay_view(fp8_tensor& view, char* base, fp8_dtype_t dtype, int32_t ndim, const int64_t* shape) {
+  int64_t numel = 1;
+  for (int32_t i = 0; i < ndim; ++i) numel *= shape[i];
   view.dtype = dtype;
   view.ndim = ndim;
   std::copy(shape, shape + ndim, view.shape);
   view.numel = numel;
   view.data = base;
-  view.scale_inv = dtype_is_fp8(dtype) ? reinterpret_cast<float*>(base + scale_at) : nullptr;
+  view.scale_inv =
+      dtype_is_fp8(dtype) ? reinterpret_cast<float*>(base + scale_inv_offset(static_cast<size_t>(numel))) : nullptr;
   return &view;
+}
+
+}  // namespace
+
+fp8_tensor* ScratchTensor::bind(fp8_dtype_t dtype, int32_t ndim, const int64_t* shape) {
+  return lay_view(view, storage.ensure<char>(tensor_bytes(dtype, ndim, shape)), dtype, ndim, shape);
 }
 
 namespace {
@@ -265,14 +282,15 @@ const char* layer_label(const fp8_model& m, size_t i) {
   return m.layers[i]->name().c_str();
 }
 
-// The output features of every layer for input features `cols`, checked against each layer's needs.
-std::vector<int64_t> chain_features(const fp8_model& m, int64_t cols) {
+// The output features of layers [first, first + count) for input features `cols`, checked against
+// each layer's needs.
+std::vector<int64_t> chain_features(const fp8_model& m, size_t first, size_t count, int64_t cols) {
   std::vector<int64_t> out;
-  for (size_t i = 0; i < m.layers.size(); ++i) {
+  for (size_t i = first; i < first + count; ++i) {
     const int64_t need = m.layers[i]->input_features();
     if (need != 0 && need != cols) {
-      if (i == 0)
-        fail(FP8_ERR_SHAPE, "x has ", cols, " features (last dimension); the first layer '", layer_label(m, 0),
+      if (i == first)
+        fail(FP8_ERR_SHAPE, "x has ", cols, " features (last dimension); the first layer '", layer_label(m, i),
              "' expects ", need);
       fail(FP8_ERR_SHAPE, "layer '", layer_label(m, i), "' expects ", need, " input features, but layer '",
            layer_label(m, i - 1), "' before it gives ", cols);
@@ -293,44 +311,122 @@ void require_run_tensor(const fp8_tensor* t, const char* name, fp8_dtype_t dtype
     fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(t->ndim, t->shape), "; expected ", shape_string(ndim, shape));
 }
 
-}  // namespace
-
-void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
-  const size_t n = m.layers.size();
-  if (n == 0) fail(FP8_ERR_INVALID_STATE, "the model has no layers");
+// The checks of a stack run's x and y (layers [first, first + count)), before anything runs; the
+// output features of each layer.
+std::vector<int64_t> check_stack(const fp8_model& m, size_t first, size_t count, const fp8_tensor* x,
+                                 const fp8_tensor* y) {
   const fp8_dtype_t act = x->dtype;
   if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
-    fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(act), "; a whole-model run takes f32 or bf16 activations");
+    fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(act), "; a run of layers takes f32 or bf16 activations");
   if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; expected [.., features]");
-  const std::vector<int64_t> cols = chain_features(m, x->cols());
+  std::vector<int64_t> cols = chain_features(m, first, count, x->cols());
   int64_t shape[FP8_MAX_DIMS];
   std::copy(x->shape, x->shape + x->ndim, shape);
   shape[x->ndim - 1] = cols.back();
   require_run_tensor(y, "y", act, x->ndim, shape);
   // The first layer's backward reads x again, after the last layer has written y.
-  require_disjoint_buffers(layer_label(m, 0), x, "x", y, "y");
+  require_disjoint_buffers(layer_label(m, first), x, "x", y, "y");
+  return cols;
+}
 
-  m.run_saved.clear();
-  const Step step = make_step(m);
+// Layers [first, first + saved.size()) in order, each one's y the next one's x: layer i writes
+// bind(i - first, dtype, shape), the last one y. A converted norm or activation hands its output to
+// a Linear that runs its forward GEMM in FP8 in E4M3 (no round trip through the activation dtype).
+// Returns the inputs of layers first + 1 .. (the tensors bind gave).
+template <typename Bind>
+std::vector<const fp8_tensor*> run_forward(fp8_model& m, const Step& step, size_t first,
+                                           std::vector<std::unique_ptr<fp8_saved>>& saved,
+                                           const std::vector<int64_t>& cols, const fp8_tensor* x, fp8_tensor* y,
+                                           Bind bind) {
+  const size_t n = saved.size();
   const int64_t rows = x->rows();
-  while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
-  std::vector<std::unique_ptr<fp8_saved>> saved;
+  int64_t shape[FP8_MAX_DIMS];
+  std::copy(x->shape, x->shape + x->ndim, shape);
+  std::vector<const fp8_tensor*> inputs;
   const fp8_tensor* in = x;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = first + k;
     fp8_tensor* out = y;
-    if (i + 1 < n) {
-      // The E4M3 hand-off: a converted norm or activation feeding a Linear that runs its forward in FP8.
+    if (k + 1 < n) {
       const bool handoff = step.fp8 && m.layers[i]->converted() && m.layers[i]->kind() != FP8_LAYER_LINEAR &&
                            m.layers[i + 1]->takes_fp8_input(step, rows);
-      shape[x->ndim - 1] = cols[i];
-      out = m.acts[i]->bind(handoff ? FP8_DTYPE_E4M3 : act, x->ndim, shape);
+      shape[x->ndim - 1] = cols[k];
+      out = bind(k, handoff ? FP8_DTYPE_E4M3 : x->dtype, x->ndim, shape);
+      inputs.push_back(out);
     }
-    saved.push_back(m.layers[i]->forward(step, in, out));
+    saved[k] = m.layers[i]->forward(step, in, out);
+    saved[k]->model_serial = m.serial;
+    saved[k]->layer_id = static_cast<int32_t>(i);
+    saved[k]->layer_epoch = m.layers[i]->epoch();
+    saved[k]->training = step.training;
     in = out;
   }
+  return inputs;
+}
+
+// The backward of run_forward's layers, last to first. The gradients between layers alternate
+// between bind_grad(0, ..) and bind_grad(1, ..) (never the buffer the layer reads its dy from);
+// layer `first`'s goes to dx, or, for a norm or an activation when dx is nullptr, to
+// bind_grad(2, ..) (they always make one). An activation's backward (ReLU, GELU) is folded into the
+// dy cast of the Linear before it where that Linear can take it (Layer::folds_activation_grad), so
+// the activation's gradient is never written out. The layers' parameters start at params_first in
+// the model's order.
+template <typename BindGrad>
+void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std::unique_ptr<fp8_saved>>& saved,
+                  const std::vector<const fp8_tensor*>& inputs, const int64_t* x_shape, const fp8_tensor* dy,
+                  fp8_tensor* dx, bool accumulate_dx, int32_t params_first, BindGrad bind_grad) {
+  const size_t n = saved.size();
+  const int32_t ndim = dy->ndim;
+  int32_t end = params_first;  // the parameters of layers [first, i] are [params_first, end)
+  for (size_t k = 0; k < n; ++k) end += static_cast<int32_t>(m.layers[first + k]->parameters().size());
+  dist::before_grad_write(m, params_first, end - params_first);
+  const fp8_tensor* g_out = dy;
+  int slot = 0;  // the buffer the next gradient between layers goes to
+  ActivationGrad fold{};
+  bool folding = false;  // the layer's backward takes the gradient of the activation after it
+  for (size_t k = n; k-- > 0;) {
+    const size_t i = first + k;
+    Layer& layer = *m.layers[i];
+    if (!folding && k > 0 && layer.foldable_activation(*saved[k], &fold) &&
+        m.layers[i - 1]->folds_activation_grad(*saved[k - 1], k > 1 || dx)) {
+      folding = true;  // (the activation runs no backward of its own)
+    } else {
+      fp8_tensor* g_in = dx;
+      if (k > 0) {
+        g_in = bind_grad(slot, ndim, inputs[k - 1]->shape);
+        slot ^= 1;
+      } else if (!dx && layer.kind() != FP8_LAYER_LINEAR) {
+        g_in = bind_grad(2, ndim, x_shape);
+      }
+      layer.backward(step, *saved[k], g_out, g_in, k == 0 && accumulate_dx, folding ? &fold : nullptr);
+      folding = false;
+      g_out = g_in;
+    }
+    saved[k]->consumed = true;
+    saved[k]->release();
+    const auto count = static_cast<int32_t>(layer.parameters().size());
+    end -= count;
+    // Buckets may start now, but none holding a parameter this call has still to write.
+    dist::after_grad_write(m, end, count, end);
+  }
+}
+
+}  // namespace
+
+void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
+  const size_t n = m.layers.size();
+  if (n == 0) fail(FP8_ERR_INVALID_STATE, "the model has no layers");
+  const std::vector<int64_t> cols = check_stack(m, 0, n, x, y);
+  m.run_saved.clear();
+  const Step step = make_step(m);
+  while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
+  std::vector<std::unique_ptr<fp8_saved>> saved(n);
+  run_forward(m, step, 0, saved, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t ndim, const int64_t* shape) {
+    return m.acts[k]->bind(dt, ndim, shape);
+  });
   if (m.training) {
     m.run_saved = std::move(saved);
-    m.run_dtype = act;
+    m.run_dtype = x->dtype;
     m.run_ndim = x->ndim;
     std::copy(x->shape, x->shape + x->ndim, m.run_x_shape);
     m.run_x_data = x->data;
@@ -360,33 +456,127 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
 
   const Step step = make_step(m);
   for (size_t i = 0; i < m.layers.size(); ++i) m.layers[i]->check_saved(step, *m.run_saved[i]);
-  int32_t end = 0;  // the parameters of layers [0, i] are [0, end)
-  for (const auto& l : m.layers) end += static_cast<int32_t>(l->parameters().size());
-  dist::before_grad_write(m, 0, end);
-  const size_t n = m.layers.size();
   for (auto& g : m.grads)
     if (!g) g = std::make_unique<ScratchTensor>(m.backend);
   if (!m.first_dx) m.first_dx = std::make_unique<ScratchTensor>(m.backend);
-  const fp8_tensor* g_out = dy;
-  for (size_t i = n; i-- > 0;) {
-    fp8_tensor* g_in = dx;
-    const fp8_tensor* x_i = i > 0 ? &m.acts[i - 1]->view : nullptr;
-    if (i > 0) {
-      g_in = m.grads[i % 2]->bind(act, ndim, x_i->shape);
-    } else if (!dx && m.layers[0]->kind() != FP8_LAYER_LINEAR) {
-      g_in = m.first_dx->bind(act, ndim, m.run_x_shape);  // norms and activations always make dx
-    }
-    m.layers[i]->backward(step, *m.run_saved[i], g_out, g_in, false);
-    const auto count = static_cast<int32_t>(m.layers[i]->parameters().size());
-    end -= count;
-    dist::after_grad_write(m, end, count, end);  // (under backward sync, buckets may start now)
-    g_out = g_in;
-  }
+  std::vector<const fp8_tensor*> inputs;
+  for (size_t i = 0; i + 1 < m.layers.size(); ++i) inputs.push_back(&m.acts[i]->view);
+  run_backward(m, step, 0, m.run_saved, inputs, m.run_x_shape, dy, dx, false, 0,
+               [&](int which, int32_t nd, const int64_t* shape) {
+                 return which == 2 ? m.first_dx->bind(act, nd, shape) : m.grads[which]->bind(act, nd, shape);
+               });
   m.run_saved.clear();
   update_model_scaling(m, true);
   // The exchanges started above overlapped the backward; the stream waits for them here, so that a
   // captured backward joins what it forked and the gradients are whole when the call is done.
   m.backend->join_side();
+}
+
+namespace {
+
+struct StackSaved final : fp8_saved {
+  int32_t first = 0;
+  std::vector<std::unique_ptr<fp8_saved>> layers;
+  std::vector<std::unique_ptr<fp8_tensor>> acts;  // the inputs of layers first + 1 .. (views)
+  std::vector<PooledBuffer> memory;               // behind acts; given back where no backward reads it
+  fp8_dtype_t dtype = FP8_DTYPE_F32;
+  int32_t ndim = 0;
+  int64_t x_shape[FP8_MAX_DIMS] = {}, y_shape[FP8_MAX_DIMS] = {};
+  const void* x_data = nullptr;
+  size_t x_bytes = 0;
+  void release() override {
+    for (auto& l : layers) l->release();
+    memory.clear();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t count, const fp8_tensor* x,
+                                         fp8_tensor* y) {
+  const auto layers = static_cast<int64_t>(m.layers.size());
+  if (first < 0 || first >= layers)
+    fail(FP8_ERR_INVALID_ARGUMENT, "first_layer = ", first, "; the model has layers 0..", layers - 1);
+  if (count < 1 || first + int64_t{count} > layers)
+    fail(FP8_ERR_INVALID_ARGUMENT, "layer_count = ", count, "; expected 1..", layers - first, " (layers ", first,
+         " to ", layers - 1, " follow the first)");
+  const auto f = static_cast<size_t>(first), n = static_cast<size_t>(count);
+  const std::vector<int64_t> cols = check_stack(m, f, n, x, y);
+  const Step step = make_step(m);
+  auto s = std::make_unique<StackSaved>();
+  s->layers.resize(n);
+  s->acts = std::vector<std::unique_ptr<fp8_tensor>>(n - 1);
+  s->memory.resize(n - 1);
+  run_forward(m, step, f, s->layers, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+    s->memory[k] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
+    s->acts[k] = std::make_unique<fp8_tensor>();
+    s->acts[k]->backend = m.backend;
+    return lay_view(*s->acts[k], s->memory[k].get<char>(), dt, nd, shape);
+  });
+  // An activation no backward reads goes back to the pool now (an E4M3 hand-off to an FP8 Linear,
+  // which keeps its own transposed copy), for the next forward to use.
+  for (size_t k = 1; k < n; ++k)
+    if (!step.training || !s->layers[k]->reads_input) s->memory[k - 1].reset();
+  s->stack = true;
+  s->model_serial = m.serial;
+  s->layer_id = first;
+  s->training = step.training;
+  s->reads_input = s->layers[0]->reads_input;
+  s->first = first;
+  s->dtype = x->dtype;
+  s->ndim = x->ndim;
+  std::copy(x->shape, x->shape + x->ndim, s->x_shape);
+  std::copy(y->shape, y->shape + y->ndim, s->y_shape);
+  s->x_data = x->data;
+  s->x_bytes = x->nbytes();
+  return s;
+}
+
+void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx) {
+  if (!saved.stack)
+    fail(FP8_ERR_INVALID_ARGUMENT, "saved comes from fp8_layer_forward_saved; differentiate it with ",
+         "fp8_layer_backward_saved");
+  auto& s = static_cast<StackSaved&>(saved);
+  if (s.model_serial != m.serial)
+    fail(FP8_ERR_INVALID_ARGUMENT, "saved comes from another model's fp8_stack_forward_saved");
+  const auto n = s.layers.size();
+  const auto f = static_cast<size_t>(s.first);
+  const std::string range = "layers '" + m.layers[f]->name() + "'..'" + m.layers[f + n - 1]->name() + "'";
+  if (s.consumed)
+    fail(FP8_ERR_INVALID_STATE, "saved was already differentiated; ", range,
+         " run one backward per forward (run the forward again)");
+  if (!s.training)
+    fail(FP8_ERR_INVALID_STATE, range, " have no training-mode forward to differentiate: saved comes from a ",
+         "forward in eval mode (fp8_model_set_training(model, 1) first)");
+  for (size_t k = 0; k < n; ++k)
+    if (s.layers[k]->layer_epoch != m.layers[f + k]->epoch())
+      fail(FP8_ERR_INVALID_STATE, "layer '", m.layers[f + k]->name(),
+           "' was converted (fp8_convert_model) after this forward; run the forward again");
+  require_run_tensor(dy, "dy", s.dtype, s.ndim, s.y_shape);
+  if (dx) {
+    require_run_tensor(dx, "dx", s.dtype, s.ndim, s.x_shape);
+    if (buffers_overlap(s.x_data, s.x_bytes, dx->data, dx->nbytes()))
+      fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", m.layers[f]->name(),
+           "''s backward reads x while it writes dx");
+    m.layers[f]->check_dx(*s.layers[0], dx);
+    require_disjoint_buffers(m.layers[f]->name(), dy, "dy", dx, "dx");
+  }
+  const Step step = make_step(m);
+  for (size_t k = 0; k < n; ++k) m.layers[f + k]->check_saved(step, *s.layers[k]);
+  std::vector<const fp8_tensor*> inputs;
+  for (auto& a : s.acts) inputs.push_back(a.get());
+  // The gradients between the layers: pool buffers for the call (two alternating, and the first
+  // layer's dx when the caller wants none).
+  PooledBuffer grads[3];
+  fp8_tensor views[3];
+  for (fp8_tensor& v : views) v.backend = m.backend;
+  run_backward(m, step, f, s.layers, inputs, s.x_shape, dy, dx, accumulate_dx, first_parameter(m, s.first),
+               [&](int which, int32_t nd, const int64_t* shape) {
+                 grads[which] = PooledBuffer(step.pool, tensor_bytes(s.dtype, nd, shape));
+                 return lay_view(views[which], grads[which].get<char>(), s.dtype, nd, shape);
+               });
+  s.consumed = true;
+  s.release();
 }
 
 void zero_grad(fp8_model& m) {

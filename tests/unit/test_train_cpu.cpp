@@ -1096,34 +1096,118 @@ RunOut run_per_layer(fp8_model_t* m, fp8_context_t* ctx, const StackDesc& d, fp8
   return o;
 }
 
+// The same through fp8_stack_forward_saved/backward_saved, one stack per [first, end) of `stacks`
+// (the stacks' own y and dx between them in the activation dtype), inside a region when `fp8`.
+RunOut run_stacks(fp8_model_t* m, fp8_context_t* ctx, const StackDesc& d, fp8_dtype_t act,
+                  const std::vector<float>& x, const std::vector<float>& dy, bool fp8, bool dx_null,
+                  const std::vector<std::pair<int32_t, int32_t>>& stacks) {
+  Tensor tx = act_tensor(ctx, act, kXShape, x);
+  std::vector<Tensor> ys, dxs;
+  for (const auto& [first, end] : stacks) {
+    ys.push_back(act_tensor(ctx, act, with_last(kXShape, d.cols[static_cast<size_t>(end - 1)])));
+    dxs.push_back(act_tensor(ctx, act, with_last(kXShape, first == 0 ? kIn : d.cols[static_cast<size_t>(first - 1)])));
+  }
+  Tensor tdy = act_tensor(ctx, act, with_last(kXShape, d.cols.back()), dy);
+  if (fp8) {
+    EXPECT_OK(fp8_autocast_begin(m));
+  }
+  std::vector<fp8_saved_t*> saved(stacks.size(), nullptr);
+  const fp8_tensor_t* in = tx.get();
+  for (size_t k = 0; k < stacks.size(); ++k) {
+    EXPECT_OK(fp8_stack_forward_saved(m, stacks[k].first, stacks[k].second - stacks[k].first, in, ys[k].get(),
+                                      &saved[k]));
+    in = ys[k].get();
+  }
+  const fp8_tensor_t* g = tdy.get();
+  for (size_t k = stacks.size(); k-- > 0;) {
+    const bool none = k == 0 && dx_null && d.kinds[0] == FP8_LAYER_LINEAR;
+    EXPECT_OK(fp8_stack_backward_saved(m, saved[k], g, none ? nullptr : dxs[k].get(), 0));
+    fp8_saved_destroy(saved[k]);
+    g = dxs[k].get();
+  }
+  if (fp8) {
+    EXPECT_OK(fp8_autocast_end(m));
+  }
+  RunOut o;
+  o.y = download<uint8_t>(ys.back().get());
+  if (!dx_null) o.dx = download<uint8_t>(dxs[0].get());
+  o.grads = all_params(m, true);
+  return o;
+}
+
+// ||got - want|| / ||want|| over every parameter gradient.
+double relative_difference(const Params& got, const Params& want) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t t = 0; t < want.size(); ++t)
+    for (size_t i = 0; i < want[t].size(); ++i) {
+      diff += (static_cast<double>(got[t][i]) - want[t][i]) * (static_cast<double>(got[t][i]) - want[t][i]);
+      norm += static_cast<double>(want[t][i]) * want[t][i];
+    }
+  return std::sqrt(diff / norm);
+}
+
 class ModelRun : public ::testing::TestWithParam<std::tuple<Stack, fp8_dtype_t, bool>> {};
 
 // Two steps; the second passes dx = NULL. Under FP8 the second step casts with the scales the first
 // set, and both models' states must agree too.
+// The whole-model run against: the same layers as one fp8_stack_forward_saved (bit for bit); as
+// stacks split before each activation that follows a Linear (no activation gradient folded: bit for
+// bit with the per-layer calls); and the per-layer calls, bit for bit except where the run folds a
+// GELU's backward into the dy cast of the FP8 Linear before it and the activations are BF16: there
+// the per-layer calls round the GELU's dx to BF16 before the cast, the fold does not (close, and
+// not equal, which shows the fold ran).
 TEST_P(ModelRun, MatchesThePerLayerCallsBitForBit) {
   const auto [stack, act, fp8] = GetParam();
   Context ctx = make_context(FP8_DEVICE_CPU);
-  Model whole = make_model(ctx.get()), twin = make_model(ctx.get());
+  Model whole = make_model(ctx.get()), twin = make_model(ctx.get()), one = make_model(ctx.get()),
+        split = make_model(ctx.get());
   const StackDesc d = build_stack(whole.get(), stack);
-  build_stack(twin.get(), stack);
+  for (fp8_model_t* m : {twin.get(), one.get(), split.get()}) build_stack(m, stack);
   if (fp8) {
     Recipe r = fp8_recipe();
-    FP8_ASSERT_OK(fp8_convert_model(whole.get(), r.get(), nullptr));
-    FP8_ASSERT_OK(fp8_convert_model(twin.get(), r.get(), nullptr));
+    for (fp8_model_t* m : {whole.get(), twin.get(), one.get(), split.get()}) {
+      FP8_ASSERT_OK(fp8_convert_model(m, r.get(), nullptr));
+    }
   }
   const int32_t n = static_cast<int32_t>(d.kinds.size());
+  std::vector<std::pair<int32_t, int32_t>> pieces;  // split before an activation that follows a Linear
+  bool folds = false;
+  for (int32_t i = 0, from = 0; i < n; ++i) {
+    const bool cut = i + 1 < n && d.kinds[static_cast<size_t>(i)] == FP8_LAYER_LINEAR &&
+                     d.kinds[static_cast<size_t>(i + 1)] == FP8_LAYER_ACTIVATION;
+    folds = folds || (cut && fp8);
+    if (cut || i + 1 == n) {
+      pieces.emplace_back(from, i + 1);
+      from = i + 1;
+    }
+  }
   for (int step = 0; step < 2; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     const bool dx_null = step == 1;
     const std::vector<float> x = randn(static_cast<size_t>(numel_of(kXShape)), 7 + step, 1.0f, 0.1f);
     const std::vector<float> dy = randn(static_cast<size_t>(numel_of(kXShape) / kIn * kOut), 9 + step, 0.05f);
-    FP8_ASSERT_OK(fp8_model_zero_grad(whole.get()));
-    FP8_ASSERT_OK(fp8_model_zero_grad(twin.get()));
+    for (fp8_model_t* m : {whole.get(), twin.get(), one.get(), split.get()}) {
+      FP8_ASSERT_OK(fp8_model_zero_grad(m));
+    }
     const RunOut a = run_whole(whole.get(), ctx.get(), act, x, dy, fp8, dx_null);
     const RunOut b = run_per_layer(twin.get(), ctx.get(), d, act, x, dy, fp8, dx_null, handoffs(d, fp8));
+    const RunOut c = run_stacks(one.get(), ctx.get(), d, act, x, dy, fp8, dx_null, {{0, n}});
+    const RunOut e = run_stacks(split.get(), ctx.get(), d, act, x, dy, fp8, dx_null, pieces);
+    EXPECT_EQ(a.y, c.y) << "y, one stack";
+    EXPECT_EQ(a.dx, c.dx) << "dx, one stack";
+    EXPECT_EQ(first_bit_difference(a.grads, c.grads), "") << "parameter gradients, one stack";
+    EXPECT_EQ(e.y, b.y) << "y, stacks split at the folds";
+    EXPECT_EQ(e.dx, b.dx) << "dx, stacks split at the folds";
+    EXPECT_EQ(first_bit_difference(e.grads, b.grads), "") << "parameter gradients, stacks split at the folds";
     EXPECT_EQ(a.y, b.y) << "y";
-    EXPECT_EQ(a.dx, b.dx) << "dx";
-    EXPECT_EQ(first_bit_difference(a.grads, b.grads), "") << "parameter gradients";
+    if (folds && act == FP8_DTYPE_BF16) {
+      EXPECT_NE(first_bit_difference(a.grads, b.grads), "") << "the fold skips the BF16 rounding of the GELU's dx";
+      // (E5M2 steps are 12.5-25% apart: the BF16 rounding moves a few percent of dy's codes one step.)
+      EXPECT_LT(relative_difference(a.grads, b.grads), 0.08) << "parameter gradients, folded or not";
+    } else {
+      EXPECT_EQ(a.dx, b.dx) << "dx";
+      EXPECT_EQ(first_bit_difference(a.grads, b.grads), "") << "parameter gradients";
+    }
     for (const auto& gr : a.grads) EXPECT_GT(amax_of(gr), 0.0f) << "every parameter got a gradient";
     EXPECT_EQ(a.dx.empty(), dx_null);
 
@@ -1143,10 +1227,14 @@ TEST_P(ModelRun, MatchesThePerLayerCallsBitForBit) {
       for (int32_t slot = FP8_SCALING_INPUT; slot <= FP8_SCALING_OUTPUT; ++slot) {
         fp8_scaling_t* sa = scaling_of(whole.get(), i, slot);
         fp8_scaling_t* sb = scaling_of(twin.get(), i, slot);
+        fp8_scaling_t* sc = scaling_of(one.get(), i, slot);
         ASSERT_EQ(sa == nullptr, sb == nullptr);
         if (!sa) continue;
-        const fp8_scaling_info_t ia = info_of(sa), ib = info_of(sb);
-        EXPECT_EQ(bits_of(ia.scale), bits_of(ib.scale)) << "layer " << i << " slot " << slot;
+        const fp8_scaling_info_t ia = info_of(sa), ib = info_of(sb), ic = info_of(sc);
+        EXPECT_EQ(bits_of(ia.scale), bits_of(ic.scale)) << "layer " << i << " slot " << slot << ", one stack";
+        if (!(folds && act == FP8_DTYPE_BF16 && slot == FP8_SCALING_GRAD_OUTPUT)) {
+          EXPECT_EQ(bits_of(ia.scale), bits_of(ib.scale)) << "layer " << i << " slot " << slot;
+        }
         EXPECT_EQ(ia.update_count, ib.update_count) << "layer " << i << " slot " << slot;
         if (step == 1 && ia.update_count > 0) {
           EXPECT_NE(ia.scale, 1.0f) << "layer " << i << " slot " << slot;

@@ -636,6 +636,21 @@ extern "C" {
         flags: u32,
     ) -> fp8_status_t;
     pub fn fp8_saved_needs_input(saved: *const fp8_saved_t, needs_input: *mut i32) -> fp8_status_t;
+    pub fn fp8_stack_forward_saved(
+        model: *mut fp8_model_t,
+        first_layer: i32,
+        layer_count: i32,
+        x: *const fp8_tensor_t,
+        y: *mut fp8_tensor_t,
+        saved: *mut *mut fp8_saved_t,
+    ) -> fp8_status_t;
+    pub fn fp8_stack_backward_saved(
+        model: *mut fp8_model_t,
+        saved: *mut fp8_saved_t,
+        dy: *const fp8_tensor_t,
+        dx: *mut fp8_tensor_t,
+        flags: u32,
+    ) -> fp8_status_t;
     pub fn fp8_saved_destroy(saved: *mut fp8_saved_t);
 
     pub fn fp8_model_forward(model: *mut fp8_model_t, x: *const fp8_tensor_t, y: *mut fp8_tensor_t) -> fp8_status_t;
