@@ -1066,8 +1066,10 @@ FP8_API fp8_status_t fp8_saved_needs_input(const fp8_saved_t *saved, int32_t *ne
  * the model's pool, the activations between the layers that their backwards read (the others go
  * back to the pool when the forward returns) and each layer's own state; x must stay alive and
  * unchanged until the backward when fp8_saved_needs_input says so (the first layer's rule).
- * x: F32 or BF16, [.., in_features of the first layer]; y: the last layer's output shape and x's
- * dtype; x and y must not overlap. Asynchronous. Since 0.2.
+ * x: F32 or BF16, [.., in_features of the first layer]; y: the last layer's output shape, F32 or
+ * BF16, the dtype of every activation between the layers; x has y's dtype unless the first layer
+ * is a norm (which reads any and writes y's: an FP32 residual into a BF16 stack); x and y must not
+ * overlap. Asynchronous. Since 0.2.
  */
 FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t *model, int32_t first_layer, int32_t layer_count,
                                              const fp8_tensor_t *x, fp8_tensor_t *y, fp8_saved_t **saved);
@@ -1075,8 +1077,8 @@ FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t *model, int32_t first_l
 /**
  * Backward of the fp8_stack_forward_saved that made `saved`: [in] dy (y's shape and dtype), [out]
  * dx (x's shape and dtype; NULL when x needs no gradient), [in] flags 0 or
- * FP8_BACKWARD_ACCUMULATE_DX. Parameter gradients accumulate. A ReLU or GELU activation layer
- * after a Linear whose dy cast runs in FP8 with its transposed copy (delayed scaling, an FP8
+ * FP8_BACKWARD_ACCUMULATE_DX; dy has y's dtype, dx x's. Parameter gradients accumulate. A ReLU
+ * or GELU activation layer after a Linear whose dy cast runs in FP8 with its transposed copy (delayed scaling, an FP8
  * weight gradient, and an FP8 dgrad if that Linear's dx is needed) is differentiated inside that
  * cast: the values cast, max-reduced into the gradient state and summed into the bias gradient are
  * act'(x) * dy in float, with no round trip of the activation's gradient through the activation

@@ -311,13 +311,18 @@ void require_run_tensor(const fp8_tensor* t, const char* name, fp8_dtype_t dtype
     fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(t->ndim, t->shape), "; expected ", shape_string(ndim, shape));
 }
 
-// The checks of a stack run's x and y (layers [first, first + count)), before anything runs; the
-// output features of each layer.
+// The checks of a run's x and y (layers [first, first + count)), before anything runs; the output
+// features of each layer. The activations between the layers have y's dtype; x has it too, except
+// that the first layer of a stack (not of a whole-model run) may be a norm taking another one.
 std::vector<int64_t> check_stack(const fp8_model& m, size_t first, size_t count, const fp8_tensor* x,
-                                 const fp8_tensor* y) {
-  const fp8_dtype_t act = x->dtype;
+                                 const fp8_tensor* y, bool whole_model) {
+  const fp8_dtype_t act = whole_model ? x->dtype : y->dtype;
+  const char* what = whole_model ? "a whole-model run" : "a stack";
   if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
-    fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(act), "; a run of layers takes f32 or bf16 activations");
+    fail(FP8_ERR_DTYPE, whole_model ? "x" : "y", " has dtype ", dtype_name(act), "; ", what,
+         " takes f32 or bf16 activations");
+  if (x->dtype != FP8_DTYPE_F32 && x->dtype != FP8_DTYPE_BF16)
+    fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), "; ", what, " takes f32 or bf16 x");
   if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; expected [.., features]");
   std::vector<int64_t> cols = chain_features(m, first, count, x->cols());
   int64_t shape[FP8_MAX_DIMS];
@@ -351,7 +356,7 @@ std::vector<const fp8_tensor*> run_forward(fp8_model& m, const Step& step, size_
       const bool handoff = step.fp8 && m.layers[i]->converted() && m.layers[i]->kind() != FP8_LAYER_LINEAR &&
                            m.layers[i + 1]->takes_fp8_input(step, rows);
       shape[x->ndim - 1] = cols[k];
-      out = bind(k, handoff ? FP8_DTYPE_E4M3 : x->dtype, x->ndim, shape);
+      out = bind(k, handoff ? FP8_DTYPE_E4M3 : y->dtype, x->ndim, shape);
       inputs.push_back(out);
     }
     saved[k] = m.layers[i]->forward(step, in, out);
@@ -364,16 +369,17 @@ std::vector<const fp8_tensor*> run_forward(fp8_model& m, const Step& step, size_
   return inputs;
 }
 
-// The backward of run_forward's layers, last to first. The gradients between layers alternate
-// between bind_grad(0, ..) and bind_grad(1, ..) (never the buffer the layer reads its dy from);
-// layer `first`'s goes to dx, or, for a norm or an activation when dx is nullptr, to
-// bind_grad(2, ..) (they always make one). An activation's backward (ReLU, GELU) is folded into the
+// The backward of run_forward's layers, last to first. The gradients between layers (dy's dtype)
+// alternate between bind_grad(0, ..) and bind_grad(1, ..) (never the buffer the layer reads its dy
+// from); layer `first`'s goes to dx, or, for a norm or an activation when dx is nullptr, to
+// bind_grad(2, x_dtype, ..) (they always make one). An activation's backward (ReLU, GELU) is folded into the
 // dy cast of the Linear before it where that Linear can take it (Layer::folds_activation_grad), so
 // the activation's gradient is never written out. The layers' parameters start at params_first in
 // the model's order.
 template <typename BindGrad>
 void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std::unique_ptr<fp8_saved>>& saved,
-                  const std::vector<const fp8_tensor*>& inputs, const int64_t* x_shape, const fp8_tensor* dy,
+                  const std::vector<const fp8_tensor*>& inputs, fp8_dtype_t x_dtype, const int64_t* x_shape,
+                  const fp8_tensor* dy,
                   fp8_tensor* dx, bool accumulate_dx, int32_t params_first, BindGrad bind_grad) {
   const size_t n = saved.size();
   const int32_t ndim = dy->ndim;
@@ -393,10 +399,10 @@ void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std:
     } else {
       fp8_tensor* g_in = dx;
       if (k > 0) {
-        g_in = bind_grad(slot, ndim, inputs[k - 1]->shape);
+        g_in = bind_grad(slot, dy->dtype, ndim, inputs[k - 1]->shape);
         slot ^= 1;
       } else if (!dx && layer.kind() != FP8_LAYER_LINEAR) {
-        g_in = bind_grad(2, ndim, x_shape);
+        g_in = bind_grad(2, x_dtype, ndim, x_shape);
       }
       layer.backward(step, *saved[k], g_out, g_in, k == 0 && accumulate_dx, folding ? &fold : nullptr);
       folding = false;
@@ -416,7 +422,7 @@ void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std:
 void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
   const size_t n = m.layers.size();
   if (n == 0) fail(FP8_ERR_INVALID_STATE, "the model has no layers");
-  const std::vector<int64_t> cols = check_stack(m, 0, n, x, y);
+  const std::vector<int64_t> cols = check_stack(m, 0, n, x, y, true);
   m.run_saved.clear();
   const Step step = make_step(m);
   while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
@@ -461,9 +467,9 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
   if (!m.first_dx) m.first_dx = std::make_unique<ScratchTensor>(m.backend);
   std::vector<const fp8_tensor*> inputs;
   for (size_t i = 0; i + 1 < m.layers.size(); ++i) inputs.push_back(&m.acts[i]->view);
-  run_backward(m, step, 0, m.run_saved, inputs, m.run_x_shape, dy, dx, false, 0,
-               [&](int which, int32_t nd, const int64_t* shape) {
-                 return which == 2 ? m.first_dx->bind(act, nd, shape) : m.grads[which]->bind(act, nd, shape);
+  run_backward(m, step, 0, m.run_saved, inputs, act, m.run_x_shape, dy, dx, false, 0,
+               [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+                 return which == 2 ? m.first_dx->bind(dt, nd, shape) : m.grads[which]->bind(dt, nd, shape);
                });
   m.run_saved.clear();
   update_model_scaling(m, true);
@@ -479,7 +485,7 @@ struct StackSaved final : fp8_saved {
   std::vector<std::unique_ptr<fp8_saved>> layers;
   std::vector<std::unique_ptr<fp8_tensor>> acts;  // the inputs of layers first + 1 .. (views)
   std::vector<PooledBuffer> memory;               // behind acts; given back where no backward reads it
-  fp8_dtype_t dtype = FP8_DTYPE_F32;
+  fp8_dtype_t dtype = FP8_DTYPE_F32, x_dtype = FP8_DTYPE_F32;  // the activations' (y's), x's
   int32_t ndim = 0;
   int64_t x_shape[FP8_MAX_DIMS] = {}, y_shape[FP8_MAX_DIMS] = {};
   const void* x_data = nullptr;
@@ -501,7 +507,7 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
     fail(FP8_ERR_INVALID_ARGUMENT, "layer_count = ", count, "; expected 1..", layers - first, " (layers ", first,
          " to ", layers - 1, " follow the first)");
   const auto f = static_cast<size_t>(first), n = static_cast<size_t>(count);
-  const std::vector<int64_t> cols = check_stack(m, f, n, x, y);
+  const std::vector<int64_t> cols = check_stack(m, f, n, x, y, false);
   const Step step = make_step(m);
   auto s = std::make_unique<StackSaved>();
   s->layers.resize(n);
@@ -523,7 +529,8 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
   s->training = step.training;
   s->reads_input = s->layers[0]->reads_input;
   s->first = first;
-  s->dtype = x->dtype;
+  s->dtype = y->dtype;
+  s->x_dtype = x->dtype;
   s->ndim = x->ndim;
   std::copy(x->shape, x->shape + x->ndim, s->x_shape);
   std::copy(y->shape, y->shape + y->ndim, s->y_shape);
@@ -554,7 +561,7 @@ void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_te
            "' was converted (fp8_convert_model) after this forward; run the forward again");
   require_run_tensor(dy, "dy", s.dtype, s.ndim, s.y_shape);
   if (dx) {
-    require_run_tensor(dx, "dx", s.dtype, s.ndim, s.x_shape);
+    require_run_tensor(dx, "dx", s.x_dtype, s.ndim, s.x_shape);
     if (buffers_overlap(s.x_data, s.x_bytes, dx->data, dx->nbytes()))
       fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", m.layers[f]->name(),
            "''s backward reads x while it writes dx");
@@ -570,10 +577,10 @@ void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_te
   PooledBuffer grads[3];
   fp8_tensor views[3];
   for (fp8_tensor& v : views) v.backend = m.backend;
-  run_backward(m, step, f, s.layers, inputs, s.x_shape, dy, dx, accumulate_dx, first_parameter(m, s.first),
-               [&](int which, int32_t nd, const int64_t* shape) {
-                 grads[which] = PooledBuffer(step.pool, tensor_bytes(s.dtype, nd, shape));
-                 return lay_view(views[which], grads[which].get<char>(), s.dtype, nd, shape);
+  run_backward(m, step, f, s.layers, inputs, s.x_dtype, s.x_shape, dy, dx, accumulate_dx,
+               first_parameter(m, s.first), [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+                 grads[which] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
+                 return lay_view(views[which], grads[which].get<char>(), dt, nd, shape);
                });
   s.consumed = true;
   s.release();

@@ -26,6 +26,7 @@ so a module may be used several times in a step, recomputed by torch.utils.check
 accumulate gradients over micro-batches. On CUDA the work goes on torch.cuda.current_stream() with
 no host synchronisation, and libfp8's device memory comes from torch's caching allocator.
 """
+import collections
 import contextlib
 import ctypes
 import math
@@ -42,6 +43,7 @@ from libfp8 import _check, _i32, _i64, _lib, _p
 
 __all__ = ["Recipe", "convert_model", "ConversionReport", "has_fp8_layers", "fp8_autocast", "checkpoint",
            "contextual_fp8_autocast", "apply_fp8_autowrap", "Optimizer", "Linear", "LayerNorm", "RMSNorm",
+           "Sequential", "Activation",
            "report", "to_torch", "from_torch"]
 
 _TORCH_DTYPES = {torch.float32: _f.DTYPE_F32, torch.float16: _f.DTYPE_F16, torch.bfloat16: _f.DTYPE_BF16}
@@ -683,6 +685,117 @@ class RMSNorm(_Norm):
         self.normalized_shape, self.eps, self.elementwise_affine = (dim,), eps, True
 
 
+class Activation(torch.nn.Module):
+    """GELU (tanh approximation) or ReLU inside a libfp8 Sequential, where libfp8 runs it with its
+    neighbours (made by convert_model from nn.GELU(approximate="tanh") or nn.ReLU; no parameters).
+    Called on its own it computes torch's function."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind  # "GELU" or "ReLU"
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(x, approximate="tanh") if self.kind == "GELU" else torch.relu(x)
+
+    def extra_repr(self):
+        return f"{self.kind}, libfp8='{self._fp8_name}'"
+
+
+class _StackFunction(torch.autograd.Function):
+    """One libfp8 Sequential call: fp8_stack_forward_saved / fp8_stack_backward_saved over its
+    layers; the parameter gradients accumulate in libfp8's storage, as in _LayerFunction."""
+
+    @staticmethod
+    def forward(ctx, seq, x, *params):  # pylint: disable=arguments-differ
+        y, saved = seq._run(x, True)
+        ctx.seq, ctx.saved, ctx.y_dtype = seq, saved, y.dtype
+        ctx.x = x if _f.saved_needs_input(saved.handle) else None
+        ctx.x_version, ctx.x_shape, ctx.x_dtype = x._version, x.shape, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # pylint: disable=arguments-differ
+        seq, x = ctx.seq, ctx.x
+        if ctx.saved is None:
+            raise RuntimeError(f"libfp8 Sequential '{seq._fp8_name}': backward through the same graph a second "
+                               "time (libfp8 differentiates each forward once; retain_graph is not supported)")
+        if x is not None and x._version != ctx.x_version:
+            raise RuntimeError(f"libfp8 Sequential '{seq._fp8_name}': its input was modified in place after the "
+                               "forward; the backward needs it unchanged")
+        group = seq._layers[0]._group
+        group.dev.follow_stream()
+        for m in seq._layers:
+            m._alias_grads()
+        dy = dy.to(ctx.y_dtype).contiguous()
+        need_dx = ctx.needs_input_grad[1] or not seq._layers[0]._dx_optional
+        dx = torch.empty(ctx.x_shape, dtype=ctx.x_dtype, device=dy.device) if need_dx else None
+        _check(_lib.fp8_stack_backward_saved(group.model.handle, ctx.saved.handle, group.dev.wrap(dy),
+                                             group.dev.wrap(dx) if dx is not None else None, 0))
+        ctx.saved = ctx.x = None
+        return (None, dx if ctx.needs_input_grad[1] else None) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+class Sequential(torch.nn.Sequential):
+    """An nn.Sequential whose children libfp8 runs as one stack (made by convert_model from an
+    nn.Sequential of Linears, LayerNorms, RMSNorms and GELU(tanh)/ReLU, every one converted): one
+    call into libfp8 per forward and per backward, the activations between the layers kept by
+    libfp8, a norm or activation handing its output to the FP8 Linear after it in E4M3, and the
+    backward of a GELU or ReLU after a Linear folded into that Linear's gradient cast (fp8.h,
+    fp8_stack_forward_saved). Same children and names as the nn.Sequential it replaces."""
+
+    def _attach_stack(self, name):
+        self._fp8_name = name
+        self._layers = [m for m in self if isinstance(m, _Module)]
+        self._first = next(iter(self))._layer_id
+
+    def forward(self, x):  # pylint: disable=arguments-renamed
+        first = self._layers[0]
+        group = first._group
+        for m in self._layers:
+            if m._versions() != m._seen:
+                group.sync_versions()
+                break
+            if m._plist[0].data_ptr() != m._lent[0][2].data_ptr():
+                m._check_storage()
+        x = first._cast_input(x).contiguous()
+        group.enter(self.training)
+        if torch.is_grad_enabled() and self.training:
+            params = [p for m in self._layers for p in m._plist if p.requires_grad]
+            params += [m._anchor for m in self._layers if m._anchor is not None]
+            if x.requires_grad or params:
+                return _StackFunction.apply(self, x, *params)
+        return self._run(x, False)[0]
+
+    def _run(self, x, need_backward):
+        """y = the stack(x) through fp8_stack_forward_saved; the saved state when a backward follows."""
+        group = self._layers[0]._group
+        wrap = group.dev.wrap
+        features = x.shape[-1]
+        for m in self:
+            features = m.out_features if isinstance(m, Linear) else features
+        y = torch.empty(x.shape[:-1] + (features,), dtype=_autocast_dtype(x) or x.dtype, device=x.device)
+        saved = _Saved()
+        _check(_lib.fp8_stack_forward_saved(group.model.handle, self._first, len(self), wrap(x), wrap(y),
+                                            ctypes.byref(saved.handle)))
+        if not need_backward:
+            _lib.fp8_saved_destroy(saved.handle)  # its pool buffers go back now
+            saved.handle = None
+            return y, None
+        return y, saved
+
+
+_ACTIVATIONS = {"GELU": _f.ACTIVATION_GELU, "ReLU": _f.ACTIVATION_RELU}
+
+
+def _activation_kind(m):
+    """"GELU" or "ReLU" for a torch activation libfp8 computes the same way, else None."""
+    if type(m) is torch.nn.GELU and m.approximate == "tanh":
+        return "GELU"
+    if type(m) is torch.nn.ReLU:
+        return "ReLU"
+    return None
+
+
 # ------------------------------------------------------------------------------------------------
 # convert_model
 # ------------------------------------------------------------------------------------------------
@@ -773,6 +886,10 @@ def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, smal
     into libfp8, and then the norms too when no Linear converts (a libfp8 norm only pays beside
     FP8 Linears); small_layers="libfp8" converts them all.
 
+    An nn.Sequential (other than `module` itself) whose children all convert, GELU(tanh) and ReLU
+    included, becomes a libfp8 Sequential that libfp8 runs as one stack (norm -> Linear in E4M3,
+    an activation's backward folded into the Linear before it); the report lists it as converted.
+
     The converted layers of one call (per device) form one libfp8 model, converted under `recipe`
     (default Recipe()): its parameters, initialised from torch's, become torch Parameters over
     libfp8's storage, with torch's names. Move the model to its device (and dtype) before: a
@@ -824,13 +941,50 @@ def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, smal
         report_.skipped += [(name, kind, "no Linear converts (every one is a small layer): a libfp8 norm would only add "
                              "the cost of its call (small_layers='libfp8' converts it)") for name, _, kind in chosen]
         chosen = []
+    stacks, chosen = _stacks(module, chosen)
     by_device = {}
     for item in chosen:
-        by_device.setdefault(next(item[1].parameters()).device, []).append(item)
+        by_device.setdefault(item[3], []).append(item[:3])
     for device, items in by_device.items():
         _build_group(module, device, recipe, items)
         report_.converted += [(name, kind) for name, _, kind in items]
+    for name, seq in stacks:  # children converted: the container becomes libfp8's Sequential
+        new = Sequential(collections.OrderedDict(seq.named_children()))
+        new._attach_stack(name)
+        new.train(seq.training)
+        _set_child(module, name, new)
+        report_.converted.append((name, "Sequential"))
     return report_
+
+
+def _stacks(root, chosen):
+    """The nn.Sequential containers (not root) whose children all convert: every child a chosen
+    Linear or norm or a GELU(tanh)/ReLU, a Linear among them, on one device, no hooks. Returns them
+    [(name, module)] and `chosen` with their activations added, in module order, each item with its
+    device: [(name, module, kind, device)]."""
+    names = {name: (m, kind) for name, m, kind in chosen}
+    stacks, acts = [], {}
+    for name, seq in root.named_modules():
+        if type(seq) is not torch.nn.Sequential or not name or len(seq) < 2:
+            continue
+        if seq._forward_hooks or seq._forward_pre_hooks or seq._backward_hooks:
+            continue
+        kids = [(f"{name}.{k}", m) for k, m in seq.named_children()]
+        devices = {next(m.parameters()).device for n, m in kids if n in names}
+        linear = any(n in names and names[n][1] == "Linear" for n, _ in kids)
+        if linear and len(devices) == 1 and all(n in names or _activation_kind(m) for n, m in kids):
+            stacks.append((name, seq))
+            device = devices.pop()
+            for n, m in kids:
+                if n not in names:
+                    acts[n] = (m, _activation_kind(m), device)
+    items = []
+    for name, m in root.named_modules():
+        if name in names:
+            items.append((name, m, names[name][1], next(m.parameters()).device))
+        elif name in acts:
+            items.append((name, m, acts[name][1], acts[name][2]))
+    return stacks, items
 
 
 def _build_group(root, device, recipe, items):
@@ -839,7 +993,10 @@ def _build_group(root, device, recipe, items):
     first = []  # the index of each layer's first parameter
     count = 0
     for name, m, kind in items:
-        if kind == "Linear":
+        if kind in _ACTIVATIONS:
+            layer_id = model.add_activation(name, _ACTIVATIONS[kind])
+            names = []
+        elif kind == "Linear":
             layer_id = model.add_linear(name, m.in_features, m.out_features, bias=m.bias is not None)
             names = ["weight"] + (["bias"] if m.bias is not None else [])
         elif kind == "LayerNorm":
@@ -856,6 +1013,12 @@ def _build_group(root, device, recipe, items):
     _check(_lib.fp8_model_storage_level(model.handle, ctypes.byref(level)))
     group.level = "te" if level.value == 0 else f"O{level.value}"
     for (name, m, kind), (layer_id, index, names) in zip(items, first):
+        if kind in _ACTIVATIONS:  # runs only inside its Sequential's stack: nothing to lend
+            new = Activation(kind)
+            new._fp8_name, new._layer_id = name, layer_id
+            new.train(m.training)
+            _set_child(root, name, new)
+            continue
         new = (Linear(m.in_features, m.out_features) if kind == "Linear" else
                LayerNorm(m.normalized_shape[0], m.eps) if kind == "LayerNorm" else
                RMSNorm(m.normalized_shape[0], m.eps))
@@ -874,6 +1037,18 @@ def _build_group(root, device, recipe, items):
 
 def _convert_back(root, linear, norm, report_):
     for name, m in list(root.named_modules()):
+        if isinstance(m, Sequential):  # the container first; its children below, by name
+            new = torch.nn.Sequential(collections.OrderedDict(m.named_children()))
+            new.train(m.training)
+            _set_child(root, name, new)
+            report_.converted.append((name, "Sequential"))
+            continue
+        if isinstance(m, Activation):
+            new = torch.nn.GELU(approximate="tanh") if m.kind == "GELU" else torch.nn.ReLU()
+            new.train(m.training)
+            _set_child(root, name, new)
+            report_.converted.append((name, m.kind))
+            continue
         if not isinstance(m, _Module):
             continue
         kind = type(m).__name__
