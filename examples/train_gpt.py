@@ -11,6 +11,9 @@ report, and a table last.
 The model: byte tokens (vocabulary 256), learned positions, pre-LN blocks (LayerNorm, causal
 self-attention through scaled_dot_product_attention, LayerNorm, GELU MLP), a final LayerNorm and an
 untied output layer (untied so that it converts: libfp8 owns one copy of each parameter it runs).
+A block's LayerNorm -> QKV and LayerNorm -> fc -> GELU -> fc are nn.Sequential, which
+convert_model makes libfp8 stacks (one call each way, the norms' and the GELU's outputs handed to
+the Linears in E4M3, the GELU's backward folded into the fc's gradient cast).
 The FP8 runs swap nn.Linear and nn.LayerNorm with libfp8.torch.convert_model (which leaves to
 torch the Linears the small-layer rule would run in high precision anyway, in_features or
 out_features < 2048, and the norms when no Linear converts: gpt2s keeps torch's modules), wrap the
@@ -55,18 +58,19 @@ class Block(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
         self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.gelu = nn.GELU(approximate="tanh")
+        # The runs of layers as nn.Sequential, which convert_model hands to libfp8 as one stack each.
+        self.qkv = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 3 * d))
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * d, d))
 
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = attention(q, k, v).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
-        return x + self.out(self.gelu(self.fc(self.ln2(x))))
+        return x + self.mlp(x)
 
 
 class GPT(nn.Module):
@@ -77,7 +81,7 @@ class GPT(nn.Module):
         self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
         for name, p in self.named_parameters():
             if p.dim() == 2:  # GPT-2's init, the residual projections scaled by depth
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.3.weight")) else 0.02
                 nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)

@@ -361,6 +361,133 @@ class NumericsTest(unittest.TestCase):
             y.sum().backward()  # the graph is freed; torch says so before libfp8 is asked
 
 
+class Block(torch.nn.Module):
+    """A residual MLP block whose body is an nn.Sequential that libfp8 can run as one stack."""
+
+    def __init__(self, seed=0, d=32, h=64, act=None):
+        super().__init__()
+        torch.manual_seed(seed)
+        act = act if act is not None else torch.nn.GELU(approximate="tanh")
+        self.body = torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, h), act, torch.nn.Linear(h, d))
+        for p in self.body.parameters():  # away from LayerNorm's 1 / 0, so every gradient is distinct
+            torch.nn.init.normal_(p, std=0.3)
+        self.to(DEVICE)
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class SequentialTest(unittest.TestCase):
+    def _stacked_and_per_layer(self, recipe, **kw):
+        """A converted Block (its body a libfp8 Sequential) and a twin whose converted layers run one
+        call each (the same children in a plain nn.Sequential)."""
+        stacked, per_layer = Block(**kw), Block(**kw)
+        lt.convert_model(stacked, recipe=recipe, **ALL)
+        lt.convert_model(per_layer, recipe=recipe, **ALL)
+        per_layer.body = torch.nn.Sequential(*per_layer.body)
+        return stacked, per_layer
+
+    def test_a_sequential_whose_children_all_convert_becomes_one_stack_and_converts_back(self):
+        m = Block()
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        self.assertIs(type(m.body), lt.Sequential)
+        self.assertIsInstance(m.body[2], lt.Activation)
+        self.assertIn(("body", "Sequential"), rep.converted)
+        self.assertIn(("body.2", "GELU"), rep.converted)
+        self.assertEqual(list(m.state_dict().keys()), list(before.keys()))
+        for k, v in m.state_dict().items():
+            self.assertTrue(torch.equal(v, before[k]), k)
+        back = lt.convert_model(m, to_fp8=False)
+        self.assertIn(("body", "Sequential"), back.converted)
+        self.assertIs(type(m.body), torch.nn.Sequential)
+        self.assertIs(type(m.body[2]), torch.nn.GELU)
+        self.assertEqual(m.body[2].approximate, "tanh")
+        for k, v in m.state_dict().items():
+            self.assertTrue(torch.equal(v, before[k]), k)
+
+    def test_a_sequential_with_a_child_libfp8_cannot_run_stays_torchs(self):
+        for act in (torch.nn.GELU(), torch.nn.Dropout(0.0), torch.nn.SiLU()):
+            with self.subTest(act=type(act).__name__):
+                m = Block(act=act)
+                rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+                self.assertIs(type(m.body), torch.nn.Sequential)
+                self.assertIs(m.body[2], act)
+                self.assertIsInstance(m.body[1], lt.Linear)
+                self.assertNotIn(("body", "Sequential"), rep.converted)
+        # Nor is the module passed in swapped (as for a bare layer: pass its parent).
+        root = mlp(norm=True)
+        lt.convert_model(root, recipe=lt.Recipe(backend="te"), **ALL)
+        self.assertIs(type(root), torch.nn.Sequential)
+
+    def test_high_precision_stack_matches_torch(self):
+        ref = Block()
+        m = Block()
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yr, ym = ref(xr), m(xm)
+        self.assertLess(rel_err(ym, yr), 1e-6)
+        yr.square().sum().backward()
+        ym.square().sum().backward()
+        self.assertLess(rel_err(xm.grad, xr.grad), 1e-5)
+        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+            self.assertLess(rel_err(p.grad, q.grad), 1e-5, n)
+
+    def test_fp8_stack_matches_the_per_layer_calls_in_float32(self):
+        # In FP32 activations the E4M3 hand-offs and the folded GELU backward compute what the
+        # per-layer calls do: the norm's and the GELU's FP8 outputs are the codes the next Linear's
+        # cast would make (same scales at the first step), and the GELU's dx rounds to FP32 exactly.
+        for act in (torch.nn.GELU(approximate="tanh"), torch.nn.ReLU()):
+            with self.subTest(act=type(act).__name__):
+                stacked, per_layer = self._stacked_and_per_layer(lt.Recipe(backend="te", **FP8), act=act)
+                x = torch.randn(4, 16, 32, device=DEVICE)
+                out = []
+                for m in (stacked, per_layer):
+                    xm = x.clone().requires_grad_()
+                    with lt.fp8_autocast():
+                        y = m(xm)
+                    y.square().sum().backward()
+                    out.append((y.detach(), xm.grad, [p.grad.clone() for p in m.parameters()]))
+                self.assertTrue(torch.equal(out[0][0], out[1][0]), "y")
+                self.assertLess(rel_err(out[0][1], out[1][1]), 1e-6)
+                for a, b in zip(out[0][2], out[1][2]):
+                    self.assertLess(rel_err(a, b), 1e-6)
+                self.assertEqual(fprops(stacked), [1, 1, 1])  # norm (its E4M3 hand-off), both Linears
+
+    def test_fp8_stack_under_autocast_within_fp8_bounds(self):
+        # torch.autocast: an FP32 residual into a stack of the autocast dtype (the norm reads FP32).
+        ref, m = Block(), Block()
+        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            yr = ref(xr)
+            with lt.fp8_autocast():
+                ym = m(xm)
+        self.assertEqual(ym.dtype, torch.float32)  # the residual's
+        self.assertLess(rel_err(ym, yr), 0.08)
+        yr.float().square().sum().backward()
+        ym.float().square().sum().backward()
+        self.assertEqual(xm.grad.dtype, torch.float32)
+        self.assertLess(rel_err(xm.grad, xr.grad), 0.15)
+        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+            self.assertLess(rel_err(p.grad, q.grad), 0.15, n)
+
+    def test_no_grad_forward_and_a_second_backward(self):
+        m = Block()
+        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        with torch.no_grad():
+            y0 = m(x)
+        y1 = m(x)
+        self.assertTrue(torch.equal(y0, y1.detach()))
+        loss = y1.square().sum()
+        loss.backward(retain_graph=True)
+        with self.assertRaisesRegex(RuntimeError, "Sequential 'body': backward through the same graph"):
+            loss.backward()
+
+
 class OptimizerTest(unittest.TestCase):
     def _train(self, model, opt_step, zero, steps=5, set_to_none=True):
         torch.manual_seed(5)

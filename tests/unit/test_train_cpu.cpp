@@ -581,7 +581,6 @@ TEST(OptimizerJointStep, BadArgumentsAreRefusedNamingThem) {
                        "other_sumsq", "2 elements", "f32 of 1 element");
   EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(j.opt.get(), j.other.get(), bf16.get()), FP8_ERR_INVALID_ARGUMENT, fn,
                        "clip_coef", "bf16");
-  Context other_ctx = make_context(FP8_DEVICE_CPU);
   Tensor foreign = make_tensor(other_ctx.get(), FP8_DTYPE_F32, {1});
   EXPECT_REFUSED(fp8_optimizer_step_joint(j.opt.get(), foreign.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn,
                  "another context");
@@ -1489,6 +1488,65 @@ TEST_F(ModelRunMisuse, BackwardRefusesDyAndDxOfTheWrongShapeOrDtype) {
   EXPECT_GT(amax_of(download<float>(param_tensor(m, "fc1.weight", true))), 0.0f);
   EXPECT_GT(amax_of(download<float>(s.dx.get())), 0.0f);
   EXPECT_EQ(download<uint8_t>(s.y.get()), y_bytes);
+}
+
+// fp8_stack_forward_saved / fp8_stack_backward_saved refuse a range outside the model, each other's
+// states, a state used twice or from eval mode, weights changed since, and bad dy, before anything
+// runs (no gradient written, the state still usable).
+TEST_F(ModelRunMisuse, StacksRefuseBadRangesForeignStatesAndStaleOnes) {
+  const char* fwd = "fp8_stack_forward_saved";
+  const char* bwd = "fp8_stack_backward_saved";
+  fp8_saved_t* st = nullptr;
+  refused(fp8_stack_forward_saved(m, -1, 2, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd, "first_layer = -1");
+  refused(fp8_stack_forward_saved(m, 4, 1, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd, "first_layer = 4");
+  refused(fp8_stack_forward_saved(m, 0, 0, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd, "layer_count = 0");
+  refused(fp8_stack_forward_saved(m, 2, 3, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd, "expected 1..2");
+  refused(fp8_stack_forward_saved(m, 0, 4, s.x.get(), s.y.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fwd, "saved");
+  // Layers 1.. start with a norm of kHidden features: x of kIn features is refused naming it.
+  refused(fp8_stack_forward_saved(m, 1, 3, s.x.get(), s.y.get(), &st), FP8_ERR_SHAPE, fwd, "layer 'ln' expects");
+  EXPECT_EQ(st, nullptr);
+
+  FP8_ASSERT_OK(fp8_stack_forward_saved(m, 0, 4, s.x.get(), s.y.get(), &st));
+  ASSERT_NE(st, nullptr);
+  auto no_grads = [&] {
+    for (const auto& g : all_params(m, true)) ASSERT_EQ(amax_of(g), 0.0f) << "a refused backward wrote a gradient";
+  };
+  EXPECT_REFUSED(fp8_layer_backward_saved(m, 0, st, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_ARGUMENT,
+                 "fp8_layer_backward_saved", "fp8_stack_backward_saved");
+  Tensor dy_bf16 = act_tensor(ctx, FP8_DTYPE_BF16, with_last(kXShape, kOut), randn(32 * kOut, 7, 0.1f));
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, dy_bf16.get(), s.dx.get(), 0), FP8_ERR_DTYPE, bwd, "dy has dtype bf16");
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 2), FP8_ERR_INVALID_ARGUMENT, bwd, "flags = 2");
+  Model other = make_model(ctx);
+  build_stack(other.get(), Stack::LinearFirst);
+  EXPECT_REFUSED(fp8_stack_backward_saved(other.get(), st, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, bwd,
+                 "another model");
+  no_grads();
+  // A layer's own state is not a stack's.
+  fp8_saved_t* one = nullptr;
+  Tensor h = act_tensor(ctx, FP8_DTYPE_F32, with_last(kXShape, kHidden));
+  FP8_ASSERT_OK(fp8_layer_forward_saved(m, 0, s.x.get(), h.get(), &one));
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, one, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, bwd,
+                 "fp8_layer_backward_saved");
+  fp8_saved_destroy(one);
+  no_grads();
+  // The refusals left the state usable; once used, it is consumed.
+  FP8_ASSERT_OK(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 0));
+  EXPECT_GT(amax_of(download<float>(param_tensor(m, "fc1.weight", true))), 0.0f);
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_STATE, bwd,
+                 "already differentiated");
+  fp8_saved_destroy(st);
+
+  // Weights written since the forward.
+  FP8_ASSERT_OK(fp8_stack_forward_saved(m, 0, 4, s.x.get(), s.y.get(), &st));
+  FP8_ASSERT_OK(fp8_model_weights_changed(m));
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_STATE, bwd, "fc1");
+  fp8_saved_destroy(st);
+  // An eval-mode forward.
+  FP8_ASSERT_OK(fp8_model_set_training(m, 0));
+  FP8_ASSERT_OK(fp8_stack_forward_saved(m, 0, 4, s.x.get(), s.y.get(), &st));
+  FP8_ASSERT_OK(fp8_model_set_training(m, 1));
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_STATE, bwd, "eval mode");
+  fp8_saved_destroy(st);
 }
 
 // A dx the first layer's backward cannot take is refused before any layer runs: nothing accumulates,
