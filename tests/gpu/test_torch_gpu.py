@@ -24,7 +24,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
 
 import libfp8.torch as lt  # noqa: E402
 from test_torch import *  # noqa: E402,F401,F403  (the CPU cases, now on cuda)
-from test_torch import ALL, FP8, mlp, rel_err  # noqa: E402
+from test_torch import ALL, FP8, Block, mlp, rel_err  # noqa: E402
 
 
 def gpt_like(d=256):
@@ -134,6 +134,52 @@ class CudaOnlyTest(unittest.TestCase):
         for a, b in zip(replayed, eager):
             self.assertLess(abs(a - b), 1e-3 * abs(b) + 1e-6)
         self.assertLess(rel_err(m[1].weight, ref[1].weight), 1e-4)
+
+    def test_a_stacked_block_trains_without_synchronising_and_replays_in_a_cuda_graph(self):
+        # A libfp8 Sequential (norm -> Linear -> GELU -> Linear as one stack) under bf16 autocast at
+        # O2: no host synchronisation in a step, and a captured step replays like its eager twin.
+        recipe = lt.Recipe(backend="msamp", opt_level="O2", **FP8)
+        m, ref = Block(d=256, h=1024), Block(d=256, h=1024)
+        for model in (m, ref):
+            lt.convert_model(model, recipe=recipe, **ALL)
+            self.assertIs(type(model.body), lt.Sequential)
+        opt = lt.Optimizer(m, "adamw", lr=1e-3, max_grad_norm=1.0)
+        ropt = lt.Optimizer(ref, "adamw", lr=1e-3, max_grad_norm=1.0)
+        x, t = torch.randn(8, 32, 256, device="cuda"), torch.randn(8, 32, 256, device="cuda")
+
+        def step(model, o):
+            with torch.autocast("cuda", dtype=torch.bfloat16), lt.fp8_autocast():
+                loss = (model(x).float() - t).square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+            return loss
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step(m, opt)
+                step(ref, ropt)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step(m, opt)
+                step(ref, ropt)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_loss = step(m, opt)
+        replayed, eager = [], []
+        for _ in range(5):
+            g.replay()
+            replayed.append(static_loss.item())
+            eager.append(step(ref, ropt).item())
+        self.assertLess(replayed[-1], replayed[0])
+        for a, b in zip(replayed, eager):
+            self.assertLess(abs(a - b), 1e-3 * abs(b) + 1e-6)
 
 
 if __name__ == "__main__":
