@@ -581,6 +581,7 @@ TEST(OptimizerJointStep, BadArgumentsAreRefusedNamingThem) {
                        "other_sumsq", "2 elements", "f32 of 1 element");
   EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(j.opt.get(), j.other.get(), bf16.get()), FP8_ERR_INVALID_ARGUMENT, fn,
                        "clip_coef", "bf16");
+  Context other_ctx = make_context(FP8_DEVICE_CPU);
   Tensor foreign = make_tensor(other_ctx.get(), FP8_DTYPE_F32, {1});
   EXPECT_REFUSED(fp8_optimizer_step_joint(j.opt.get(), foreign.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn,
                  "another context");
