@@ -7,8 +7,9 @@
 // tile (the Linear's bias gradient from the dy cast; see kBiasGradRows), in a fixed order. One
 // launch may cast several tensors (the model's weight copies, cast_transpose_group): the tiles of
 // all of them form one range, each block's amax going to the state of the tensor its tiles are in.
-// With ACT the values cast are an activation's gradient, act_grad(act_x, in): the dy cast of a
-// Linear followed by ReLU or GELU, the activation's backward never written out in bf16.
+// With FOLD the values cast are an activation of the input, act(in) (the x cast of a Linear after
+// ReLU or GELU: the activation's output never written), or its gradient, act_grad(act_x, in) (the
+// dy cast of a Linear followed by one: the activation's dx never written).
 #include "core/activation.hpp"
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
@@ -55,7 +56,7 @@ __device__ __forceinline__ void tile_column_sums(const float (&sums)[16], float*
 // One tensor of a cast: the tiles [first_tile, first_tile + its tile count) of the group's range.
 struct CastItem {
   const void* in;
-  const void* act_x;  // ACT: the activation's input
+  const void* act_x;  // a folded gradient: the activation's input
   uint8_t* out;
   uint8_t* out_t;
   int64_t rows, cols, tiles_c, first_tile;
@@ -78,19 +79,28 @@ constexpr int kMaxGroup = 64;  // items per launch: 64 x 104 bytes of kernel par
 // (More than the 4 KiB of kernel parameters before CUDA 12.1; sm_70+ with CUDA >= 12.1 take 32 KiB.)
 static_assert(sizeof(CastItems<kMaxGroup>) <= 32764, "a group's items must fit the kernel parameters");
 
-// Element i of what an edge tile casts: in[i], or the activation's gradient there.
-template <fp8_dtype_t DT, int ACT>
-__device__ __forceinline__ float value(const typename Wide<DT>::Raw* in, const void* act_x, int64_t i) {
-  using Raw = typename Wide<DT>::Raw;
-  const float v = Wide<DT>::to_float(in[i]);
-  if constexpr (ACT == -1) return v;
-  else return act_grad(static_cast<fp8_activation_t>(ACT), Wide<DT>::to_float(static_cast<const Raw*>(act_x)[i]), v);
+// FOLD: kNoFold, an activation's gradient (FP8_ACTIVATION_RELU or _GELU) or the activation itself
+// (kForward + it).
+constexpr int kNoFold = -1, kForward = 16;
+constexpr bool folds_grad(int fold) { return fold >= 0 && fold < kForward; }
+
+// What is cast of input value v (with the activation's input h for a gradient).
+template <int FOLD>
+__device__ __forceinline__ float folded(float v, float h) {
+  if constexpr (FOLD == kNoFold) return v;
+  else if constexpr (FOLD >= kForward) return act_value(static_cast<fp8_activation_t>(FOLD - kForward), v);
+  else return act_grad(static_cast<fp8_activation_t>(FOLD), h, v);
 }
 
-// ACT: kNoActivation, or the activation (FP8_ACTIVATION_RELU, _GELU) whose gradient is cast.
-constexpr int kNoActivation = -1;
+// Element i of what an edge tile casts.
+template <fp8_dtype_t DT, int FOLD>
+__device__ __forceinline__ float value(const typename Wide<DT>::Raw* in, const void* act_x, int64_t i) {
+  using Raw = typename Wide<DT>::Raw;
+  const float h = folds_grad(FOLD) ? Wide<DT>::to_float(static_cast<const Raw*>(act_x)[i]) : 0.0f;
+  return folded<FOLD>(Wide<DT>::to_float(in[i]), h);
+}
 
-template <fp8_dtype_t DT, bool E5M2, bool DBIAS, int N, int ACT>
+template <fp8_dtype_t DT, bool E5M2, bool DBIAS, int N, int FOLD>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const __grid_constant__ CastItems<N> g, float current_max, bool current_pow2,
                           float* __restrict__ dbias_partials) {
@@ -152,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
         // The activation's input of this chunk is loaded here, not prefetched: a second tile held in
         // registers would cost the occupancy the prefetch lives on.
         Vec8<DT> ax[2];
-        if constexpr (ACT != kNoActivation) {
+        if constexpr (folds_grad(FOLD)) {
           const Raw* p = static_cast<const Raw*>(it.act_x) + (R0 + r) * cols + C0 + c;
           ax[0].load(p);
           ax[1].load(p + 8);
@@ -163,8 +173,7 @@ __global__ void __launch_bounds__(kThreads)
           float f[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            f[i] = cur.x[c8][h].get(i);
-            if constexpr (ACT != kNoActivation) f[i] = act_grad(static_cast<fp8_activation_t>(ACT), ax[h].get(i), f[i]);
+            f[i] = folded<FOLD>(cur.x[c8][h].get(i), folds_grad(FOLD) ? ax[h].get(i) : 0.0f);
             amax = max(amax, abs_bits(f[i]));
             if constexpr (DBIAS) sums[8 * h + i] += f[i];
           }
@@ -187,7 +196,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t e = tid; e < int64_t{kTile} * kTile; e += kThreads) {
         const int64_t r = R0 + e / kTile, c = C0 + e % kTile;
         if (r >= rows || c >= cols) continue;
-        const float x = value<DT, ACT>(in, it.act_x, r * cols + c);
+        const float x = value<DT, FOLD>(in, it.act_x, r * cols + c);
         amax = max(amax, abs_bits(x));
         const uint8_t q = cast1<E5M2>(x * scale);
         it.out[r * cols + c] = q;
@@ -197,7 +206,7 @@ __global__ void __launch_bounds__(kThreads)
         // One column per thread, rows in order (edge tiles are few; they read their input twice).
         if (tid < kTile && C0 + tid < cols) {
           float total = 0.0f;
-          for (int64_t r = R0; r < R0 + kTile && r < rows; ++r) total += value<DT, ACT>(in, it.act_x, r * cols + C0 + tid);
+          for (int64_t r = R0; r < R0 + kTile && r < rows; ++r) total += value<DT, FOLD>(in, it.act_x, r * cols + C0 + tid);
           dbias_partials[(lt / it.tiles_c) * cols + C0 + tid] = total;
         }
       }
@@ -248,25 +257,35 @@ int64_t tile_count(const QuantizeJob& j) {
 template <int N>
 void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbias, const QuantizeJob& first,
                   const LaunchLimits& lim, cudaStream_t stream) {
-  auto launch = [&](auto dt, auto e5, auto db, auto act) {
+  auto launch = [&](auto dt, auto e5, auto db, auto fold) {
     auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N,
-                                         decltype(act)::value>;
+                                         decltype(fold)::value>;
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, g.tiles, lim.sm_count, false);
     kernel<<<grid, kThreads, 0, stream>>>(g, first.current ? first.current_fp8_max : 0.0f, first.current_pow2,
                                           first.dbias_partials);
   };
-  using None = std::integral_constant<int, kNoActivation>;
+  using None = std::integral_constant<int, kNoFold>;
+  const bool relu = first.act == FP8_ACTIVATION_RELU;
   dispatch(dtype, e5m2, [&](auto dt, auto e5) {
-    if constexpr (N == 1) {  // a single cast: column sums and a folded activation gradient
-      auto with_act = [&](auto db) {
-        if (!first.act_x) return launch(dt, e5, db, None{});
-        if (first.act == FP8_ACTIVATION_RELU)
-          return launch(dt, e5, db, std::integral_constant<int, FP8_ACTIVATION_RELU>{});
-        launch(dt, e5, db, std::integral_constant<int, FP8_ACTIVATION_GELU>{});
+    if constexpr (N == 1) {  // a single cast: column sums, a folded activation
+      auto with_fold = [&](auto db) {
+        if (first.act_x) {  // (a gradient: the dy cast, E5M2 under HYBRID, with or without column sums)
+          if (relu) return launch(dt, e5, db, std::integral_constant<int, FP8_ACTIVATION_RELU>{});
+          return launch(dt, e5, db, std::integral_constant<int, FP8_ACTIVATION_GELU>{});
+        }
+        if (first.act_forward) {  // (forward: x's E4M3 cast, no column sums)
+          if constexpr (!std::decay_t<decltype(db)>::value && !std::decay_t<decltype(e5)>::value) {
+            if (relu) return launch(dt, e5, db, std::integral_constant<int, kForward + FP8_ACTIVATION_RELU>{});
+            return launch(dt, e5, db, std::integral_constant<int, kForward + FP8_ACTIVATION_GELU>{});
+          } else {
+            fail(FP8_ERR_INTERNAL, "an activation folds forward only into an E4M3 cast without column sums");
+          }
+        }
+        launch(dt, e5, db, None{});
       };
-      if (dbias) return with_act(std::true_type{});
-      return with_act(std::false_type{});
+      if (dbias) return with_fold(std::true_type{});
+      return with_fold(std::false_type{});
     } else {
       launch(dt, e5, std::false_type{}, None{});
     }

@@ -279,16 +279,18 @@ class CpuBackend final : public Backend {
       record_current_scale(j.state, a, recipe_scale(a, j.current_fp8_max, j.current_pow2));
     }
     const float scale = j.state->scale;
-    // A folded activation gradient: the values are act_grad(act_x, in), for the cast and the sums.
+    // A folded activation: the values are act(in) or act_grad(act_x, in), for the cast and the sums.
     std::vector<float> folded;
-    if (j.act_x) {
+    if (j.folds_activation()) {
       folded.resize(static_cast<size_t>(j.rows * j.cols));
-      for (size_t i = 0; i < folded.size(); ++i)
-        folded[i] = act_grad(j.act, load_wide(j.act_x, j.in_dtype, static_cast<int64_t>(i)),
-                             load_wide(j.in, j.in_dtype, static_cast<int64_t>(i)));
+      for (size_t i = 0; i < folded.size(); ++i) {
+        const float v = load_wide(j.in, j.in_dtype, static_cast<int64_t>(i));
+        folded[i] = j.act_forward ? act_value(j.act, v)
+                                  : act_grad(j.act, load_wide(j.act_x, j.in_dtype, static_cast<int64_t>(i)), v);
+      }
     }
-    const void* values = j.act_x ? static_cast<const void*>(folded.data()) : j.in;
-    const fp8_dtype_t values_dtype = j.act_x ? FP8_DTYPE_F32 : j.in_dtype;
+    const void* values = j.folds_activation() ? static_cast<const void*>(folded.data()) : j.in;
+    const fp8_dtype_t values_dtype = j.folds_activation() ? FP8_DTYPE_F32 : j.in_dtype;
     uint32_t amax = 0;  // (under current scaling the same amax again: slot 0 keeps it)
     for (int64_t r = 0; r < j.rows; ++r) {
       for (int64_t c = 0; c < j.cols; ++c) {

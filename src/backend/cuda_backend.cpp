@@ -214,7 +214,7 @@ class CudaBackend final : public Backend {
     std::vector<QuantizeJob> together;
     for (size_t i = 0; i < count; ++i) {
       require_tensor_scales(jobs[i], "CUDA");
-      if (jobs[i].out_t_scale_inv.ptr && !jobs[i].current && !jobs[i].dbias && !jobs[i].act_x)
+      if (jobs[i].out_t_scale_inv.ptr && !jobs[i].current && !jobs[i].dbias && !jobs[i].folds_activation())
         together.push_back(jobs[i]);
       else
         quantize(jobs[i]);

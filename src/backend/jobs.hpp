@@ -46,12 +46,15 @@ struct QuantizeJob {
   bool current = false;
   float current_fp8_max = 0.0f;
   bool current_pow2 = false;
-  // An activation's backward folded into the cast (a Linear followed by ReLU or GELU): the values
-  // cast, summed into dbias and max-reduced are act_grad(act_x, in) (core/activation.hpp) instead
-  // of in; act_x is the activation's input, in_dtype, [rows, cols]. Only with a transposed copy and
-  // without current scaling (require_tensor_scales refuses the rest).
+  // An activation folded into the cast (core/activation.hpp), ReLU or GELU: with act_forward the
+  // values cast are act(in) (its output handed to the Linear after it, x's cast); with act_x set
+  // they are act_grad(act_x, in) (its backward, in the dy cast of the Linear before it; act_x is the
+  // activation's input, in_dtype, [rows, cols]), also for the column sums. Only with a transposed
+  // copy and without current scaling (require_tensor_scales refuses the rest).
+  fp8_activation_t act = FP8_ACTIVATION_GELU;
+  bool act_forward = false;
   const void* act_x = nullptr;
-  fp8_activation_t act = FP8_ACTIVATION_GELU;  // ReLU or GELU; read only when act_x is set
+  bool folds_activation() const { return act_forward || act_x; }
 };
 
 // Fused amax + quantize under the scaling recipes' scale grids (core/recipe_scaling_rule.hpp).
@@ -312,9 +315,10 @@ struct DivideJob {
 // before any work: each operation that takes scales calls its job's overload first. `backend`
 // ("CPU", "CUDA") goes into the message.
 inline void require_tensor_scales(const QuantizeJob& j, const char* backend) {
-  if (j.act_x && (!j.out_t_scale_inv.ptr || j.current || (j.act != FP8_ACTIVATION_RELU && j.act != FP8_ACTIVATION_GELU)))
-    fail(FP8_ERR_INTERNAL, backend, " quantize: an activation's gradient folds only into a delayed-scaling cast with a ",
-         "transposed copy, for ReLU or GELU");
+  if (j.folds_activation() && (j.act_forward == (j.act_x != nullptr) || !j.out_t_scale_inv.ptr || j.current ||
+                               (j.act != FP8_ACTIVATION_RELU && j.act != FP8_ACTIVATION_GELU)))
+    fail(FP8_ERR_INTERNAL, backend, " quantize: an activation folds only into a delayed-scaling cast with a ",
+         "transposed copy, for ReLU or GELU, forward or backward");
   require_tensor_scale(j.out_scale_inv, "quantize's out_scale_inv", backend);
   require_tensor_scale(j.out_t_scale_inv, "quantize's out_t_scale_inv", backend);
   require_tensor_scale(j.out_scale, "quantize's out_scale", backend);

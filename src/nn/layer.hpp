@@ -167,11 +167,14 @@ struct LayerStats {
   std::string reason;          // why the latest such forward did not run (all) in FP8
 };
 
-// An elementwise activation (ReLU or GELU) whose backward a stack's backward folds into the one of
-// the Linear before it: the activation's dx is never written, the Linear's dy cast computes it.
-struct ActivationGrad {
+// An elementwise activation (ReLU or GELU) that a run of layers folds into a Linear's cast: its
+// forward into the x cast of the Linear after it (the activation's E4M3 output never written, cast
+// with the activation's output state), its backward into the dy cast of the Linear before it (its dx
+// never written).
+struct FoldedActivation {
   fp8_activation_t act;
-  const void* x;  // the activation's input (the Linear's y), the Linear's activation dtype
+  const void* x;        // the activation's input (the Linear's y before it), activation dtype
+  fp8_scaling* state;   // forward: the activation's output state, which scales x's cast
 };
 
 class Layer {
@@ -188,17 +191,30 @@ class Layer {
   bool converted() const { return converted_; }
 
   // y = layer(x); returns what the backward of this forward needs (also in eval mode). The caller
-  // (nn::layer_forward) fills in the fields of fp8_saved itself.
-  virtual std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) = 0;
+  // (nn::layer_forward) fills in the fields of fp8_saved itself. With `folded` (only where
+  // takes_folded_input said yes) x is the input of the activation before the layer, and the layer
+  // computes y = layer(folded->act(x)).
+  virtual std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y,
+                                             const FoldedActivation* folded = nullptr) = 0;
+  // An activation layer (ReLU, GELU, converted): the forward whose output the next layer computes
+  // itself (takes_folded_input): the checks and the state of a forward, no work; fills `out`.
+  // nullptr for a layer that cannot.
+  virtual std::unique_ptr<fp8_saved> forward_into_next(const Step& /*step*/, const fp8_tensor* /*x*/,
+                                                       FoldedActivation* /*out*/) {
+    return nullptr;
+  }
+  // A Linear: whether a forward of `rows` rows under `step` can take an activation folded into its x
+  // cast (FP8 fprop and weight gradient, training, delayed scaling).
+  virtual bool takes_folded_input(const Step& /*step*/, int64_t /*rows*/) const { return false; }
   // Differentiates the forward that made `saved` (already checked to be this layer's, unconsumed, of
   // this conversion and from training mode). dx may be nullptr when no input gradient is wanted (a
   // Linear); accumulate_dx adds into dx instead of overwriting it. With `folded` (only where
   // folds_activation_grad said yes) dy is the gradient of folded->act(y), not of y.
   virtual void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
-                        const ActivationGrad* folded = nullptr) = 0;
+                        const FoldedActivation* folded = nullptr) = 0;
   // An activation layer: whether its backward of `saved` can be folded into the layer before it,
   // and what that layer then needs (ReLU and GELU can; SwiGLU changes the width and cannot).
-  virtual bool foldable_activation(const fp8_saved& /*saved*/, ActivationGrad* /*out*/) const { return false; }
+  virtual bool foldable_activation(const fp8_saved& /*saved*/, FoldedActivation* /*out*/) const { return false; }
   // A Linear: whether its backward of `saved` can take `act`'s gradient folded into its dy cast (an
   // FP8 dy cast with its transposed copy under delayed scaling, and an FP8 dgrad if dx is wanted).
   virtual bool folds_activation_grad(const fp8_saved& /*saved*/, bool /*dx_wanted*/) const { return false; }
@@ -280,6 +296,8 @@ void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const ch
 void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim, const int64_t* shape);
 void require_disjoint_buffers(const std::string& layer, const fp8_tensor* a, const char* a_name, const fp8_tensor* b,
                               const char* b_name);
+// Whether p is 16-byte aligned (what FP8 GEMMs and the vector paths of the casts need).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 // Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
 bool buffers_overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes);
 

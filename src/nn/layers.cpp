@@ -214,7 +214,8 @@ class Norm final : public ElementwiseBase {
 
   int64_t input_features() const override { return dim_; }
 
-  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y,
+                                     const FoldedActivation* /*folded: never into a norm or an activation*/) override {
     if (x->ndim >= 1 && x->cols() != dim_)
       fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_, "' expects [.., ", dim_,
            "]");
@@ -244,7 +245,7 @@ class Norm final : public ElementwiseBase {
   }
 
   void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
-                const ActivationGrad* /*folded: never for a norm or an activation*/) override {
+                const FoldedActivation* /*folded: never for a norm or an activation*/) override {
     const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
     check_backward(s, dy, dx, dim_);
     NormJob j{};
@@ -287,7 +288,8 @@ class Activation final : public ElementwiseBase {
     return in / 2;
   }
 
-  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y,
+                                     const FoldedActivation* /*folded: never into a norm or an activation*/) override {
     const bool glu = act_ == FP8_ACTIVATION_SWIGLU;
     if (x->ndim >= 1 && glu && x->cols() % 2 != 0)
       fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_,
@@ -308,14 +310,22 @@ class Activation final : public ElementwiseBase {
     return s;
   }
 
-  bool foldable_activation(const fp8_saved& saved, ActivationGrad* out) const override {
+  bool foldable_activation(const fp8_saved& saved, FoldedActivation* out) const override {
     if (act_ != FP8_ACTIVATION_RELU && act_ != FP8_ACTIVATION_GELU) return false;
-    *out = {act_, static_cast<const ElementwiseSaved&>(saved).x};
+    *out = {act_, static_cast<const ElementwiseSaved&>(saved).x, nullptr};
     return true;
   }
 
+  std::unique_ptr<fp8_saved> forward_into_next(const Step& step, const fp8_tensor* x, FoldedActivation* out) override {
+    if ((act_ != FP8_ACTIVATION_RELU && act_ != FP8_ACTIVATION_GELU) || !converted_ || s_out_->current) return nullptr;
+    require_layer_dtype(name_, x, "x", false);
+    if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; layer '", name_, "' expects at least one dimension");
+    *out = {act_, x->data, s_out_.get()};
+    return begin_forward(step, x, s_out_->state);  // (the E4M3 output the next layer's cast makes)
+  }
+
   void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
-                const ActivationGrad* /*folded: never for a norm or an activation*/) override {
+                const FoldedActivation* /*folded: never for a norm or an activation*/) override {
     const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
     const int64_t cols = s.cols();
     check_backward(s, dy, dx, act_ == FP8_ACTIVATION_SWIGLU ? cols / 2 : cols);

@@ -30,7 +30,6 @@ namespace {
 constexpr double kFp8MinMacs = static_cast<double>(FP8_SMALL_LAYER_MIN_MACS);
 constexpr int64_t kFp8MinFeatures = FP8_SMALL_LAYER_MIN_FEATURES;
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Which GEMMs of one forward/backward pair run in FP8.
 struct Plan {
@@ -149,8 +148,13 @@ class Linear final : public Layer {
   bool takes_fp8_input(const Step& step, int64_t rows) const override {
     return decide(step, rows, true).fprop && scaling() == FP8_SCALING_DELAYED;
   }
+  bool takes_folded_input(const Step& step, int64_t rows) const override {
+    const Plan p = decide(step, rows, true);
+    return step.training && p.fprop && p.wgrad && scaling() == FP8_SCALING_DELAYED;
+  }
 
-  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y) override {
+  std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y,
+                                     const FoldedActivation* folded) override {
     require_layer_dtype(name_, y, "y", false);
     const fp8_dtype_t act = y->dtype;
     if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
@@ -181,6 +185,8 @@ class Linear final : public Layer {
 
     const bool x_fp8 = dtype_is_fp8(x->dtype);
     const bool want_qxt = step.training && plan.wgrad;
+    if (folded && !(plan.fprop && want_qxt && !x_fp8 && scaling() == FP8_SCALING_DELAYED))
+      fail(FP8_ERR_INTERNAL, "layer '", name_, "' was given an activation to fold it cannot take");
     // x in A for a high-precision fprop or wgrad (the caller's tensor, or the hand-off dequantised).
     const bool need_x_hp = !plan.fprop || (step.training && !plan.wgrad);
     const bool cells = cell_scaling();
@@ -235,8 +241,14 @@ class Linear final : public Layer {
       q.out = reinterpret_cast<uint8_t*>(scratch + at_qx);
       q.out_t = qxt;
       q.e5m2 = false;
-      cast_through(q, *s_x_);
-      if (!s_x_->current) s_x_->pending = true;
+      // A folded activation's output is cast with the activation's state, as its E4M3 hand-off was.
+      fp8_scaling& state = folded ? *folded->state : *s_x_;
+      cast_through(q, state);
+      if (!state.current) state.pending = true;
+      if (folded) {
+        q.act = folded->act;
+        q.act_forward = true;
+      }
       q.out_scale_inv = tensor_scale(si);
       q.out_t_scale_inv = tensor_scale(qxt ? s.xt_scale_inv() : nullptr);
       be.quantize(q);
@@ -288,7 +300,7 @@ class Linear final : public Layer {
   }
 
   void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
-                const ActivationGrad* folded) override {
+                const FoldedActivation* folded) override {
     LinearSaved& s = static_cast<LinearSaved&>(saved);
     const fp8_dtype_t act = s.act;
     const int64_t m = s.rows;

@@ -336,37 +336,52 @@ std::vector<int64_t> check_stack(const fp8_model& m, size_t first, size_t count,
 
 // Layers [first, first + saved.size()) in order, each one's y the next one's x: layer i writes
 // bind(i - first, dtype, shape), the last one y. A converted norm or activation hands its output to
-// a Linear that runs its forward GEMM in FP8 in E4M3 (no round trip through the activation dtype).
-// Returns the inputs of layers first + 1 .. (the tensors bind gave).
+// a Linear that runs its forward GEMM in FP8 in E4M3 (no round trip through the activation dtype);
+// a converted ReLU or GELU before a Linear that can take it (Layer::takes_folded_input) writes
+// nothing: the Linear's x cast computes it from the activation's input, with the activation's state.
+// Returns the input shape of each layer after the first (`ndim` dimensions each).
 template <typename Bind>
-std::vector<const fp8_tensor*> run_forward(fp8_model& m, const Step& step, size_t first,
-                                           std::vector<std::unique_ptr<fp8_saved>>& saved,
-                                           const std::vector<int64_t>& cols, const fp8_tensor* x, fp8_tensor* y,
-                                           Bind bind) {
+std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, size_t first,
+                                              std::vector<std::unique_ptr<fp8_saved>>& saved,
+                                              const std::vector<int64_t>& cols, const fp8_tensor* x, fp8_tensor* y,
+                                              Bind bind) {
   const size_t n = saved.size();
   const int64_t rows = x->rows();
   int64_t shape[FP8_MAX_DIMS];
   std::copy(x->shape, x->shape + x->ndim, shape);
-  std::vector<const fp8_tensor*> inputs;
+  std::vector<std::vector<int64_t>> shapes;
   const fp8_tensor* in = x;
+  FoldedActivation fold{};
+  const FoldedActivation* folded = nullptr;  // the activation the layer takes into its x cast
   for (size_t k = 0; k < n; ++k) {
     const size_t i = first + k;
-    fp8_tensor* out = y;
+    Layer& layer = *m.layers[i];
     if (k + 1 < n) {
-      const bool handoff = step.fp8 && m.layers[i]->converted() && m.layers[i]->kind() != FP8_LAYER_LINEAR &&
-                           m.layers[i + 1]->takes_fp8_input(step, rows);
       shape[x->ndim - 1] = cols[k];
-      out = bind(k, handoff ? FP8_DTYPE_E4M3 : y->dtype, x->ndim, shape);
-      inputs.push_back(out);
+      shapes.emplace_back(shape, shape + x->ndim);
     }
-    saved[k] = m.layers[i]->forward(step, in, out);
+    // A foldable activation before a Linear that takes it: no output of its own (in stays its input).
+    const bool fold_next = k + 1 < n && step.fp8 && m.layers[i + 1]->takes_folded_input(step, rows) &&
+                           (k + 2 < n || aligned16(y->data));
+    if (fold_next && (saved[k] = layer.forward_into_next(step, in, &fold)) != nullptr) {
+      folded = &fold;
+    } else {
+      fp8_tensor* out = y;
+      if (k + 1 < n) {
+        const bool handoff = step.fp8 && layer.converted() && layer.kind() != FP8_LAYER_LINEAR &&
+                             m.layers[i + 1]->takes_fp8_input(step, rows);
+        out = bind(k, handoff ? FP8_DTYPE_E4M3 : y->dtype, x->ndim, shape);
+      }
+      saved[k] = layer.forward(step, in, out, folded);
+      folded = nullptr;
+      in = out;
+    }
     saved[k]->model_serial = m.serial;
     saved[k]->layer_id = static_cast<int32_t>(i);
-    saved[k]->layer_epoch = m.layers[i]->epoch();
+    saved[k]->layer_epoch = layer.epoch();
     saved[k]->training = step.training;
-    in = out;
   }
-  return inputs;
+  return shapes;
 }
 
 // The backward of run_forward's layers, last to first. The gradients between layers (dy's dtype)
@@ -378,7 +393,7 @@ std::vector<const fp8_tensor*> run_forward(fp8_model& m, const Step& step, size_
 // the model's order.
 template <typename BindGrad>
 void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std::unique_ptr<fp8_saved>>& saved,
-                  const std::vector<const fp8_tensor*>& inputs, fp8_dtype_t x_dtype, const int64_t* x_shape,
+                  const std::vector<std::vector<int64_t>>& shapes, fp8_dtype_t x_dtype, const int64_t* x_shape,
                   const fp8_tensor* dy,
                   fp8_tensor* dx, bool accumulate_dx, int32_t params_first, BindGrad bind_grad) {
   const size_t n = saved.size();
@@ -388,7 +403,7 @@ void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std:
   dist::before_grad_write(m, params_first, end - params_first);
   const fp8_tensor* g_out = dy;
   int slot = 0;  // the buffer the next gradient between layers goes to
-  ActivationGrad fold{};
+  FoldedActivation fold{};
   bool folding = false;  // the layer's backward takes the gradient of the activation after it
   for (size_t k = n; k-- > 0;) {
     const size_t i = first + k;
@@ -399,7 +414,7 @@ void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std:
     } else {
       fp8_tensor* g_in = dx;
       if (k > 0) {
-        g_in = bind_grad(slot, dy->dtype, ndim, inputs[k - 1]->shape);
+        g_in = bind_grad(slot, dy->dtype, ndim, shapes[k - 1].data());
         slot ^= 1;
       } else if (!dx && layer.kind() != FP8_LAYER_LINEAR) {
         g_in = bind_grad(2, x_dtype, ndim, x_shape);
@@ -427,7 +442,7 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
   const Step step = make_step(m);
   while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
   std::vector<std::unique_ptr<fp8_saved>> saved(n);
-  run_forward(m, step, 0, saved, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t ndim, const int64_t* shape) {
+  m.run_shapes = run_forward(m, step, 0, saved, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t ndim, const int64_t* shape) {
     return m.acts[k]->bind(dt, ndim, shape);
   });
   if (m.training) {
@@ -465,9 +480,7 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
   for (auto& g : m.grads)
     if (!g) g = std::make_unique<ScratchTensor>(m.backend);
   if (!m.first_dx) m.first_dx = std::make_unique<ScratchTensor>(m.backend);
-  std::vector<const fp8_tensor*> inputs;
-  for (size_t i = 0; i + 1 < m.layers.size(); ++i) inputs.push_back(&m.acts[i]->view);
-  run_backward(m, step, 0, m.run_saved, inputs, act, m.run_x_shape, dy, dx, false, 0,
+  run_backward(m, step, 0, m.run_saved, m.run_shapes, act, m.run_x_shape, dy, dx, false, 0,
                [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
                  return which == 2 ? m.first_dx->bind(dt, nd, shape) : m.grads[which]->bind(dt, nd, shape);
                });
@@ -483,7 +496,8 @@ namespace {
 struct StackSaved final : fp8_saved {
   int32_t first = 0;
   std::vector<std::unique_ptr<fp8_saved>> layers;
-  std::vector<std::unique_ptr<fp8_tensor>> acts;  // the inputs of layers first + 1 .. (views)
+  std::vector<std::unique_ptr<fp8_tensor>> acts;  // the outputs of layers first .. (views; none if folded)
+  std::vector<std::vector<int64_t>> shapes;       // the input shape of each layer after the first
   std::vector<PooledBuffer> memory;               // behind acts; given back where no backward reads it
   fp8_dtype_t dtype = FP8_DTYPE_F32, x_dtype = FP8_DTYPE_F32;  // the activations' (y's), x's
   int32_t ndim = 0;
@@ -513,7 +527,7 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
   s->layers.resize(n);
   s->acts = std::vector<std::unique_ptr<fp8_tensor>>(n - 1);
   s->memory.resize(n - 1);
-  run_forward(m, step, f, s->layers, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+  s->shapes = run_forward(m, step, f, s->layers, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
     s->memory[k] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
     s->acts[k] = std::make_unique<fp8_tensor>();
     s->acts[k]->backend = m.backend;
@@ -570,14 +584,12 @@ void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_te
   }
   const Step step = make_step(m);
   for (size_t k = 0; k < n; ++k) m.layers[f + k]->check_saved(step, *s.layers[k]);
-  std::vector<const fp8_tensor*> inputs;
-  for (auto& a : s.acts) inputs.push_back(a.get());
   // The gradients between the layers: pool buffers for the call (two alternating, and the first
   // layer's dx when the caller wants none).
   PooledBuffer grads[3];
   fp8_tensor views[3];
   for (fp8_tensor& v : views) v.backend = m.backend;
-  run_backward(m, step, f, s.layers, inputs, s.x_dtype, s.x_shape, dy, dx, accumulate_dx,
+  run_backward(m, step, f, s.layers, s.shapes, s.x_dtype, s.x_shape, dy, dx, accumulate_dx,
                first_parameter(m, s.first), [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
                  grads[which] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
                  return lay_view(views[which], grads[which].get<char>(), dt, nd, shape);

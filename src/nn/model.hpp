@@ -67,6 +67,7 @@ struct fp8_model {
   std::vector<std::unique_ptr<fp8::nn::ScratchTensor>> acts;
   std::unique_ptr<fp8::nn::ScratchTensor> grads[2], first_dx;
   std::vector<std::unique_ptr<fp8_saved>> run_saved;
+  std::vector<std::vector<int64_t>> run_shapes;  // the input shape of each layer after the first
   fp8_dtype_t run_dtype = FP8_DTYPE_F32;
   int32_t run_ndim = 0;
   int64_t run_x_shape[FP8_MAX_DIMS] = {}, run_y_shape[FP8_MAX_DIMS] = {};
