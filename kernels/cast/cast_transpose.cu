@@ -100,13 +100,28 @@ __device__ __forceinline__ float value(const typename Wide<DT>::Raw* in, const v
   return folded<FOLD>(Wide<DT>::to_float(in[i]), h);
 }
 
+// A folded gradient's activation input goes through shared memory: the next tile's is copied in
+// with cp.async (16 bytes a copy, this thread's chunks only, so no barrier) while the block works on
+// the current one, and read into registers just before. Holding it in registers in flight instead
+// would cost the occupancy the prefetch of the input lives on.
+template <fp8_dtype_t DT>
+constexpr int kStagedCopies = TileLoads<DT>::kChunks * 2 * Vec8<DT>::kLoads;  // per thread
+template <fp8_dtype_t DT>
+constexpr size_t kStagedBytes = size_t{kStagedCopies<DT>} * 16 * kThreads;
+
+__device__ __forceinline__ void cp_async16(uint4* smem, const void* gmem) {
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
 template <fp8_dtype_t DT, bool E5M2, bool DBIAS, int N, int FOLD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, folds_grad(FOLD) && DT != FP8_DTYPE_F32 ? 2 : 1)
     cast_transpose_kernel(const __grid_constant__ CastItems<N> g, float current_max, bool current_pow2,
                           float* __restrict__ dbias_partials) {
   using Raw = typename Wide<DT>::Raw;
   __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
   __shared__ float col_part[DBIAS ? kThreads / 32 * kTile : 1];
+  extern __shared__ uint4 staged[];  // folds_grad(FOLD): the next tile's act_x, [copy][thread]
   const int tid = threadIdx.x;
   // The item of tile t, searched from `from` on (a block's tiles ascend).
   auto item_of = [&](int64_t t, int from) {
@@ -135,7 +150,18 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t lt = t - it.first_tile;
     int64_t R0, C0;
     origin(it, lt, R0, C0);
-    if (full(it, lt)) next.issue(static_cast<const Raw*>(it.in), it.cols, R0, C0);
+    if (!full(it, lt)) return;
+    next.issue(static_cast<const Raw*>(it.in), it.cols, R0, C0);
+    if constexpr (folds_grad(FOLD)) {
+#pragma unroll
+      for (int c8 = 0; c8 < TileLoads<DT>::kChunks; ++c8) {
+        const int ch = tid + c8 * kThreads, r = ch >> 3, c = (ch & 7) * 16;
+        const auto* p = reinterpret_cast<const uint4*>(static_cast<const Raw*>(it.act_x) + (R0 + r) * it.cols + C0 + c);
+#pragma unroll
+        for (int q = 0; q < 2 * Vec8<DT>::kLoads; ++q) cp_async16(&staged[(c8 * 2 * Vec8<DT>::kLoads + q) * kThreads + tid], p + q);
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
   };
   prefetch(blockIdx.x, 0);
   for (int64_t t = blockIdx.x; t < g.tiles; t += gridDim.x) {
@@ -153,27 +179,30 @@ __global__ void __launch_bounds__(kThreads)
     origin(it, lt, R0, C0);
     if (full(it, lt)) {
       // Phase 1: 128 rows x 8 chunks of 16 columns; codes to `out` and to the shared tile.
+      Vec8<DT> ax[TileLoads<DT>::kChunks][2];  // a folded gradient's activation input, from `staged`
+      if constexpr (folds_grad(FOLD)) {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#pragma unroll
+        for (int c8 = 0; c8 < TileLoads<DT>::kChunks; ++c8)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int l = 0; l < Vec8<DT>::kLoads; ++l)
+              ax[c8][h].raw[l] = staged[((c8 * 2 + h) * Vec8<DT>::kLoads + l) * kThreads + tid];
+      }
       const TileLoads<DT> cur = next;
       prefetch(t + gridDim.x, k);
       float sums[16] = {};
 #pragma unroll
       for (int c8 = 0; c8 < TileLoads<DT>::kChunks; ++c8) {
         const int ch = tid + c8 * kThreads, r = ch >> 3, c = (ch & 7) * 16;
-        // The activation's input of this chunk is loaded here, not prefetched: a second tile held in
-        // registers would cost the occupancy the prefetch lives on.
-        Vec8<DT> ax[2];
-        if constexpr (folds_grad(FOLD)) {
-          const Raw* p = static_cast<const Raw*>(it.act_x) + (R0 + r) * cols + C0 + c;
-          ax[0].load(p);
-          ax[1].load(p + 8);
-        }
         uint32_t w[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float f[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            f[i] = folded<FOLD>(cur.x[c8][h].get(i), folds_grad(FOLD) ? ax[h].get(i) : 0.0f);
+            f[i] = folded<FOLD>(cur.x[c8][h].get(i), folds_grad(FOLD) ? ax[c8][h].get(i) : 0.0f);
             amax = max(amax, abs_bits(f[i]));
             if constexpr (DBIAS) sums[8 * h + i] += f[i];
           }
@@ -260,10 +289,14 @@ void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbia
   auto launch = [&](auto dt, auto e5, auto db, auto fold) {
     auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N,
                                          decltype(fold)::value>;
+    constexpr size_t staged = folds_grad(decltype(fold)::value) ? kStagedBytes<decltype(dt)::value> : 0;
+    if (staged > 0)  // (above the 48 KiB a block gets without asking, with the static tile)
+      cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(staged)),
+                 "cast_transpose shared memory");
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, g.tiles, lim.sm_count, false);
-    kernel<<<grid, kThreads, 0, stream>>>(g, first.current ? first.current_fp8_max : 0.0f, first.current_pow2,
-                                          first.dbias_partials);
+    kernel<<<grid, kThreads, staged, stream>>>(g, first.current ? first.current_fp8_max : 0.0f, first.current_pow2,
+                                               first.dbias_partials);
   };
   using None = std::integral_constant<int, kNoFold>;
   const bool relu = first.act == FP8_ACTIVATION_RELU;

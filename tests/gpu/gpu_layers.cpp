@@ -279,56 +279,63 @@ TEST(GpuLayers, MlpBlockWithFp8HandOffsMatchesTheCpuReference) {
 }
 
 // The same block as one stack (fp8_stack_forward_saved / fp8_stack_backward_saved), x an FP32
-// residual into BF16 activations, 528 hidden features (edge tiles along both dimensions): the GELU's
-// backward is folded into fc1's dy cast (the cast kernel with the activation's gradient), on both
-// backends, and the GPU's gradients stay close to the CPU reference's.
-TEST(GpuLayers, StackFoldingTheGeluBackwardMatchesTheCpuReference) {
+// residual into BF16 activations, 528 hidden features (edge tiles along both dimensions), GELU and
+// ReLU: the activation's forward is folded into fc2's x cast and its backward into fc1's dy cast
+// (the cast kernel with the activation, its input staged through shared memory for the gradient),
+// on both backends, and the GPU's results stay close to the CPU reference's.
+TEST(GpuLayers, StackFoldingTheActivationMatchesTheCpuReference) {
   const int64_t tokens = 272, d = 128, f = 528;
-  Twin t;
-  for (fp8_model_t* m : {t.mc.get(), t.mg.get()}) {
-    FP8_ASSERT_OK(fp8_model_add_layernorm(m, "ln", d, 1e-5f, nullptr));
-  }
-  t.add_linear("fc1", d, f, 17);
-  for (fp8_model_t* m : {t.mc.get(), t.mg.get()}) FP8_ASSERT_OK(fp8_model_add_activation(m, "gelu", FP8_ACTIVATION_GELU, nullptr));
-  t.add_linear("fc2", f, d, 19);
-  t.set_param("ln.weight", normal_floats(d, 21, 1.0f, 0.2f));
-  t.set_param("ln.bias", normal_floats(d, 22, 0.0f, 0.2f));
-  t.set_param("fc1.bias", normal_floats(f, 23, 0.0f, 0.5f));
-  t.convert("small_layer_fallback=off");
-  for (int step = 0; step < 3; ++step) {
-    const auto xv = normal_floats(static_cast<size_t>(tokens * d), 50 + step, 0.5f, 1.5f);
-    const auto dyv = normal_floats(static_cast<size_t>(tokens * d), 60 + step, 0.0f, 1e-2f);
-    auto [x_c, x_g] = t.tensors(FP8_DTYPE_F32, {tokens, d}, &xv);
-    auto [y_c, y_g] = t.tensors(FP8_DTYPE_BF16, {tokens, d}, nullptr);
-    auto [dy_c, dy_g] = t.tensors(FP8_DTYPE_BF16, {tokens, d}, &dyv);
-    auto [dx_c, dx_g] = t.tensors(FP8_DTYPE_F32, {tokens, d}, nullptr);
-    for (auto [m, x, y, dy, dx] : {std::tuple{t.mc.get(), x_c.get(), y_c.get(), dy_c.get(), dx_c.get()},
-                                   std::tuple{t.mg.get(), x_g.get(), y_g.get(), dy_g.get(), dx_g.get()}}) {
-      fp8_saved_t* saved = nullptr;
-      FP8_ASSERT_OK(fp8_autocast_begin(m));
-      FP8_ASSERT_OK(fp8_stack_forward_saved(m, 0, 4, x, y, &saved));
-      FP8_ASSERT_OK(fp8_stack_backward_saved(m, saved, dy, dx, 0));
-      FP8_ASSERT_OK(fp8_autocast_end(m));
-      fp8_saved_destroy(saved);
+  for (fp8_activation_t act : {FP8_ACTIVATION_GELU, FP8_ACTIVATION_RELU}) {
+    SCOPED_TRACE(act == FP8_ACTIVATION_GELU ? "GELU" : "ReLU");
+    Twin t;
+    for (fp8_model_t* m : {t.mc.get(), t.mg.get()}) {
+      FP8_ASSERT_OK(fp8_model_add_layernorm(m, "ln", d, 1e-5f, nullptr));
     }
-    EXPECT_LT(relative_error(values(y_g.get()), values(y_c.get())), 1e-2) << "y, step " << step;
-    EXPECT_LT(relative_error(values(dx_g.get()), values(dx_c.get())), 2e-2) << "dx, step " << step;
+    t.add_linear("fc1", d, f, 17);
+    for (fp8_model_t* m : {t.mc.get(), t.mg.get()}) FP8_ASSERT_OK(fp8_model_add_activation(m, "act", act, nullptr));
+    t.add_linear("fc2", f, d, 19);
+    t.set_param("ln.weight", normal_floats(d, 21, 1.0f, 0.2f));
+    t.set_param("ln.bias", normal_floats(d, 22, 0.0f, 0.2f));
+    t.set_param("fc1.bias", normal_floats(f, 23, 0.0f, 0.5f));
+    t.convert("small_layer_fallback=off");
+    for (int step = 0; step < 3; ++step) {
+      const auto xv = normal_floats(static_cast<size_t>(tokens * d), 50 + step, 0.5f, 1.5f);
+      const auto dyv = normal_floats(static_cast<size_t>(tokens * d), 60 + step, 0.0f, 1e-2f);
+      auto [x_c, x_g] = t.tensors(FP8_DTYPE_F32, {tokens, d}, &xv);
+      auto [y_c, y_g] = t.tensors(FP8_DTYPE_BF16, {tokens, d}, nullptr);
+      auto [dy_c, dy_g] = t.tensors(FP8_DTYPE_BF16, {tokens, d}, &dyv);
+      auto [dx_c, dx_g] = t.tensors(FP8_DTYPE_F32, {tokens, d}, nullptr);
+      for (auto [m, x, y, dy, dx] : {std::tuple{t.mc.get(), x_c.get(), y_c.get(), dy_c.get(), dx_c.get()},
+                                     std::tuple{t.mg.get(), x_g.get(), y_g.get(), dy_g.get(), dx_g.get()}}) {
+        fp8_saved_t* saved = nullptr;
+        FP8_ASSERT_OK(fp8_autocast_begin(m));
+        FP8_ASSERT_OK(fp8_stack_forward_saved(m, 0, 4, x, y, &saved));
+        FP8_ASSERT_OK(fp8_stack_backward_saved(m, saved, dy, dx, 0));
+        FP8_ASSERT_OK(fp8_autocast_end(m));
+        fp8_saved_destroy(saved);
+      }
+      EXPECT_LT(relative_error(values(y_g.get()), values(y_c.get())), 1e-2) << "y, step " << step;
+      EXPECT_LT(relative_error(values(dx_g.get()), values(dx_c.get())), 2e-2) << "dx, step " << step;
+    }
+    t.expect_grads_close(2e-2);
+    for (int32_t id : {1, 3}) {
+      fp8_layer_report_t r;
+      t.report(t.mg.get(), id, &r);
+      EXPECT_EQ(r.fprop, 1);
+      EXPECT_EQ(r.dgrad, 1);
+      EXPECT_EQ(r.wgrad, 1);
+    }
+    // The activation's output state scaled fc2's x cast, and fc1's gradient state recorded the amax
+    // of the folded values (the activation's dx): on both backends within the last bits of tanhf.
+    for (auto [id, slot] : {std::pair{2, FP8_SCALING_OUTPUT}, std::pair{1, FP8_SCALING_GRAD_OUTPUT}}) {
+      fp8_scaling_t *sc = nullptr, *sg = nullptr;
+      FP8_ASSERT_OK(fp8_layer_get_scaling(t.mc.get(), id, slot, &sc));
+      FP8_ASSERT_OK(fp8_layer_get_scaling(t.mg.get(), id, slot, &sg));
+      EXPECT_NEAR(info_of(sg).scale, info_of(sc).scale, 1e-3 * info_of(sc).scale) << "layer " << id;
+      EXPECT_NE(info_of(sc).scale, 1.0f) << "layer " << id;
+      EXPECT_EQ(info_of(sg).update_count, info_of(sc).update_count) << "layer " << id;
+    }
   }
-  t.expect_grads_close(2e-2);
-  for (int32_t id : {1, 3}) {
-    fp8_layer_report_t r;
-    t.report(t.mg.get(), id, &r);
-    EXPECT_EQ(r.fprop, 1);
-    EXPECT_EQ(r.dgrad, 1);
-    EXPECT_EQ(r.wgrad, 1);
-  }
-  // fc1's gradient state recorded the amax of the folded values (the GELU's dx), on both backends
-  // within the last bits of tanhf.
-  fp8_scaling_t *sc = nullptr, *sg = nullptr;
-  FP8_ASSERT_OK(fp8_layer_get_scaling(t.mc.get(), 1, FP8_SCALING_GRAD_OUTPUT, &sc));
-  FP8_ASSERT_OK(fp8_layer_get_scaling(t.mg.get(), 1, FP8_SCALING_GRAD_OUTPUT, &sg));
-  EXPECT_NEAR(info_of(sg).scale, info_of(sc).scale, 1e-3 * info_of(sc).scale);
-  EXPECT_NE(info_of(sc).scale, 1.0f);
 }
 
 }  // namespace
