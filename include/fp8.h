@@ -1058,8 +1058,11 @@ FP8_API fp8_status_t fp8_saved_needs_input(const fp8_saved_t *saved, int32_t *ne
 
 /**
  * Layers [first_layer, first_layer + layer_count) as one sequential stack, each layer's y the next
- * one's x, as fp8_model_forward runs the whole model (the same checks and the same E4M3 hand-offs
- * between a converted norm or activation and a Linear that runs its forward GEMM in FP8), and
+ * one's x, as fp8_model_forward runs the whole model (the same checks, the same E4M3 hand-offs
+ * between a converted norm or activation and a Linear that runs its forward GEMM in FP8, and the
+ * same folds: a converted ReLU or GELU before a Linear that runs its forward and weight gradient in
+ * FP8 while training under delayed scaling writes no output at all; that Linear's x cast applies
+ * it, with the activation's output state, giving the codes, scales and amaxes of the hand-off), and
  * [out] saved: a state of the whole stack for fp8_stack_backward_saved (fp8_layer_backward_saved
  * refuses it). A framework calls it for a run of layers it treats as one operation (PyTorch's
  * nn.Sequential): the activations between them never leave libfp8. The state holds, on loan from
@@ -1100,7 +1103,8 @@ FP8_API void fp8_saved_destroy(fp8_saved_t *saved);
  * checked against its neighbours before anything runs (the error names both layers). The model
  * keeps the intermediate activations itself, in memory it reuses while the shapes stay the same.
  * Under FP8, a converted norm or activation whose next layer is a Linear that will run its forward
- * GEMM in FP8 hands its output over in E4M3 (no round trip through the activation dtype).
+ * GEMM in FP8 hands its output over in E4M3 (no round trip through the activation dtype), and a
+ * ReLU or GELU is folded into the Linear after it where it can be (see fp8_stack_forward_saved).
  * In training mode the activations are kept for fp8_model_backward; x must stay alive and unchanged
  * until then (the first layer's backward reads it). x and y must not overlap. Asynchronous.
  */
