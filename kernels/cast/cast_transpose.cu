@@ -82,14 +82,19 @@ static_assert(sizeof(CastItems<kMaxGroup>) <= 32764, "a group's items must fit t
 // FOLD: kNoFold, an activation's gradient (FP8_ACTIVATION_RELU or _GELU) or the activation itself
 // (kForward + it).
 constexpr int kNoFold = -1, kForward = 16;
-constexpr bool folds_grad(int fold) { return fold >= 0 && fold < kForward; }
+constexpr bool folds_grad(int fold) {
+  return fold >= 0 && fold < kForward;
+}
 
 // What is cast of input value v (with the activation's input h for a gradient).
 template <int FOLD>
 __device__ __forceinline__ float folded(float v, float h) {
-  if constexpr (FOLD == kNoFold) return v;
-  else if constexpr (FOLD >= kForward) return act_value(static_cast<fp8_activation_t>(FOLD - kForward), v);
-  else return act_grad(static_cast<fp8_activation_t>(FOLD), h, v);
+  if constexpr (FOLD == kNoFold)
+    return v;
+  else if constexpr (FOLD >= kForward)
+    return act_value(static_cast<fp8_activation_t>(FOLD - kForward), v);
+  else
+    return act_grad(static_cast<fp8_activation_t>(FOLD), h, v);
 }
 
 // Element i of what an edge tile casts.
@@ -158,7 +163,8 @@ __global__ void __launch_bounds__(kThreads, folds_grad(FOLD) && DT != FP8_DTYPE_
         const int ch = tid + c8 * kThreads, r = ch >> 3, c = (ch & 7) * 16;
         const auto* p = reinterpret_cast<const uint4*>(static_cast<const Raw*>(it.act_x) + (R0 + r) * it.cols + C0 + c);
 #pragma unroll
-        for (int q = 0; q < 2 * Vec8<DT>::kLoads; ++q) cp_async16(&staged[(c8 * 2 * Vec8<DT>::kLoads + q) * kThreads + tid], p + q);
+        for (int q = 0; q < 2 * Vec8<DT>::kLoads; ++q)
+          cp_async16(&staged[(c8 * 2 * Vec8<DT>::kLoads + q) * kThreads + tid], p + q);
       }
       asm volatile("cp.async.commit_group;\n" ::);
     }
@@ -235,7 +241,8 @@ __global__ void __launch_bounds__(kThreads, folds_grad(FOLD) && DT != FP8_DTYPE_
         // One column per thread, rows in order (edge tiles are few; they read their input twice).
         if (tid < kTile && C0 + tid < cols) {
           float total = 0.0f;
-          for (int64_t r = R0; r < R0 + kTile && r < rows; ++r) total += value<DT, FOLD>(in, it.act_x, r * cols + C0 + tid);
+          for (int64_t r = R0; r < R0 + kTile && r < rows; ++r)
+            total += value<DT, FOLD>(in, it.act_x, r * cols + C0 + tid);
           dbias_partials[(lt / it.tiles_c) * cols + C0 + tid] = total;
         }
       }
@@ -287,8 +294,8 @@ template <int N>
 void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbias, const QuantizeJob& first,
                   const LaunchLimits& lim, cudaStream_t stream) {
   auto launch = [&](auto dt, auto e5, auto db, auto fold) {
-    auto* kernel = cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N,
-                                         decltype(fold)::value>;
+    auto* kernel =
+        cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N, decltype(fold)::value>;
     constexpr size_t staged = folds_grad(decltype(fold)::value) ? kStagedBytes<decltype(dt)::value> : 0;
     if (staged > 0)  // (above the 48 KiB a block gets without asking, with the static tile)
       cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(staged)),

@@ -45,7 +45,9 @@ FP8_HD float gelu_grad(float x, float dy) {
 
 // An elementwise activation (ReLU or GELU; anything else is GELU) and its gradient, for the casts
 // that fold them in (QuantizeJob::act_forward, act_x).
-FP8_HD float act_value(fp8_activation_t act, float x) { return act == FP8_ACTIVATION_RELU ? relu(x) : gelu(x); }
+FP8_HD float act_value(fp8_activation_t act, float x) {
+  return act == FP8_ACTIVATION_RELU ? relu(x) : gelu(x);
+}
 FP8_HD float act_grad(fp8_activation_t act, float x, float dy) {
   return act == FP8_ACTIVATION_RELU ? relu_grad(x, dy) : gelu_grad(x, dy);
 }

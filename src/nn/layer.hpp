@@ -173,8 +173,8 @@ struct LayerStats {
 // never written).
 struct FoldedActivation {
   fp8_activation_t act;
-  const void* x;        // the activation's input (the Linear's y before it), activation dtype
-  fp8_scaling* state;   // forward: the activation's output state, which scales x's cast
+  const void* x;       // the activation's input (the Linear's y before it), activation dtype
+  fp8_scaling* state;  // forward: the activation's output state, which scales x's cast
 };
 
 class Layer {
@@ -297,7 +297,9 @@ void require_shape(const std::string& layer, const fp8_tensor* t, const char* na
 void require_disjoint_buffers(const std::string& layer, const fp8_tensor* a, const char* a_name, const fp8_tensor* b,
                               const char* b_name);
 // Whether p is 16-byte aligned (what FP8 GEMMs and the vector paths of the casts need).
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+inline bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 // Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
 bool buffers_overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes);
 

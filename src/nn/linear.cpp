@@ -30,7 +30,6 @@ namespace {
 constexpr double kFp8MinMacs = static_cast<double>(FP8_SMALL_LAYER_MIN_MACS);
 constexpr int64_t kFp8MinFeatures = FP8_SMALL_LAYER_MIN_FEATURES;
 
-
 // Which GEMMs of one forward/backward pair run in FP8.
 struct Plan {
   bool fprop = false, dgrad = false, wgrad = false;

@@ -361,8 +361,8 @@ std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, si
       shapes.emplace_back(shape, shape + x->ndim);
     }
     // A foldable activation before a Linear that takes it: no output of its own (in stays its input).
-    const bool fold_next = k + 1 < n && step.fp8 && m.layers[i + 1]->takes_folded_input(step, rows) &&
-                           (k + 2 < n || aligned16(y->data));
+    const bool fold_next =
+        k + 1 < n && step.fp8 && m.layers[i + 1]->takes_folded_input(step, rows) && (k + 2 < n || aligned16(y->data));
     if (fold_next && (saved[k] = layer.forward_into_next(step, in, &fold)) != nullptr) {
       folded = &fold;
     } else {
@@ -394,8 +394,7 @@ std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, si
 template <typename BindGrad>
 void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std::unique_ptr<fp8_saved>>& saved,
                   const std::vector<std::vector<int64_t>>& shapes, fp8_dtype_t x_dtype, const int64_t* x_shape,
-                  const fp8_tensor* dy,
-                  fp8_tensor* dx, bool accumulate_dx, int32_t params_first, BindGrad bind_grad) {
+                  const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx, int32_t params_first, BindGrad bind_grad) {
   const size_t n = saved.size();
   const int32_t ndim = dy->ndim;
   int32_t end = params_first;  // the parameters of layers [first, i] are [params_first, end)
@@ -442,9 +441,9 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
   const Step step = make_step(m);
   while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
   std::vector<std::unique_ptr<fp8_saved>> saved(n);
-  m.run_shapes = run_forward(m, step, 0, saved, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t ndim, const int64_t* shape) {
-    return m.acts[k]->bind(dt, ndim, shape);
-  });
+  m.run_shapes = run_forward(
+      m, step, 0, saved, cols, x, y,
+      [&](size_t k, fp8_dtype_t dt, int32_t ndim, const int64_t* shape) { return m.acts[k]->bind(dt, ndim, shape); });
   if (m.training) {
     m.run_saved = std::move(saved);
     m.run_dtype = x->dtype;
@@ -496,9 +495,9 @@ namespace {
 struct StackSaved final : fp8_saved {
   int32_t first = 0;
   std::vector<std::unique_ptr<fp8_saved>> layers;
-  std::vector<std::unique_ptr<fp8_tensor>> acts;  // the outputs of layers first .. (views; none if folded)
-  std::vector<std::vector<int64_t>> shapes;       // the input shape of each layer after the first
-  std::vector<PooledBuffer> memory;               // behind acts; given back where no backward reads it
+  std::vector<std::unique_ptr<fp8_tensor>> acts;               // the outputs of layers first .. (views; none if folded)
+  std::vector<std::vector<int64_t>> shapes;                    // the input shape of each layer after the first
+  std::vector<PooledBuffer> memory;                            // behind acts; given back where no backward reads it
   fp8_dtype_t dtype = FP8_DTYPE_F32, x_dtype = FP8_DTYPE_F32;  // the activations' (y's), x's
   int32_t ndim = 0;
   int64_t x_shape[FP8_MAX_DIMS] = {}, y_shape[FP8_MAX_DIMS] = {};
@@ -527,12 +526,13 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
   s->layers.resize(n);
   s->acts = std::vector<std::unique_ptr<fp8_tensor>>(n - 1);
   s->memory.resize(n - 1);
-  s->shapes = run_forward(m, step, f, s->layers, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
-    s->memory[k] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
-    s->acts[k] = std::make_unique<fp8_tensor>();
-    s->acts[k]->backend = m.backend;
-    return lay_view(*s->acts[k], s->memory[k].get<char>(), dt, nd, shape);
-  });
+  s->shapes =
+      run_forward(m, step, f, s->layers, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+        s->memory[k] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
+        s->acts[k] = std::make_unique<fp8_tensor>();
+        s->acts[k]->backend = m.backend;
+        return lay_view(*s->acts[k], s->memory[k].get<char>(), dt, nd, shape);
+      });
   // An activation no backward reads goes back to the pool now (an E4M3 hand-off to an FP8 Linear,
   // which keeps its own transposed copy), for the next forward to use.
   for (size_t k = 1; k < n; ++k)
@@ -589,8 +589,8 @@ void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_te
   PooledBuffer grads[3];
   fp8_tensor views[3];
   for (fp8_tensor& v : views) v.backend = m.backend;
-  run_backward(m, step, f, s.layers, s.shapes, s.x_dtype, s.x_shape, dy, dx, accumulate_dx,
-               first_parameter(m, s.first), [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+  run_backward(m, step, f, s.layers, s.shapes, s.x_dtype, s.x_shape, dy, dx, accumulate_dx, first_parameter(m, s.first),
+               [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
                  grads[which] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
                  return lay_view(views[which], grads[which].get<char>(), dt, nd, shape);
                });

@@ -111,7 +111,8 @@ void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor
                     bool accumulate_dx);
 // Layers [first, first + count) as one stack, as model_forward runs them all (fp8_stack_forward_saved):
 // the state holds each layer's and the activations between them that their backwards read.
-std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t count, const fp8_tensor* x, fp8_tensor* y);
+std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t count, const fp8_tensor* x,
+                                         fp8_tensor* y);
 // Its backward (fp8_stack_backward_saved); every refusal comes before any layer runs.
 void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx);
 // Drops the forward states the model keeps itself (fp8_layer_forward's and fp8_model_forward's), as

@@ -1098,8 +1098,8 @@ RunOut run_per_layer(fp8_model_t* m, fp8_context_t* ctx, const StackDesc& d, fp8
 
 // The same through fp8_stack_forward_saved/backward_saved, one stack per [first, end) of `stacks`
 // (the stacks' own y and dx between them in the activation dtype), inside a region when `fp8`.
-RunOut run_stacks(fp8_model_t* m, fp8_context_t* ctx, const StackDesc& d, fp8_dtype_t act,
-                  const std::vector<float>& x, const std::vector<float>& dy, bool fp8, bool dx_null,
+RunOut run_stacks(fp8_model_t* m, fp8_context_t* ctx, const StackDesc& d, fp8_dtype_t act, const std::vector<float>& x,
+                  const std::vector<float>& dy, bool fp8, bool dx_null,
                   const std::vector<std::pair<int32_t, int32_t>>& stacks) {
   Tensor tx = act_tensor(ctx, act, kXShape, x);
   std::vector<Tensor> ys, dxs;
@@ -1114,8 +1114,8 @@ RunOut run_stacks(fp8_model_t* m, fp8_context_t* ctx, const StackDesc& d, fp8_dt
   std::vector<fp8_saved_t*> saved(stacks.size(), nullptr);
   const fp8_tensor_t* in = tx.get();
   for (size_t k = 0; k < stacks.size(); ++k) {
-    EXPECT_OK(fp8_stack_forward_saved(m, stacks[k].first, stacks[k].second - stacks[k].first, in, ys[k].get(),
-                                      &saved[k]));
+    EXPECT_OK(
+        fp8_stack_forward_saved(m, stacks[k].first, stacks[k].second - stacks[k].first, in, ys[k].get(), &saved[k]));
     in = ys[k].get();
   }
   const fp8_tensor_t* g = tdy.get();
@@ -1498,9 +1498,12 @@ TEST_F(ModelRunMisuse, StacksRefuseBadRangesForeignStatesAndStaleOnes) {
   const char* fwd = "fp8_stack_forward_saved";
   const char* bwd = "fp8_stack_backward_saved";
   fp8_saved_t* st = nullptr;
-  refused(fp8_stack_forward_saved(m, -1, 2, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd, "first_layer = -1");
-  refused(fp8_stack_forward_saved(m, 4, 1, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd, "first_layer = 4");
-  refused(fp8_stack_forward_saved(m, 0, 0, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd, "layer_count = 0");
+  refused(fp8_stack_forward_saved(m, -1, 2, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd,
+          "first_layer = -1");
+  refused(fp8_stack_forward_saved(m, 4, 1, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd,
+          "first_layer = 4");
+  refused(fp8_stack_forward_saved(m, 0, 0, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd,
+          "layer_count = 0");
   refused(fp8_stack_forward_saved(m, 2, 3, s.x.get(), s.y.get(), &st), FP8_ERR_INVALID_ARGUMENT, fwd, "expected 1..2");
   refused(fp8_stack_forward_saved(m, 0, 4, s.x.get(), s.y.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fwd, "saved");
   // Layers 1.. start with a norm of kHidden features: x of kIn features is refused naming it.
@@ -1515,8 +1518,10 @@ TEST_F(ModelRunMisuse, StacksRefuseBadRangesForeignStatesAndStaleOnes) {
   EXPECT_REFUSED(fp8_layer_backward_saved(m, 0, st, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_ARGUMENT,
                  "fp8_layer_backward_saved", "fp8_stack_backward_saved");
   Tensor dy_bf16 = act_tensor(ctx, FP8_DTYPE_BF16, with_last(kXShape, kOut), randn(32 * kOut, 7, 0.1f));
-  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, dy_bf16.get(), s.dx.get(), 0), FP8_ERR_DTYPE, bwd, "dy has dtype bf16");
-  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 2), FP8_ERR_INVALID_ARGUMENT, bwd, "flags = 2");
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, dy_bf16.get(), s.dx.get(), 0), FP8_ERR_DTYPE, bwd,
+                 "dy has dtype bf16");
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 2), FP8_ERR_INVALID_ARGUMENT, bwd,
+                 "flags = 2");
   Model other = make_model(ctx);
   build_stack(other.get(), Stack::LinearFirst);
   EXPECT_REFUSED(fp8_stack_backward_saved(other.get(), st, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, bwd,
