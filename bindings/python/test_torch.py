@@ -48,6 +48,19 @@ def train_beside_torch(test, ref, ro, m, mo, x, t, steps, max_norm, tol):
         test.assertLess(rel_err(p, q), tol, n)
 
 
+def expect_high_precision_match(test, ref, m, x):
+    """m(x) and its gradients (input and parameters) against torch's ref: FP32 arithmetic both, but
+    libfp8's reference GEMM sums in double and torch in float, so to float rounding, not bit for bit."""
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ym = ref(xr), m(xm)
+    test.assertLess(rel_err(ym, yr), 1e-6)
+    yr.square().sum().backward()
+    ym.square().sum().backward()
+    test.assertLess(rel_err(xm.grad, xr.grad), 1e-5)
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        test.assertLess(rel_err(p.grad, q.grad), 1e-5, n)
+
+
 def fprops(model):
     """Each libfp8 layer's latest forward precision: 1 FP8, 0 high, -1 none yet."""
     return [libfp8.layer_report(m._group.model, m._layer_id).fprop for m in model.modules()
@@ -191,18 +204,9 @@ class NumericsTest(unittest.TestCase):
         return ref, m
 
     def test_high_precision_forward_and_backward_match_torch(self):
-        # te with FP8 off (outside fp8_autocast): FP32 arithmetic; libfp8's reference GEMM sums in
-        # double, torch in float, so they agree to float rounding, not bit for bit.
+        # te with FP8 off (outside fp8_autocast).
         ref, m = self._pair(lt.Recipe(backend="te"))
-        x = torch.randn(64, 32, device=DEVICE)
-        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
-        yr, ym = ref(xr), m(xm)
-        self.assertLess(rel_err(ym, yr), 1e-6)
-        yr.square().sum().backward()
-        ym.square().sum().backward()
-        self.assertLess(rel_err(xm.grad, xr.grad), 1e-5)
-        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            self.assertLess(rel_err(p.grad, q.grad), 1e-5, n)
+        expect_high_precision_match(self, ref, m, torch.randn(64, 32, device=DEVICE))
         self.assertEqual(fprops(m), [0, 0, 0])
 
     def test_fp8_forward_and_backward_within_fp8_bounds(self):
@@ -421,18 +425,9 @@ class SequentialTest(unittest.TestCase):
         self.assertIs(type(root), torch.nn.Sequential)
 
     def test_high_precision_stack_matches_torch(self):
-        ref = Block()
-        m = Block()
+        ref, m = Block(), Block()
         lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
-        x = torch.randn(4, 16, 32, device=DEVICE)
-        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
-        yr, ym = ref(xr), m(xm)
-        self.assertLess(rel_err(ym, yr), 1e-6)
-        yr.square().sum().backward()
-        ym.square().sum().backward()
-        self.assertLess(rel_err(xm.grad, xr.grad), 1e-5)
-        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            self.assertLess(rel_err(p.grad, q.grad), 1e-5, n)
+        expect_high_precision_match(self, ref, m, torch.randn(4, 16, 32, device=DEVICE))
 
     def test_fp8_stack_matches_the_per_layer_calls_in_float32(self):
         # In FP32 activations the E4M3 hand-offs and the folded GELU backward compute what the

@@ -217,6 +217,17 @@ TEST(GpuLayers, WeightCopiesMadeTogetherMatchTheCpuReference) {
   }
 }
 
+// The GPU model's Linears `ids` ran their latest forward and backward GEMMs all in FP8.
+void expect_all_fp8(Twin& t, std::initializer_list<int32_t> ids) {
+  for (int32_t id : ids) {
+    fp8_layer_report_t r;
+    t.report(t.mg.get(), id, &r);
+    EXPECT_EQ(r.fprop, 1) << "layer " << id;
+    EXPECT_EQ(r.dgrad, 1) << "layer " << id;
+    EXPECT_EQ(r.wgrad, 1) << "layer " << id;
+  }
+}
+
 // LayerNorm -> Linear -> GELU -> Linear with FP8 hand-offs (E4M3 outputs of the norm and the
 // activation feed the Linears directly), forward and backward, bf16 activations.
 TEST(GpuLayers, MlpBlockWithFp8HandOffsMatchesTheCpuReference) {
@@ -269,13 +280,7 @@ TEST(GpuLayers, MlpBlockWithFp8HandOffsMatchesTheCpuReference) {
     EXPECT_LT(relative_error(values(dx_g.get()), values(dx_c.get())), 2e-2) << "dx, step " << step;
   }
   t.expect_grads_close(2e-2);
-  for (int32_t id : {1, 3}) {
-    fp8_layer_report_t r;
-    t.report(t.mg.get(), id, &r);
-    EXPECT_EQ(r.fprop, 1);
-    EXPECT_EQ(r.dgrad, 1);
-    EXPECT_EQ(r.wgrad, 1);
-  }
+  expect_all_fp8(t, {1, 3});
 }
 
 // The same block as one stack (fp8_stack_forward_saved / fp8_stack_backward_saved), x an FP32
@@ -318,13 +323,7 @@ TEST(GpuLayers, StackFoldingTheActivationMatchesTheCpuReference) {
       EXPECT_LT(relative_error(values(dx_g.get()), values(dx_c.get())), 2e-2) << "dx, step " << step;
     }
     t.expect_grads_close(2e-2);
-    for (int32_t id : {1, 3}) {
-      fp8_layer_report_t r;
-      t.report(t.mg.get(), id, &r);
-      EXPECT_EQ(r.fprop, 1);
-      EXPECT_EQ(r.dgrad, 1);
-      EXPECT_EQ(r.wgrad, 1);
-    }
+    expect_all_fp8(t, {1, 3});
     // The activation's output state scaled fc2's x cast, and fc1's gradient state recorded the amax
     // of the folded values (the activation's dx): on both backends within the last bits of tanhf.
     for (auto [id, slot] : {std::pair{2, FP8_SCALING_OUTPUT}, std::pair{1, FP8_SCALING_GRAD_OUTPUT}}) {

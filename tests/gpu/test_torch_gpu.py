@@ -115,25 +115,39 @@ class CudaOnlyTest(unittest.TestCase):
             o.zero_grad(set_to_none=False)
             return loss
 
+        self._replays_like_eager(lambda: step(m, opt), lambda: step(ref, ropt))
+        self.assertLess(rel_err(m[1].weight, ref[1].weight), 1e-4)
+
+    def _replays_like_eager(self, step, eager_step, check_sync=False):
+        """Warms both up on a side stream (libfp8's buffers and torch's reach their sizes; with
+        check_sync one more step each where any synchronising torch call raises), captures `step` in
+        a CUDA graph, then replays it beside `eager_step` (its twin): the losses agree and fall."""
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(3):  # warm up: libfp8's buffers and torch's reach their sizes
-                step(m, opt)
-                step(ref, ropt)
+            for _ in range(3):
+                step()
+                eager_step()
+            if check_sync:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    step()
+                    eager_step()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            static_loss = step(m, opt)
+            static_loss = step()
         replayed, eager = [], []
         for _ in range(5):
             g.replay()
             replayed.append(static_loss.item())
-            eager.append(step(ref, ropt).item())
+            eager.append(eager_step().item())
         self.assertLess(replayed[-1], replayed[0])
         for a, b in zip(replayed, eager):
             self.assertLess(abs(a - b), 1e-3 * abs(b) + 1e-6)
-        self.assertLess(rel_err(m[1].weight, ref[1].weight), 1e-4)
 
     def test_a_stacked_block_trains_without_synchronising_and_replays_in_a_cuda_graph(self):
         # A libfp8 Sequential (norm -> Linear -> GELU -> Linear as one stack) under bf16 autocast at
@@ -155,31 +169,7 @@ class CudaOnlyTest(unittest.TestCase):
             o.zero_grad(set_to_none=False)
             return loss
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                step(m, opt)
-                step(ref, ropt)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                step(m, opt)
-                step(ref, ropt)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            static_loss = step(m, opt)
-        replayed, eager = [], []
-        for _ in range(5):
-            g.replay()
-            replayed.append(static_loss.item())
-            eager.append(step(ref, ropt).item())
-        self.assertLess(replayed[-1], replayed[0])
-        for a, b in zip(replayed, eager):
-            self.assertLess(abs(a - b), 1e-3 * abs(b) + 1e-6)
+        self._replays_like_eager(lambda: step(m, opt), lambda: step(ref, ropt), check_sync=True)
 
 
 if __name__ == "__main__":

@@ -479,6 +479,28 @@ def _layer_forward(module, x, need_backward):
     return y, saved
 
 
+def _keep_for_backward(ctx, x, y, saved):
+    """What a libfp8 Function's backward needs of its forward. x itself (not save_for_backward),
+    where the backward reads it: libfp8's saved state reads x's memory, which must stay alive even
+    where torch.utils.checkpoint drops saved tensors and recomputes them. An FP8 Linear's state keeps
+    x's FP8 copy instead: x is let go (half or a quarter of the memory an activation would hold until
+    the backward)."""
+    ctx.saved, ctx.y_dtype = saved, y.dtype
+    ctx.x = x if _f.saved_needs_input(saved.handle) else None
+    ctx.x_version, ctx.x_shape, ctx.x_dtype = x._version, x.shape, x.dtype
+
+
+def _check_backward(ctx, what):
+    """Refuses a second backward of one forward, and an input changed in place since (`what` names
+    the module in the message)."""
+    if ctx.saved is None:
+        raise RuntimeError(f"libfp8 {what}: backward through the same graph a second time (libfp8 differentiates "
+                           "each forward once; retain_graph is not supported)")
+    if ctx.x is not None and ctx.x._version != ctx.x_version:
+        raise RuntimeError(f"libfp8 {what}: its input was modified in place after the forward; the backward needs "
+                           "it unchanged")
+
+
 class _LayerFunction(torch.autograd.Function):
     """One layer call: forward and backward by libfp8, parameter gradients accumulated by libfp8 into
     its own storage (which the te Parameters' .grad alias), so autograd gets None for them."""
@@ -486,24 +508,14 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, x, *params):  # pylint: disable=arguments-differ
         y, saved = _layer_forward(module, x, True)
-        # x itself (not save_for_backward), where the backward reads it: libfp8's saved state reads
-        # x's memory, which must stay alive even where torch.utils.checkpoint drops saved tensors and
-        # recomputes them. An FP8 Linear's state keeps x's FP8 copy instead: x is let go (half or a
-        # quarter of the memory an activation would hold until the backward).
-        ctx.module, ctx.saved, ctx.y_dtype = module, saved, y.dtype
-        ctx.x = x if _f.saved_needs_input(saved.handle) else None
-        ctx.x_version, ctx.x_shape, ctx.x_dtype = x._version, x.shape, x.dtype
+        ctx.module = module
+        _keep_for_backward(ctx, x, y, saved)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # pylint: disable=arguments-differ
-        module, x = ctx.module, ctx.x
-        if ctx.saved is None:
-            raise RuntimeError(f"libfp8 layer '{module._fp8_name}': backward through the same graph a second time "
-                               "(libfp8 differentiates each forward once; retain_graph is not supported)")
-        if x is not None and x._version != ctx.x_version:
-            raise RuntimeError(f"libfp8 layer '{module._fp8_name}': its input was modified in place after the "
-                               "forward; the backward needs it unchanged")
+        module = ctx.module
+        _check_backward(ctx, f"layer '{module._fp8_name}'")
         group = module._group
         dev = group.dev
         dev.follow_stream()
@@ -708,26 +720,20 @@ class _StackFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, seq, x, *params):  # pylint: disable=arguments-differ
         y, saved = seq._run(x, True)
-        ctx.seq, ctx.saved, ctx.y_dtype = seq, saved, y.dtype
-        ctx.x = x if _f.saved_needs_input(saved.handle) else None
-        ctx.x_version, ctx.x_shape, ctx.x_dtype = x._version, x.shape, x.dtype
+        ctx.seq = seq
+        _keep_for_backward(ctx, x, y, saved)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # pylint: disable=arguments-differ
-        seq, x = ctx.seq, ctx.x
-        if ctx.saved is None:
-            raise RuntimeError(f"libfp8 Sequential '{seq._fp8_name}': backward through the same graph a second "
-                               "time (libfp8 differentiates each forward once; retain_graph is not supported)")
-        if x is not None and x._version != ctx.x_version:
-            raise RuntimeError(f"libfp8 Sequential '{seq._fp8_name}': its input was modified in place after the "
-                               "forward; the backward needs it unchanged")
+        seq = ctx.seq
+        _check_backward(ctx, f"Sequential '{seq._fp8_name}'")
         group = seq._layers[0]._group
         group.dev.follow_stream()
         for m in seq._layers:
             m._alias_grads()
         dy = dy.to(ctx.y_dtype).contiguous()
-        need_dx = ctx.needs_input_grad[1] or not seq._layers[0]._dx_optional
+        need_dx = ctx.needs_input_grad[1] or not isinstance(seq[0], Linear)  # norms and activations make one
         dx = torch.empty(ctx.x_shape, dtype=ctx.x_dtype, device=dy.device) if need_dx else None
         _check(_lib.fp8_stack_backward_saved(group.model.handle, ctx.saved.handle, group.dev.wrap(dy),
                                              group.dev.wrap(dx) if dx is not None else None, 0))
