@@ -21,6 +21,10 @@ FP8 runs where libfp8 says (fp8.h, "Models and layers"): in a converted layer, i
 (or a forward wrapped by contextual_fp8_autocast / apply_fp8_autowrap), in training mode unless the
 recipe's use_autocast_during_eval. Elsewhere the same modules compute in high precision.
 
+An nn.Sequential whose children all convert (Linear, LayerNorm, RMSNorm, GELU(tanh), ReLU) becomes a
+libfp8 Sequential, run as one stack (fp8_stack_forward_saved): its norms hand their outputs to the
+Linears in E4M3 and its activations are folded into the Linears' casts.
+
 Each layer call is a torch.autograd.Function over fp8_layer_forward_saved / fp8_layer_backward_saved,
 so a module may be used several times in a step, recomputed by torch.utils.checkpoint, and
 accumulate gradients over micro-batches. On CUDA the work goes on torch.cuda.current_stream() with
