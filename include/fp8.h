@@ -1079,11 +1079,11 @@ FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t *model, int32_t first_l
 
 /**
  * Backward of the fp8_stack_forward_saved that made `saved`: [in] dy (y's shape and dtype), [out]
- * dx (x's shape and dtype; NULL when x needs no gradient), [in] flags 0 or
- * FP8_BACKWARD_ACCUMULATE_DX; dy has y's dtype, dx x's. Parameter gradients accumulate. A ReLU
- * or GELU activation layer after a Linear whose dy cast runs in FP8 with its transposed copy (delayed scaling, an FP8
- * weight gradient, and an FP8 dgrad if that Linear's dx is needed) is differentiated inside that
- * cast: the values cast, max-reduced into the gradient state and summed into the bias gradient are
+ * dx (x's shape and dtype; NULL when x needs no gradient; overlapping neither x nor dy), [in] flags
+ * 0 or FP8_BACKWARD_ACCUMULATE_DX. Parameter gradients accumulate. A ReLU or GELU activation layer
+ * after a Linear whose dy cast runs in FP8 with its transposed copy (delayed scaling, an FP8 weight
+ * gradient, and an FP8 dgrad if that Linear's dx is needed) is differentiated inside that cast: the
+ * values cast, max-reduced into the gradient state and summed into the bias gradient are
  * act'(x) * dy in float, with no round trip of the activation's gradient through the activation
  * dtype (fp8_model_backward does the same). Refused before anything runs as
  * fp8_layer_backward_saved refuses a layer's state (another model's, consumed, eval mode, a layer

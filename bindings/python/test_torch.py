@@ -424,6 +424,37 @@ class SequentialTest(unittest.TestCase):
         lt.convert_model(root, recipe=lt.Recipe(backend="te"), **ALL)
         self.assertIs(type(root), torch.nn.Sequential)
 
+    def test_a_child_used_twice_or_hooked_leaves_the_sequential_torchs(self):
+        # One ReLU twice in the container is one module (one libfp8 layer, not two): no stack.
+        relu = torch.nn.ReLU()
+        m = torch.nn.Module()
+        m.body = torch.nn.Sequential(torch.nn.Linear(32, 32), relu, torch.nn.Linear(32, 32), relu,
+                                     torch.nn.Linear(32, 32))
+        m.head = torch.nn.Linear(32, 32)
+        m.to(DEVICE)
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        self.assertIs(type(m.body), torch.nn.Sequential)
+        self.assertIsInstance(m.body[0], lt.Linear)
+        hooked = Block()
+        hooked.body[2].register_forward_hook(lambda *a: None)
+        lt.convert_model(hooked, recipe=lt.Recipe(backend="te"), **ALL)
+        self.assertIs(type(hooked.body), torch.nn.Sequential)
+
+    def test_a_stack_sliced_changed_or_hooked_after_conversion_runs_its_children(self):
+        ref, m = Block(), Block()
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        whole = m.body(x)
+        self.assertIs(type(m.body[:2]), torch.nn.Sequential)
+        self.assertLess(rel_err(m.body[2:](m.body[:2](x)), whole), 1e-6)
+        fired = []
+        handle = m.body[0].register_forward_hook(lambda *a: fired.append(1))
+        self.assertLess(rel_err(m.body(x), whole), 1e-6)
+        self.assertEqual(fired, [1])  # the child ran its own call, so its hook fired
+        handle.remove()
+        m.body.append(torch.nn.Identity())  # no longer the layers libfp8 stacked
+        self.assertLess(rel_err(m.body(x), ref.body(x)), 1e-5)
+
     def test_high_precision_stack_matches_torch(self):
         ref, m = Block(), Block()
         lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)

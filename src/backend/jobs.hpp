@@ -315,10 +315,11 @@ struct DivideJob {
 // before any work: each operation that takes scales calls its job's overload first. `backend`
 // ("CPU", "CUDA") goes into the message.
 inline void require_tensor_scales(const QuantizeJob& j, const char* backend) {
-  if (j.folds_activation() && (j.act_forward == (j.act_x != nullptr) || !j.out_t_scale_inv.ptr || j.current ||
-                               (j.act != FP8_ACTIVATION_RELU && j.act != FP8_ACTIVATION_GELU)))
+  if (j.folds_activation() &&
+      (j.act_forward == (j.act_x != nullptr) || !j.out_t_scale_inv.ptr || j.current ||
+       (j.act != FP8_ACTIVATION_RELU && j.act != FP8_ACTIVATION_GELU) || (j.act_forward && (j.e5m2 || j.dbias))))
     fail(FP8_ERR_INTERNAL, backend, " quantize: an activation folds only into a delayed-scaling cast with a ",
-         "transposed copy, for ReLU or GELU, forward or backward");
+         "transposed copy, for ReLU or GELU, forward (E4M3, no column sums) or backward");
   require_tensor_scale(j.out_scale_inv, "quantize's out_scale_inv", backend);
   require_tensor_scale(j.out_t_scale_inv, "quantize's out_t_scale_inv", backend);
   require_tensor_scale(j.out_scale, "quantize's out_scale", backend);

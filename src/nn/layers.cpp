@@ -170,7 +170,9 @@ class ElementwiseBase : public Layer {
   }
 
   // The state of a forward that has passed its checks; records the output's precision.
-  std::unique_ptr<ElementwiseSaved> begin_forward(const Step& step, const fp8_tensor* x, ScalingHeader* y_state) {
+  // `records`: this layer's own kernel records y's amax (not the next layer's cast).
+  std::unique_ptr<ElementwiseSaved> begin_forward(const Step& step, const fp8_tensor* x, ScalingHeader* y_state,
+                                                  bool records = true) {
     auto s = std::make_unique<ElementwiseSaved>();
     s->weights_version = weights_version(step);
     s->x = x->data;
@@ -180,7 +182,7 @@ class ElementwiseBase : public Layer {
     stats_.fprop = y_state ? 1 : 0;
     if (y_state) {
       if (step.fp8) ++stats_.fp8_calls;
-      s_out_->pending = true;
+      if (records) s_out_->pending = true;
     }
     return s;
   }
@@ -321,7 +323,8 @@ class Activation final : public ElementwiseBase {
     require_layer_dtype(name_, x, "x", false);
     if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; layer '", name_, "' expects at least one dimension");
     *out = {act_, x->data, s_out_.get()};
-    return begin_forward(step, x, s_out_->state);  // (the E4M3 output the next layer's cast makes)
+    // (The E4M3 output the next layer's cast makes: that cast marks the state pending once queued.)
+    return begin_forward(step, x, s_out_->state, false);
   }
 
   void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,

@@ -321,6 +321,10 @@ std::vector<int64_t> check_stack(const fp8_model& m, size_t first, size_t count,
   if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
     fail(FP8_ERR_DTYPE, whole_model ? "x" : "y", " has dtype ", dtype_name(act), "; ", what,
          " takes f32 or bf16 activations");
+  const int32_t k = m.layers[first]->kind();
+  if (x->dtype != act && (k != FP8_LAYER_LAYERNORM && k != FP8_LAYER_RMSNORM))
+    fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), " and y ", dtype_name(act), "; ", what,
+         " starting with layer '", layer_label(m, first), "' (not a norm) takes x of y's dtype");
   if (x->dtype != FP8_DTYPE_F32 && x->dtype != FP8_DTYPE_BF16)
     fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), "; ", what, " takes f32 or bf16 x");
   if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; expected [.., features]");
@@ -339,7 +343,7 @@ std::vector<int64_t> check_stack(const fp8_model& m, size_t first, size_t count,
 // a Linear that runs its forward GEMM in FP8 in E4M3 (no round trip through the activation dtype);
 // a converted ReLU or GELU before a Linear that can take it (Layer::takes_folded_input) writes
 // nothing: the Linear's x cast computes it from the activation's input, with the activation's state.
-// Returns the input shape of each layer after the first (`ndim` dimensions each).
+// Returns the input shape of each layer after the first (x's number of dimensions each).
 template <typename Bind>
 std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, size_t first,
                                               std::vector<std::unique_ptr<fp8_saved>>& saved,

@@ -1555,6 +1555,45 @@ TEST_F(ModelRunMisuse, StacksRefuseBadRangesForeignStatesAndStaleOnes) {
   fp8_saved_destroy(st);
 }
 
+// A stack that does not start with a norm takes x of y's dtype: refused before any layer runs, so
+// no scaling state is marked for an update (an activation folded into the Linear after it would
+// have been). With FP8_BACKWARD_ACCUMULATE_DX the stack's dx adds into dx: the same bits as the
+// plain dx added in float (F32).
+TEST(StackRuns, XOfAnotherDtypeThanYIsRefusedAndAccumulateDxAdds) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model m = make_model(ctx.get());
+  FP8_ASSERT_OK(fp8_model_add_activation(m.get(), "act", FP8_ACTIVATION_RELU, nullptr));
+  FP8_ASSERT_OK(fp8_model_add_linear(m.get(), "fc", kIn, kOut, 1, nullptr));
+  set_param(m.get(), "fc.weight", randn(static_cast<size_t>(kIn * kOut), 5, 0.2f));
+  Recipe r = fp8_recipe();
+  FP8_ASSERT_OK(fp8_convert_model(m.get(), r.get(), nullptr));
+  const std::vector<float> xv = randn(static_cast<size_t>(numel_of(kXShape)), 6, 1.0f);
+  Tensor x32 = act_tensor(ctx.get(), FP8_DTYPE_F32, kXShape, xv);
+  Tensor y16 = make_tensor(ctx.get(), FP8_DTYPE_BF16, with_last(kXShape, kOut));
+  fp8_saved_t* st = nullptr;
+  FP8_ASSERT_OK(fp8_autocast_begin(m.get()));
+  EXPECT_REFUSED(fp8_stack_forward_saved(m.get(), 0, 2, x32.get(), y16.get(), &st), FP8_ERR_DTYPE,
+                 "fp8_stack_forward_saved", "takes x of y's dtype");
+  FP8_ASSERT_OK(fp8_autocast_end(m.get()));
+  EXPECT_EQ(st, nullptr);
+  EXPECT_EQ(state_info(m.get(), 0, FP8_SCALING_OUTPUT).update_count, 0) << "a refused stack marked a state";
+
+  Tensor y = make_tensor(ctx.get(), FP8_DTYPE_F32, with_last(kXShape, kOut));
+  Tensor dy = act_tensor(ctx.get(), FP8_DTYPE_F32, with_last(kXShape, kOut),
+                         randn(static_cast<size_t>(numel_of(kXShape) / kIn * kOut), 7, 0.1f));
+  const std::vector<float> base = randn(static_cast<size_t>(numel_of(kXShape)), 8, 0.5f);
+  Tensor plain = make_tensor(ctx.get(), FP8_DTYPE_F32, kXShape);
+  Tensor summed = act_tensor(ctx.get(), FP8_DTYPE_F32, kXShape, base);
+  for (auto [dx, flags] : {std::pair{plain.get(), 0u}, std::pair{summed.get(), FP8_BACKWARD_ACCUMULATE_DX}}) {
+    FP8_ASSERT_OK(fp8_stack_forward_saved(m.get(), 0, 2, x32.get(), y.get(), &st));
+    FP8_ASSERT_OK(fp8_stack_backward_saved(m.get(), st, dy.get(), dx, flags));
+    fp8_saved_destroy(st);
+  }
+  const std::vector<float> p = download<float>(plain.get()), got = download<float>(summed.get());
+  ASSERT_GT(amax_of(p), 0.0f);
+  for (size_t i = 0; i < p.size(); ++i) ASSERT_EQ(bits_of(got[i]), bits_of(base[i] + p[i])) << i;
+}
+
 // A dx the first layer's backward cannot take is refused before any layer runs: nothing accumulates,
 // no scaling state records or updates, and the forward can still be differentiated. (The checks used
 // to come from the first layer itself, after the later layers had run their backward.)

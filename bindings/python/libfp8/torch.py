@@ -756,9 +756,25 @@ class Sequential(torch.nn.Sequential):
     def _attach_stack(self, name):
         self._fp8_name = name
         self._layers = [m for m in self if isinstance(m, _Module)]
-        self._first = next(iter(self))._layer_id
+        self._ids = [m._layer_id for m in self]  # consecutive layers of one libfp8 model
+        self._first = self._ids[0]
+
+    def __getitem__(self, idx):
+        # A slice is torch's nn.Sequential of the same children (libfp8 runs the whole stack only).
+        if isinstance(idx, slice):
+            return torch.nn.Sequential(collections.OrderedDict(list(self._modules.items())[idx]))
+        return super().__getitem__(idx)
+
+    def _is_the_stack(self):
+        """Whether the children are still the layers convert_model stacked, with no hooks (which a
+        stack's call would skip): else the children run one call each."""
+        kids = list(self._modules.values())
+        return (len(kids) == len(self._ids) and [getattr(m, "_layer_id", None) for m in kids] == self._ids and
+                not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in kids))
 
     def forward(self, x):  # pylint: disable=arguments-renamed
+        if not self._is_the_stack():
+            return super().forward(x)
         first = self._layers[0]
         group = first._group
         for m in self._layers:
@@ -969,15 +985,18 @@ def convert_model(module, recipe=None, to_fp8=True, linear=True, norm=True, smal
 
 def _stacks(root, chosen):
     """The nn.Sequential containers (not root) whose children all convert: every child a chosen
-    Linear or norm or a GELU(tanh)/ReLU, a Linear among them, on one device, no hooks. Returns them
-    [(name, module)] and `chosen` with their activations added, in module order, each item with its
-    device: [(name, module, kind, device)]."""
+    Linear or norm or a GELU(tanh)/ReLU, each used nowhere else (a module used twice is one layer
+    of libfp8, not two), a Linear among them, on one device, no hooks on the container or a child. Returns them [(name, module)] and `chosen` with their activations added, in module
+    order, each item with its device: [(name, module, kind, device)]."""
     names = {name: (m, kind) for name, m, kind in chosen}
+    uses = collections.Counter(id(m) for _, m in root.named_modules(remove_duplicate=False))
     stacks, acts = [], {}
     for name, seq in root.named_modules():
         if type(seq) is not torch.nn.Sequential or not name or len(seq) < 2:
             continue
-        if seq._forward_hooks or seq._forward_pre_hooks or seq._backward_hooks:
+        children = list(seq._modules.values())
+        if any(uses[id(m)] > 1 or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+               for m in [seq] + children):
             continue
         kids = [(f"{name}.{k}", m) for k, m in seq.named_children()]
         devices = {next(m.parameters()).device for n, m in kids if n in names}
