@@ -10,6 +10,8 @@
 // With FOLD the values cast are an activation of the input, act(in) (the x cast of a Linear after
 // ReLU or GELU: the activation's output never written), or its gradient, act_grad(act_x, in) (the
 // dy cast of a Linear followed by one: the activation's dx never written).
+#include <atomic>
+
 #include "core/activation.hpp"
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
@@ -297,9 +299,17 @@ void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbia
     auto* kernel =
         cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N, decltype(fold)::value>;
     constexpr size_t staged = folds_grad(decltype(fold)::value) ? kStagedBytes<decltype(dt)::value> : 0;
-    if (staged > 0)  // (above the 48 KiB a block gets without asking, with the static tile)
-      cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(staged)),
-                 "cast_transpose shared memory");
+    if constexpr (staged > 0) {                 // above the 48 KiB a block gets without asking (with the static tile):
+      static std::atomic<uint64_t> allowed{0};  // once per device (bit d) for this kernel
+      int device = 0;
+      cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+      const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+      if (!bit || !(allowed.load(std::memory_order_relaxed) & bit)) {
+        cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(staged)),
+                   "cast_transpose shared memory");
+        allowed.fetch_or(bit, std::memory_order_relaxed);
+      }
+    }
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, g.tiles, lim.sm_count, false);
     kernel<<<grid, kThreads, staged, stream>>>(g, first.current ? first.current_fp8_max : 0.0f, first.current_pow2,

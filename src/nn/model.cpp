@@ -388,6 +388,39 @@ std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, si
   return shapes;
 }
 
+// What a run's backward checks against (y's dtype is the activations').
+RunRecord record_run(const fp8_tensor* x, const fp8_tensor* y, std::vector<std::vector<int64_t>> shapes) {
+  RunRecord r;
+  r.dtype = y->dtype;
+  r.x_dtype = x->dtype;
+  r.ndim = x->ndim;
+  std::copy(x->shape, x->shape + x->ndim, r.x_shape);
+  std::copy(y->shape, y->shape + y->ndim, r.y_shape);
+  r.x_data = x->data;
+  r.x_bytes = x->nbytes();
+  r.shapes = std::move(shapes);
+  return r;
+}
+
+// The checks of a run's backward (layers first.. with `saved`): dy and dx against the forward, what
+// the first layer's backward would refuse in dx, and every layer's weights unchanged since; all of
+// them before any layer runs, so that a refusal leaves every gradient and scaling state as it was.
+void check_run_backward(const fp8_model& m, size_t first, const RunRecord& r,
+                        const std::vector<std::unique_ptr<fp8_saved>>& saved, const Step& step, const fp8_tensor* dy,
+                        const fp8_tensor* dx) {
+  require_run_tensor(dy, "dy", r.dtype, r.ndim, r.y_shape);
+  if (dx) {
+    const Layer& layer = *m.layers[first];
+    require_run_tensor(dx, "dx", r.x_dtype, r.ndim, r.x_shape);
+    if (buffers_overlap(r.x_data, r.x_bytes, dx->data, dx->nbytes()))
+      fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", layer.name(),
+           "''s backward reads x while it writes dx");
+    layer.check_dx(*saved[0], dx);
+    require_disjoint_buffers(layer.name(), dy, "dy", dx, "dx");
+  }
+  for (size_t k = 0; k < saved.size(); ++k) m.layers[first + k]->check_saved(step, *saved[k]);
+}
+
 // The backward of run_forward's layers, last to first. The gradients between layers (dy's dtype)
 // alternate between bind_grad(0, ..) and bind_grad(1, ..) (never the buffer the layer reads its dy
 // from); layer `first`'s goes to dx, or, for a norm or an activation when dx is nullptr, to
@@ -445,17 +478,12 @@ void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
   const Step step = make_step(m);
   while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
   std::vector<std::unique_ptr<fp8_saved>> saved(n);
-  m.run_shapes = run_forward(
+  auto shapes = run_forward(
       m, step, 0, saved, cols, x, y,
       [&](size_t k, fp8_dtype_t dt, int32_t ndim, const int64_t* shape) { return m.acts[k]->bind(dt, ndim, shape); });
   if (m.training) {
     m.run_saved = std::move(saved);
-    m.run_dtype = x->dtype;
-    m.run_ndim = x->ndim;
-    std::copy(x->shape, x->shape + x->ndim, m.run_x_shape);
-    m.run_x_data = x->data;
-    m.run_x_bytes = x->nbytes();
-    std::copy(y->shape, y->shape + y->ndim, m.run_y_shape);
+    m.run = record_run(x, y, std::move(shapes));
   }
 }
 
@@ -464,26 +492,12 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
     fail(FP8_ERR_INVALID_STATE,
          "no training-mode fp8_model_forward to differentiate (none ran, it ran in eval "
          "mode, it was already differentiated, or the model was converted or changed mode since)");
-  const fp8_dtype_t act = m.run_dtype;
-  const int32_t ndim = m.run_ndim;
-  require_run_tensor(dy, "dy", act, ndim, m.run_y_shape);
-  if (dx) {
-    require_run_tensor(dx, "dx", act, ndim, m.run_x_shape);
-    // What the first layer's backward would refuse (or get wrong) is checked before any layer runs,
-    // so that a refusal leaves every gradient and scaling state as it was.
-    const Layer& first = *m.layers[0];
-    if (buffers_overlap(m.run_x_data, m.run_x_bytes, dx->data, dx->nbytes()))
-      fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", first.name(),
-           "''s backward reads x while it writes dx");
-    first.check_dx(*m.run_saved[0], dx);
-  }
-
   const Step step = make_step(m);
-  for (size_t i = 0; i < m.layers.size(); ++i) m.layers[i]->check_saved(step, *m.run_saved[i]);
+  check_run_backward(m, 0, m.run, m.run_saved, step, dy, dx);
   for (auto& g : m.grads)
     if (!g) g = std::make_unique<ScratchTensor>(m.backend);
   if (!m.first_dx) m.first_dx = std::make_unique<ScratchTensor>(m.backend);
-  run_backward(m, step, 0, m.run_saved, m.run_shapes, act, m.run_x_shape, dy, dx, false, 0,
+  run_backward(m, step, 0, m.run_saved, m.run.shapes, m.run.x_dtype, m.run.x_shape, dy, dx, false, 0,
                [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
                  return which == 2 ? m.first_dx->bind(dt, nd, shape) : m.grads[which]->bind(dt, nd, shape);
                });
@@ -499,14 +513,8 @@ namespace {
 struct StackSaved final : fp8_saved {
   int32_t first = 0;
   std::vector<std::unique_ptr<fp8_saved>> layers;
-  std::vector<std::unique_ptr<fp8_tensor>> acts;               // the outputs of layers first .. (views; none if folded)
-  std::vector<std::vector<int64_t>> shapes;                    // the input shape of each layer after the first
-  std::vector<PooledBuffer> memory;                            // behind acts; given back where no backward reads it
-  fp8_dtype_t dtype = FP8_DTYPE_F32, x_dtype = FP8_DTYPE_F32;  // the activations' (y's), x's
-  int32_t ndim = 0;
-  int64_t x_shape[FP8_MAX_DIMS] = {}, y_shape[FP8_MAX_DIMS] = {};
-  const void* x_data = nullptr;
-  size_t x_bytes = 0;
+  std::vector<PooledBuffer> memory;  // the outputs of layers first ..; given back where no backward reads it
+  RunRecord run;
   void release() override {
     for (auto& l : layers) l->release();
     memory.clear();
@@ -528,14 +536,13 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
   const Step step = make_step(m);
   auto s = std::make_unique<StackSaved>();
   s->layers.resize(n);
-  s->acts = std::vector<std::unique_ptr<fp8_tensor>>(n - 1);
   s->memory.resize(n - 1);
-  s->shapes =
+  std::vector<fp8_tensor> views(n - 1);  // (the layers' states keep data pointers, not these views)
+  auto shapes =
       run_forward(m, step, f, s->layers, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
         s->memory[k] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
-        s->acts[k] = std::make_unique<fp8_tensor>();
-        s->acts[k]->backend = m.backend;
-        return lay_view(*s->acts[k], s->memory[k].get<char>(), dt, nd, shape);
+        views[k].backend = m.backend;
+        return lay_view(views[k], s->memory[k].get<char>(), dt, nd, shape);
       });
   // An activation no backward reads goes back to the pool now (an E4M3 hand-off to an FP8 Linear,
   // which keeps its own transposed copy), for the next forward to use.
@@ -547,13 +554,7 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
   s->training = step.training;
   s->reads_input = s->layers[0]->reads_input;
   s->first = first;
-  s->dtype = y->dtype;
-  s->x_dtype = x->dtype;
-  s->ndim = x->ndim;
-  std::copy(x->shape, x->shape + x->ndim, s->x_shape);
-  std::copy(y->shape, y->shape + y->ndim, s->y_shape);
-  s->x_data = x->data;
-  s->x_bytes = x->nbytes();
+  s->run = record_run(x, y, std::move(shapes));
   return s;
 }
 
@@ -577,24 +578,15 @@ void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_te
     if (s.layers[k]->layer_epoch != m.layers[f + k]->epoch())
       fail(FP8_ERR_INVALID_STATE, "layer '", m.layers[f + k]->name(),
            "' was converted (fp8_convert_model) after this forward; run the forward again");
-  require_run_tensor(dy, "dy", s.dtype, s.ndim, s.y_shape);
-  if (dx) {
-    require_run_tensor(dx, "dx", s.x_dtype, s.ndim, s.x_shape);
-    if (buffers_overlap(s.x_data, s.x_bytes, dx->data, dx->nbytes()))
-      fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", m.layers[f]->name(),
-           "''s backward reads x while it writes dx");
-    m.layers[f]->check_dx(*s.layers[0], dx);
-    require_disjoint_buffers(m.layers[f]->name(), dy, "dy", dx, "dx");
-  }
   const Step step = make_step(m);
-  for (size_t k = 0; k < n; ++k) m.layers[f + k]->check_saved(step, *s.layers[k]);
+  check_run_backward(m, f, s.run, s.layers, step, dy, dx);
   // The gradients between the layers: pool buffers for the call (two alternating, and the first
   // layer's dx when the caller wants none).
   PooledBuffer grads[3];
   fp8_tensor views[3];
   for (fp8_tensor& v : views) v.backend = m.backend;
-  run_backward(m, step, f, s.layers, s.shapes, s.x_dtype, s.x_shape, dy, dx, accumulate_dx, first_parameter(m, s.first),
-               [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+  run_backward(m, step, f, s.layers, s.run.shapes, s.run.x_dtype, s.run.x_shape, dy, dx, accumulate_dx,
+               first_parameter(m, s.first), [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
                  grads[which] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
                  return lay_view(views[which], grads[which].get<char>(), dt, nd, shape);
                });

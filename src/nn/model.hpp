@@ -27,6 +27,16 @@ struct ScratchTensor {
   fp8_tensor view;
 };
 
+// What the backward of a run of layers (a whole-model run or a stack) checks its dy and dx against.
+struct RunRecord {
+  fp8_dtype_t dtype = FP8_DTYPE_F32, x_dtype = FP8_DTYPE_F32;  // the activations' (y's), x's
+  int32_t ndim = 0;
+  int64_t x_shape[FP8_MAX_DIMS] = {}, y_shape[FP8_MAX_DIMS] = {};
+  const void* x_data = nullptr;  // the caller's x, which the first layer's backward reads again
+  size_t x_bytes = 0;
+  std::vector<std::vector<int64_t>> shapes;  // the input shape of each layer after the first
+};
+
 }  // namespace fp8::nn
 
 struct fp8_model {
@@ -67,12 +77,7 @@ struct fp8_model {
   std::vector<std::unique_ptr<fp8::nn::ScratchTensor>> acts;
   std::unique_ptr<fp8::nn::ScratchTensor> grads[2], first_dx;
   std::vector<std::unique_ptr<fp8_saved>> run_saved;
-  std::vector<std::vector<int64_t>> run_shapes;  // the input shape of each layer after the first
-  fp8_dtype_t run_dtype = FP8_DTYPE_F32;
-  int32_t run_ndim = 0;
-  int64_t run_x_shape[FP8_MAX_DIMS] = {}, run_y_shape[FP8_MAX_DIMS] = {};
-  const void* run_x_data = nullptr;  // the caller's x, which the first layer's backward reads again
-  size_t run_x_bytes = 0;
+  fp8::nn::RunRecord run;
 };
 
 namespace fp8::nn {

@@ -595,19 +595,29 @@ class _Module(torch.nn.Module):
         group = getattr(self, "_group", None)
         if group is None:
             raise RuntimeError("this libfp8 module was not made by libfp8.torch.convert_model")
-        if self._versions() != self._seen:
-            group.sync_versions()
-        elif self._plist[0].data_ptr() != self._lent[0][2].data_ptr():  # .data replaced: no version bump
-            self._check_storage()
+        self._notice_writes()
         x = self._cast_input(x).contiguous()
         group.enter(self.training)
         if torch.is_grad_enabled() and self.training:
-            params = [p for p in self._plist if p.requires_grad]
-            if self._anchor is not None:
-                params.append(self._anchor)
+            params = self._autograd_params()
             if x.requires_grad or params:
                 return _LayerFunction.apply(self, x, *params)
         return _layer_forward(self, x, False)[0]
+
+    def _notice_writes(self):
+        """Tells libfp8 once of parameter writes from torch since the last look (every module of the
+        group at once: True then)."""
+        if self._versions() != self._seen:
+            self._group.sync_versions()
+            return True
+        if self._plist[0].data_ptr() != self._lent[0][2].data_ptr():  # .data replaced: no version bump
+            self._check_storage()
+        return False
+
+    def _autograd_params(self):
+        """What autograd must see as the call's inputs so that its backward runs: the Parameters
+        that require grad, or an anchor where none does (MS-AMP weights train in libfp8)."""
+        return [p for p in self._plist if p.requires_grad] + ([self._anchor] if self._anchor is not None else [])
 
     def _cast_input(self, x):
         if not isinstance(x, torch.Tensor):
@@ -776,18 +786,11 @@ class Sequential(torch.nn.Sequential):
         if not self._is_the_stack():
             return super().forward(x)
         first = self._layers[0]
-        group = first._group
-        for m in self._layers:
-            if m._versions() != m._seen:
-                group.sync_versions()
-                break
-            if m._plist[0].data_ptr() != m._lent[0][2].data_ptr():
-                m._check_storage()
+        any(m._notice_writes() for m in self._layers)  # (stops at the first sync: it covers the group)
         x = first._cast_input(x).contiguous()
-        group.enter(self.training)
+        first._group.enter(self.training)
         if torch.is_grad_enabled() and self.training:
-            params = [p for m in self._layers for p in m._plist if p.requires_grad]
-            params += [m._anchor for m in self._layers if m._anchor is not None]
+            params = [p for m in self._layers for p in m._autograd_params()]
             if x.requires_grad or params:
                 return _StackFunction.apply(self, x, *params)
         return self._run(x, False)[0]
