@@ -538,10 +538,10 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
   s->layers.resize(n);
   s->memory.resize(n - 1);
   std::vector<fp8_tensor> views(n - 1);  // (the layers' states keep data pointers, not these views)
+  for (fp8_tensor& v : views) v.backend = m.backend;  // (a folded activation lays no view; all are destroyed)
   auto shapes =
       run_forward(m, step, f, s->layers, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
         s->memory[k] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
-        views[k].backend = m.backend;
         return lay_view(views[k], s->memory[k].get<char>(), dt, nd, shape);
       });
   // An activation no backward reads goes back to the pool now (an E4M3 hand-off to an FP8 Linear,
