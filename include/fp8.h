@@ -794,7 +794,8 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * Dtypes: y, dy and dx share one activation dtype, F32 or BF16; x is that dtype or an E4M3 tensor
  * written by a converted norm or activation layer (the FP8 hand-off: its own scale_inv is used).
  * The gradients of a Linear (dW, db) are FP32 and accumulate across backward calls until
- * fp8_model_zero_grad.
+ * fp8_model_zero_grad. At O1..O3 dW is an FP8 gradient: the weight-gradient GEMM writes the call's
+ * dW in BF16 and one pass adds it as fp8_model_accumulate_grad does (since 0.2; FP32 before).
  *
  * Norms and activations compute in float from their input's dtype; once converted they may write y in
  * FP8 (pass an E4M3 y) with an output state of their own, which is the input the next Linear needs.
@@ -948,8 +949,10 @@ FP8_API fp8_status_t fp8_model_write_parameter(fp8_model_t *model, int32_t index
 FP8_API fp8_status_t fp8_model_weights_changed(fp8_model_t *model);
 /** grad[index] += g, whatever the gradient's storage: an FP32 gradient adds g; an FP8 one (O1..O3)
  *  requantises the sum in one pass, as the Linear's backward does (for gradients computed outside
- *  libfp8, or a custom layer's). [in] g: an F32 tensor of the parameter's element count on the
- *  model's device. Asynchronous. */
+ *  libfp8, or a custom layer's): scale = fp8_max / (amax of the stored sum + amax(g)), each code
+ *  encode((stored + g) * scale), and onto a gradient whose amax is 0 (zeroed) encode(g * scale).
+ *  [in] g: an F32 or BF16 tensor of the parameter's element count on the model's device (since
+ *  0.2; F32 before). Asynchronous. */
 FP8_API fp8_status_t fp8_model_accumulate_grad(fp8_model_t *model, int32_t index, const fp8_tensor_t *g);
 /** Sets every gradient to zero. Asynchronous. */
 FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t *model);

@@ -179,38 +179,50 @@ __global__ void __launch_bounds__(kSumThreads)
 // ---- FP8 gradient accumulation --------------------------------------------------------------------
 constexpr int kAccThreads = 256;
 
+// Each thread takes 8 consecutive elements per turn (16- or 32-byte loads of `add`, 8 bytes of codes);
+// `vec` says the pointers allow it, the tail goes one element at a time. Onto zeros (a uniform
+// branch) the stored codes are not read.
+template <fp8_dtype_t DT>
 __global__ void __launch_bounds__(kAccThreads)
-    grad_sum_kernel(uint8_t* codes, bool e5m2, const float* __restrict__ add, int64_t n, bool vec, GradScales* scales) {
+    grad_sum_kernel(uint8_t* codes, bool e5m2, const typename Wide<DT>::Raw* __restrict__ add, int64_t n, bool vec,
+                    GradScales* scales) {
   const GradScales g = *scales;
   const float scale = grad_sum_scale(g, e5m2);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kAccThreads * 4;
+  const bool onto_zeros = grad_sum_onto_zeros(g);
+  auto code = [&](uint8_t stored, float a) {
+    return onto_zeros ? grad_sum_first_code(a, scale, e5m2) : grad_sum_code(stored, a, g.scale_inv, scale, e5m2);
+  };
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kAccThreads * 8;
   uint32_t top = 0;
-  const int64_t n_vec = vec ? n / 4 * 4 : 0;
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x) * 4; i < n_vec; i += stride) {
-    const float4 x = *reinterpret_cast<const float4*>(add + i);
-    const uint32_t old = *reinterpret_cast<const uint32_t*>(codes + i);
-    const float xs[4] = {x.x, x.y, x.z, x.w};
-    uint32_t out = 0;
+  const int64_t n_vec = vec ? n / 8 * 8 : 0;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x) * 8; i < n_vec; i += stride) {
+    Vec8<DT> x;
+    x.load(add + i);
+    const uint2 old = onto_zeros ? make_uint2(0u, 0u) : *reinterpret_cast<const uint2*>(codes + i);
+    uint32_t out[2] = {0u, 0u};
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint8_t c = grad_sum_code(static_cast<uint8_t>(old >> (8 * k)), xs[k], g.scale_inv, scale, e5m2);
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t word = k < 4 ? old.x : old.y;
+      const uint8_t c = code(static_cast<uint8_t>(word >> (8 * (k & 3))), x.get(k));
       top = max(top, static_cast<uint32_t>(c & 0x7Fu));
-      out |= static_cast<uint32_t>(c) << (8 * k);
+      out[k >> 2] |= static_cast<uint32_t>(c) << (8 * (k & 3));
     }
-    *reinterpret_cast<uint32_t*>(codes + i) = out;
+    *reinterpret_cast<uint2*>(codes + i) = make_uint2(out[0], out[1]);
   }
   for (int64_t i = n_vec + static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kAccThreads) {
-    codes[i] = grad_sum_code(codes[i], add[i], g.scale_inv, scale, e5m2);
+    codes[i] = code(onto_zeros ? uint8_t{0} : codes[i], Wide<DT>::to_float(add[i]));
     top = max(top, static_cast<uint32_t>(codes[i] & 0x7Fu));
   }
   block_max_accumulate(top, &scales->next_amax_code);
 }
 
-__global__ void __launch_bounds__(kAccThreads) add_f32_kernel(float* dst, const float* __restrict__ add, int64_t n) {
+template <fp8_dtype_t DT>
+__global__ void __launch_bounds__(kAccThreads)
+    add_f32_kernel(float* dst, const typename Wide<DT>::Raw* __restrict__ add, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kAccThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kAccThreads)
-    dst[i] = __fadd_rn(dst[i], add[i]);
+    dst[i] = __fadd_rn(dst[i], Wide<DT>::to_float(add[i]));
 }
 
 __global__ void grad_sum_finish_kernel(GradScales* scales, bool e5m2) { grad_sum_finish(*scales, e5m2); }
@@ -246,16 +258,26 @@ void grad_accumulate(const GradAccumulateJob& job, const LaunchLimits& lim, cuda
   if (!job.codes) {
     if (job.n <= 0) return;
     const int grid = static_cast<int>(std::min<int64_t>((job.n + kAccThreads - 1) / kAccThreads, lim.sm_count * 8LL));
-    add_f32_kernel<<<grid, kAccThreads, 0, stream>>>(job.f32, job.add, job.n);
+    if (job.add_dtype == FP8_DTYPE_BF16)
+      add_f32_kernel<FP8_DTYPE_BF16>
+          <<<grid, kAccThreads, 0, stream>>>(job.f32, static_cast<const uint16_t*>(job.add), job.n);
+    else
+      add_f32_kernel<FP8_DTYPE_F32>
+          <<<grid, kAccThreads, 0, stream>>>(job.f32, static_cast<const float*>(job.add), job.n);
     cuda_check(cudaGetLastError(), "gradient add kernel launch");
     return;
   }
-  amax({job.add, FP8_DTYPE_F32, job.n, &job.scales->add_amax, nullptr}, lim, stream);
+  amax({job.add, job.add_dtype, job.n, &job.scales->add_amax, nullptr}, lim, stream);
   if (job.n > 0) {
-    const int64_t want = (job.n / 4 + kAccThreads - 1) / kAccThreads + 1;
+    const int64_t want = (job.n / 8 + kAccThreads - 1) / kAccThreads + 1;
     const int grid = static_cast<int>(std::min<int64_t>(want, static_cast<int64_t>(lim.sm_count) * 8));
-    const bool vec = aligned16(job.add) && (reinterpret_cast<uintptr_t>(job.codes) & 3u) == 0;
-    grad_sum_kernel<<<grid, kAccThreads, 0, stream>>>(job.codes, job.e5m2, job.add, job.n, vec, job.scales);
+    const bool vec = aligned16(job.add) && (reinterpret_cast<uintptr_t>(job.codes) & 7u) == 0;
+    if (job.add_dtype == FP8_DTYPE_BF16)
+      grad_sum_kernel<FP8_DTYPE_BF16><<<grid, kAccThreads, 0, stream>>>(
+          job.codes, job.e5m2, static_cast<const uint16_t*>(job.add), job.n, vec, job.scales);
+    else
+      grad_sum_kernel<FP8_DTYPE_F32><<<grid, kAccThreads, 0, stream>>>(
+          job.codes, job.e5m2, static_cast<const float*>(job.add), job.n, vec, job.scales);
     cuda_check(cudaGetLastError(), "gradient accumulation kernel launch");
   }
   grad_sum_finish_kernel<<<1, 1, 0, stream>>>(job.scales, job.e5m2);

@@ -178,16 +178,15 @@ FP8_API fp8_status_t fp8_model_accumulate_grad(fp8_model_t* model, int32_t index
     if (g->backend != model->backend)
       fp8::fail(FP8_ERR_INVALID_ARGUMENT, "g belongs to another context (device ", g->backend->device(),
                 "); expected the model's (device ", model->backend->device(), ")");
-    if (g->dtype != FP8_DTYPE_F32)
-      fp8::fail(FP8_ERR_DTYPE, "g has dtype ", fp8::dtype_name(g->dtype), "; expected f32");
+    if (g->dtype != FP8_DTYPE_F32 && g->dtype != FP8_DTYPE_BF16)
+      fp8::fail(FP8_ERR_DTYPE, "g has dtype ", fp8::dtype_name(g->dtype), "; expected f32 or bf16");
     if (g->numel != p.grad->numel)
       fp8::fail(FP8_ERR_SHAPE, "g has ", g->numel, " elements; parameter '", p.name, "' has ", p.grad->numel);
     const bool fp8 = fp8::dtype_is_fp8(p.grad->dtype);
     fp8::dist::before_grad_write(*model, index, 1);
-    model->backend->grad_accumulate({fp8 ? static_cast<uint8_t*>(p.grad->data) : nullptr,
-                                     p.grad->dtype == FP8_DTYPE_E5M2, static_cast<const float*>(g->data), g->numel,
-                                     fp8 ? p.grad_scales() : nullptr,
-                                     fp8 ? nullptr : static_cast<float*>(p.grad->data)});
+    model->backend->grad_accumulate(
+        {fp8 ? static_cast<uint8_t*>(p.grad->data) : nullptr, p.grad->dtype == FP8_DTYPE_E5M2, g->data, g->numel,
+         fp8 ? p.grad_scales() : nullptr, fp8 ? nullptr : static_cast<float*>(p.grad->data), g->dtype});
     fp8::dist::after_grad_write(*model, index, 1);
   });
 }

@@ -67,18 +67,24 @@ void cpu_optimizer_promote(const OptimizerStepJob& j) {
 }
 
 void cpu_grad_accumulate(const GradAccumulateJob& j) {
+  const bool bf16 = j.add_dtype == FP8_DTYPE_BF16;
+  auto add = [&](int64_t i) {
+    return bf16 ? bf16_to_float(static_cast<const uint16_t*>(j.add)[i]) : static_cast<const float*>(j.add)[i];
+  };
   if (!j.codes) {
-    for (int64_t i = 0; i < j.n; ++i) j.f32[i] = add_rn(j.f32[i], j.add[i]);
+    for (int64_t i = 0; i < j.n; ++i) j.f32[i] = add_rn(j.f32[i], add(i));
     return;
   }
   GradScales& g = *j.scales;
   uint32_t add_amax = 0;
-  for (int64_t i = 0; i < j.n; ++i) add_amax = std::max(add_amax, abs_bits(j.add[i]));
+  for (int64_t i = 0; i < j.n; ++i) add_amax = std::max(add_amax, abs_bits(add(i)));
   g.add_amax = bits_float(add_amax);
   const float scale = grad_sum_scale(g, j.e5m2);
+  const bool onto_zeros = grad_sum_onto_zeros(g);
   uint32_t top = 0;
   for (int64_t i = 0; i < j.n; ++i) {
-    j.codes[i] = grad_sum_code(j.codes[i], j.add[i], g.scale_inv, scale, j.e5m2);
+    j.codes[i] = onto_zeros ? grad_sum_first_code(add(i), scale, j.e5m2)
+                            : grad_sum_code(j.codes[i], add(i), g.scale_inv, scale, j.e5m2);
     top = std::max<uint32_t>(top, j.codes[i] & 0x7Fu);
   }
   g.next_amax_code = std::max(g.next_amax_code, top);  // as the GPU's atomicMax

@@ -229,17 +229,18 @@ struct GemmJob {
   bool fast_accumulation;
 };
 
-// Adds `add` (n floats) into an FP8 gradient in one requantising pass (core/optim_rule.hpp,
-// grad_sum_*): scales->add_amax = amax(add); codes = encode((decode(codes) * scale_inv + add) *
-// grad_sum_scale); then grad_sum_finish.
-// With codes == nullptr: f32[i] += add[i] (an FP32 gradient).
+// Adds `add` (n elements of add_dtype, F32 or BF16) into an FP8 gradient in one requantising pass
+// (core/optim_rule.hpp, grad_sum_*): scales->add_amax = amax(add); codes = encode((decode(codes) *
+// scale_inv + add) * grad_sum_scale), or encode(add * grad_sum_scale) onto zeros; then
+// grad_sum_finish. With codes == nullptr: f32[i] += add[i] (an FP32 gradient).
 struct GradAccumulateJob {
   uint8_t* codes;
   bool e5m2;
-  const float* add;
+  const void* add;
   int64_t n;
   GradScales* scales;
   float* f32 = nullptr;
+  fp8_dtype_t add_dtype = FP8_DTYPE_F32;
 };
 
 // One optimizer step over every chunk of every tensor (core/optim_rule.hpp): the squared norm in

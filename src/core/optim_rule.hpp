@@ -274,6 +274,15 @@ FP8_OPTIM_FN uint8_t grad_sum_code(uint8_t stored, float add, float stored_scale
   return encode_fp8_rn(mul_rn(add_rn(dequantize_rn(stored, e5m2, stored_scale_inv), add), scale), e5m2);
 }
 
+// A gradient whose amax is 0 holds only zeros (as zero_grad leaves it): the sum is the addend itself
+// (a zero addend keeps its sign), and the pass does not read the stored codes.
+FP8_HD bool grad_sum_onto_zeros(const GradScales& g) {
+  return g.amax == 0.0f;
+}
+FP8_OPTIM_FN uint8_t grad_sum_first_code(float add, float scale, bool e5m2) {
+  return encode_fp8_rn(mul_rn(add, scale), e5m2);
+}
+
 // After the pass: the new scale_inv and amax (from the largest code written); ready for the next.
 FP8_HD void grad_sum_finish(GradScales& g, bool e5m2) {
   const float scale = grad_sum_scale(g, e5m2);

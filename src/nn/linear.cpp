@@ -332,7 +332,7 @@ class Linear final : public Layer {
                                              : kScaleSlots * sizeof(float));
     const size_t at_partials = lay.add(dbias ? static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float) : 0);
     const size_t at_ws = lay.add(cells ? recipe_quantize_workspace(act_mode(), m, out_) : 0);
-    const size_t at_dw = lay.add(grad8 && m > 0 ? static_cast<size_t>(out_ * in_) * sizeof(float) : 0);
+    const size_t at_dw = lay.add(grad8 && m > 0 ? static_cast<size_t>(out_ * in_) * sizeof(uint16_t) : 0);
     char* scratch = lay.base(*step.scratch);
     float* partials = dbias ? reinterpret_cast<float*>(scratch + at_partials) : nullptr;
     uint8_t* qdy = cast_dy ? reinterpret_cast<uint8_t*>(scratch + at_qdy) : nullptr;
@@ -393,13 +393,14 @@ class Linear final : public Layer {
     }
 
     if (m > 0) {  // dW [out, in] += dy^T [out, m] . x [m, in]
-      // An FP8 gradient (O1..O3) takes the new dW from the call's scratch in one requantising pass.
+      // An FP8 gradient (O1..O3) takes the new dW, rounded to BF16 in the call's scratch (half the
+      // bytes for the GEMM to write and the two passes to read), in one requantising pass.
       GemmJob g{};
       g.m = out_;
       g.n = in_;
       g.k = m;
       g.d = grad8 ? scratch + at_dw : grad.data;
-      g.d_dtype = FP8_DTYPE_F32;
+      g.d_dtype = grad8 ? FP8_DTYPE_BF16 : FP8_DTYPE_F32;
       g.alpha = 1.0f;
       g.accumulate = !grad8;
       if (plan.wgrad && cells) {
@@ -416,8 +417,8 @@ class Linear final : public Layer {
       }
       be.gemm(g);
       if (grad8)
-        be.grad_accumulate({static_cast<uint8_t*>(grad.data), grad.dtype == FP8_DTYPE_E5M2, static_cast<const float*>(g.d),
-                            out_ * in_, params_[0].grad_scales()});
+        be.grad_accumulate({static_cast<uint8_t*>(grad.data), grad.dtype == FP8_DTYPE_E5M2, g.d, out_ * in_,
+                            params_[0].grad_scales(), nullptr, FP8_DTYPE_BF16});
     }
   }
 

@@ -393,7 +393,7 @@ const LevelCase kLevelCases[] = {
     {"O3 AdamW", FP8_OPT_O3, FP8_OPTIMIZER_ADAMW, 0.0},
 };
 
-// Five steps of two micro-batches each, clipping on steps 1 and 3; step 2's second micro-batch has
+// Five steps of two micro-batches each (the second in BF16), clipping on steps 1 and 3; step 2's second micro-batch has
 // an inf in big.weight's gradient, which poisons it: the step is skipped on both, and zero_grad
 // clears it.
 TEST(GpuOptimizerLevels, StepsAreBitIdenticalToTheCpuReference) {
@@ -440,8 +440,16 @@ TEST(GpuOptimizerLevels, StepsAreBitIdenticalToTheCpuReference) {
             auto g = normal_floats(static_cast<size_t>(sizes[static_cast<size_t>(i)]),
                                    static_cast<uint32_t>(900 + 97 * s + 13 * mb + i), 0.0f, kGradScale[i]);
             if (s == 2 && mb == 1 && i == 0) g[g.size() / 2] = INFINITY;
-            Tensor t = make_tensor(k == 0 ? gpu.get() : cpu.get(), FP8_DTYPE_F32, {static_cast<int64_t>(g.size())});
-            upload(t.get(), g);
+            // The second micro-batch adds BF16, as the Linear's backward does at these levels.
+            Tensor t = make_tensor(k == 0 ? gpu.get() : cpu.get(), mb == 0 ? FP8_DTYPE_F32 : FP8_DTYPE_BF16,
+                                   {static_cast<int64_t>(g.size())});
+            if (mb == 0) {
+              upload(t.get(), g);
+            } else {
+              std::vector<uint16_t> h(g.size());
+              for (size_t e = 0; e < g.size(); ++e) h[e] = fp8::float_to_bf16(g[e]);
+              upload(t.get(), h);
+            }
             FP8_ASSERT_OK(fp8_model_accumulate_grad(models[k].get(), i, t.get()));
           }
         }
@@ -495,7 +503,7 @@ TEST(GpuOptimizerLevels, StepsAreBitIdenticalToTheCpuReference) {
 }
 
 // The Linear's backward at an MS-AMP level on the GPU: each micro-batch's dW goes through the
-// model's FP32 scratch into the FP8 gradient (one requantising pass). GPU and CPU run the same FP8
+// call's BF16 scratch into the FP8 gradient (one requantising pass). GPU and CPU run the same FP8
 // GEMMs in another accumulation order, so the gradients are compared as values: against each other
 // and against a float64 dy^T x (with the forward's E4M3 x and the E5M2 dy the error is the formats'
 // own). An inf in a later (high-precision) micro-batch's dy poisons the GPU's gradient too, and the

@@ -40,6 +40,7 @@ using Params64 = std::vector<std::vector<double>>;
 // the smallest subnormal (in the format's own units).
 constexpr double kE4M3Rel = 1.0 / 16;     // 3 mantissa bits: 2^-4
 constexpr double kE5M2Rel = 1.0 / 8;      // 2 mantissa bits: 2^-3
+constexpr double kBf16Rel = 1.0 / 256;    // 7 mantissa bits: 2^-8
 constexpr double kF16Rel = 1.0 / 2048;    // 10 mantissa bits: 2^-11
 constexpr double kE4M3Floor = 1.0 / 1024; // 2^-9 / 2
 constexpr double kE5M2Floor = 1.0 / 131072; // 2^-16 / 2
@@ -920,10 +921,12 @@ TEST(OptimLevelBytes, SgdAtO1AddsTheMomentumBufferOnFirstUse) {
 }
 
 // Two micro-batches into one FP8 gradient. The data are multiples of 1/16 with small integer
-// numerators, so each dW = dy^T x is exact in float and the expected codes follow bit for bit:
-//   after the first:  scale1 = fp8_max / amax(dW1),             q1 = encode(dW1 * scale1)
-//   after the second: scale2 = fp8_max / (amax(q1) + amax(dW2)), q2 = encode((q1/scale1 + dW2) * scale2)
-// and the decoded sum is within the format's half-ulp of dW1 (first rounding) plus that of the sum.
+// numerators, so each dW = dy^T x is exact in float; the backward rounds it to BF16 (b(dW)) before
+// adding, and the expected codes follow bit for bit:
+//   after the first:  scale1 = fp8_max / amax(b(dW1)),                q1 = encode(b(dW1) * scale1)
+//   after the second: scale2 = fp8_max / (amax(q1) + amax(b(dW2))), q2 = encode((q1/scale1 + b(dW2)) * scale2)
+// and the decoded sum is within the format's half-ulp of dW1 (first rounding) plus that of the sum,
+// plus BF16's half-ulp of each addend.
 class OptimLevelGradAccumulation : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
@@ -949,7 +952,7 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
     for (float& f : v) f = static_cast<float>(num(rng) * (sign(rng) ? 1 : -1)) * unit;
     return v;
   };
-  std::vector<std::vector<float>> dws;
+  std::vector<std::vector<float>> dws, added;  // dW exact, and as the backward adds it (BF16)
   for (int mb = 0; mb < 2; ++mb) {
     const std::vector<float> x = small(static_cast<size_t>(rows * in), 0.0625f);
     const std::vector<float> dy = small(static_cast<size_t>(rows * out), 0.0625f);
@@ -968,19 +971,21 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
         dw[static_cast<size_t>(o_ * in + i)] = static_cast<float>(s);  // exact: 16 terms of k/256 or k/64
       }
     dws.push_back(dw);
+    for (float& v : dw) v = fp8::bf16_to_float(fp8::float_to_bf16(v));
+    added.push_back(dw);
   }
   // The expected codes, step by step.
-  const float scale1 = static_cast<float>(fmax / amax_of(dws[0]));
-  std::vector<uint8_t> q1(dws[0].size());
+  const float scale1 = static_cast<float>(fmax / amax_of(added[0]));
+  std::vector<uint8_t> q1(added[0].size());
   float amax1 = 0.0f;
   for (size_t i = 0; i < q1.size(); ++i) {
-    q1[i] = fp8::encode_fp8(dws[0][i] * scale1, e5m2);
+    q1[i] = fp8::encode_fp8(added[0][i] * scale1, e5m2);
     amax1 = std::max(amax1, std::fabs(fp8::dequantize_fp8(q1[i], e5m2, 1.0f / scale1)));
   }
-  const float scale2 = static_cast<float>(fmax) / (amax1 + amax_of(dws[1]));
+  const float scale2 = static_cast<float>(fmax) / (amax1 + amax_of(added[1]));
   std::vector<uint8_t> q2(q1.size());
   for (size_t i = 0; i < q2.size(); ++i)
-    q2[i] = fp8::encode_fp8((fp8::dequantize_fp8(q1[i], e5m2, 1.0f / scale1) + dws[1][i]) * scale2, e5m2);
+    q2[i] = fp8::encode_fp8((fp8::dequantize_fp8(q1[i], e5m2, 1.0f / scale1) + added[1][i]) * scale2, e5m2);
   EXPECT_EQ(download<uint8_t>(grad), q2);
   EXPECT_EQ(bits_of(scale_inv_of(grad)), bits_of(1.0f / scale2));
   const std::vector<float> after_two = decoded(grad);
@@ -991,7 +996,8 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
   double worst = 0.0, num2 = 0.0, den2 = 0.0, alone2 = 0.0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double sum = static_cast<double>(dws[0][i]) + dws[1][i];
-    const double bound = rel * (std::fabs(dws[0][i]) + std::fabs(sum)) + floor * (1.0 / scale1 + 1.0 / scale2);
+    const double bound = rel * (std::fabs(dws[0][i]) + std::fabs(sum)) + floor * (1.0 / scale1 + 1.0 / scale2) +
+                         kBf16Rel * (std::fabs(dws[0][i]) + std::fabs(dws[1][i]));
     worst = std::max(worst, std::fabs(got[i] - sum) / bound);
     num2 += std::pow(got[i] - sum, 2);
     den2 += sum * sum;
@@ -1020,6 +1026,71 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, OptimLevelGradAccumulation, ::testing::Values("HYBRID", "E4M3"),
                          [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
+
+// fp8_model_accumulate_grad with BF16 addends (what the Linear's backward adds at O1..O3): onto a
+// zeroed FP8 gradient the codes are encode(g * scale) (a -0 addend keeps its sign), then the
+// requantised sum; an FP32 gradient adds the widened values exactly; other dtypes are refused.
+TEST(OptimLevelAccumulateGrad, Bf16AddendsFollowTheRuleAndOtherDtypesAreRefused) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  fp8_model_t* m = model.get();
+  const int64_t in = 32, out = 16, n = in * out;
+  FP8_ASSERT_OK(fp8_model_add_linear(m, "fc", in, out, 1, nullptr));
+  Recipe r = make_recipe("backend=msamp, opt_level=O2, fp8_format=HYBRID");
+  FP8_ASSERT_OK(fp8_convert_model(m, r.get(), nullptr));
+  fp8_tensor_t* wgrad = param_tensor(m, "fc.weight", true);
+  fp8_tensor_t* bgrad = param_tensor(m, "fc.bias", true);
+  ASSERT_EQ(dtype_of(wgrad), FP8_DTYPE_E5M2);
+  ASSERT_EQ(dtype_of(bgrad), FP8_DTYPE_F32);
+  auto bf16_tensor = [&](const std::vector<float>& v, std::vector<float>* rounded) {
+    std::vector<uint16_t> h(v.size());
+    rounded->resize(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      h[i] = fp8::float_to_bf16(v[i]);
+      (*rounded)[i] = fp8::bf16_to_float(h[i]);
+    }
+    Tensor t = make_tensor(ctx.get(), FP8_DTYPE_BF16, {static_cast<int64_t>(v.size())});
+    upload(t.get(), h);
+    return t;
+  };
+  std::vector<float> g1, g2, b1;
+  std::vector<float> raw1 = randn(static_cast<size_t>(n), 21, 0.3f);
+  raw1[5] = -0.0f;
+  raw1[6] = 0.0f;
+  Tensor t1 = bf16_tensor(raw1, &g1), t2 = bf16_tensor(randn(static_cast<size_t>(n), 22, 0.7f), &g2);
+  FP8_ASSERT_OK(fp8_model_accumulate_grad(m, 0, t1.get()));
+  const float scale1 = 57344.0f / amax_of(g1);
+  std::vector<uint8_t> q1(g1.size());
+  for (size_t i = 0; i < q1.size(); ++i) q1[i] = fp8::encode_fp8(g1[i] * scale1, true);
+  EXPECT_EQ(download<uint8_t>(wgrad), q1);
+  EXPECT_EQ(download<uint8_t>(wgrad)[5], 0x80) << "a -0 addend onto zeros keeps its sign";
+  EXPECT_EQ(download<uint8_t>(wgrad)[6], 0x00);
+  EXPECT_EQ(bits_of(scale_inv_of(wgrad)), bits_of(1.0f / scale1));
+
+  FP8_ASSERT_OK(fp8_model_accumulate_grad(m, 0, t2.get()));
+  float amax1 = 0.0f;
+  for (uint8_t c : q1) amax1 = std::max(amax1, std::fabs(fp8::dequantize_fp8(c, true, 1.0f / scale1)));
+  const float scale2 = 57344.0f / (amax1 + amax_of(g2));
+  std::vector<uint8_t> q2(q1.size());
+  for (size_t i = 0; i < q2.size(); ++i)
+    q2[i] = fp8::encode_fp8((fp8::dequantize_fp8(q1[i], true, 1.0f / scale1) + g2[i]) * scale2, true);
+  EXPECT_EQ(download<uint8_t>(wgrad), q2);
+  EXPECT_EQ(bits_of(scale_inv_of(wgrad)), bits_of(1.0f / scale2));
+
+  Tensor tb = bf16_tensor(randn(static_cast<size_t>(out), 23, 0.5f), &b1);
+  FP8_ASSERT_OK(fp8_model_accumulate_grad(m, 1, tb.get()));
+  FP8_ASSERT_OK(fp8_model_accumulate_grad(m, 1, tb.get()));
+  const std::vector<float> bias_grad = download<float>(bgrad);
+  for (size_t i = 0; i < b1.size(); ++i) EXPECT_EQ(bits_of(bias_grad[i]), bits_of(b1[i] + b1[i])) << i;
+
+  const std::vector<uint8_t> before = download<uint8_t>(wgrad);
+  for (fp8_dtype_t dt : {FP8_DTYPE_F16, FP8_DTYPE_E4M3}) {
+    Tensor bad = make_tensor(ctx.get(), dt, {n});
+    EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, 0, bad.get()), FP8_ERR_DTYPE, "fp8_model_accumulate_grad",
+                         "g has dtype", "expected f32 or bf16");
+  }
+  EXPECT_EQ(download<uint8_t>(wgrad), before) << "a refused addend changed the gradient";
+}
 
 class OptimLevelPoison : public ::testing::TestWithParam<int> {};
 
