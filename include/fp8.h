@@ -1033,9 +1033,13 @@ typedef struct fp8_saved fp8_saved_t;
 FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t *model, int32_t layer_id, const fp8_tensor_t *x,
                                              fp8_tensor_t *y, fp8_saved_t **saved);
 
-/** Flags of fp8_layer_backward_saved. FP8_BACKWARD_ACCUMULATE_DX: dx += the input gradient (residual
- *  connections) instead of dx = it, as dx = round(float(dx) + value), for every layer kind. */
+/** Flags of fp8_layer_backward_saved and fp8_stack_backward_saved, for every layer kind.
+ *  FP8_BACKWARD_ACCUMULATE_DX: dx += the input gradient (residual connections) instead of dx = it,
+ *  as dx = round(float(dx) + value). FP8_BACKWARD_ADD_DY (since 0.2): dx = round(float(dy) + value),
+ *  the gradient of y = x + f(x) whose residual is x itself (fp8_stack_forward_residual with
+ *  residual = x) in the same pass, without a copy; dx takes dy's shape and dtype. Not both. */
 #define FP8_BACKWARD_ACCUMULATE_DX 1u
+#define FP8_BACKWARD_ADD_DY 2u
 
 /**
  * Backward of exactly the forward that made `saved`: [in] dy, [out] dx as in fp8_layer_backward
@@ -1081,9 +1085,26 @@ FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t *model, int32_t first_l
                                              const fp8_tensor_t *x, fp8_tensor_t *y, fp8_saved_t **saved);
 
 /**
+ * y = residual + the stack's output, as fp8_stack_forward_saved runs layers [first_layer,
+ * first_layer + layer_count), with the residual added by the last layer's GEMM (D = y, C =
+ * residual, beta = 1): no pass of its own. The last layer must be a Linear (FP8_ERR_UNSUPPORTED
+ * otherwise). residual and y: the stack's output shape, one dtype (F32 or BF16: a transformer's
+ * residual stream); residual may be y itself or x (a pre-norm block's y = x + f(norm(x))), and
+ * must otherwise not overlap y. act_dtype (F32 or BF16): the activations between the layers and
+ * x's dtype (any wide dtype when the first layer is a norm). That last Linear writes y in the
+ * residual's dtype from x of act_dtype (its bias added in that dtype), and its backward casts a
+ * dy of y's dtype and gives its dx in act_dtype. Its backward is fp8_stack_backward_saved with dy
+ * of y's dtype: the gradient of the residual is dy itself, which FP8_BACKWARD_ADD_DY adds into dx
+ * in the first layer's pass when the residual was x. Asynchronous. Since 0.2.
+ */
+FP8_API fp8_status_t fp8_stack_forward_residual(fp8_model_t *model, int32_t first_layer, int32_t layer_count,
+                                                const fp8_tensor_t *x, const fp8_tensor_t *residual, fp8_tensor_t *y,
+                                                fp8_dtype_t act_dtype, fp8_saved_t **saved);
+
+/**
  * Backward of the fp8_stack_forward_saved that made `saved`: [in] dy (y's shape and dtype), [out]
  * dx (x's shape and dtype; NULL when x needs no gradient; overlapping neither x nor dy), [in] flags
- * 0 or FP8_BACKWARD_ACCUMULATE_DX. Parameter gradients accumulate. A ReLU or GELU activation layer
+ * 0, FP8_BACKWARD_ACCUMULATE_DX or FP8_BACKWARD_ADD_DY. Parameter gradients accumulate. A ReLU or GELU activation layer
  * after a Linear whose dy cast runs in FP8 with its transposed copy (delayed scaling, an FP8 weight
  * gradient, and an FP8 dgrad if that Linear's dx is needed) is differentiated inside that cast: the
  * values cast, max-reduced into the gradient state and summed into the bias gradient are

@@ -38,21 +38,21 @@ constexpr bool is_fp8(fp8_dtype_t t) {
   return t == FP8_DTYPE_E4M3 || t == FP8_DTYPE_E5M2;
 }
 
-// A residual's sum: v += the wide output's current value at i (accumulate is never set for FP8).
+// A residual's sum: v + base[i], base of the wide output's dtype (out itself to accumulate; never
+// set for FP8).
 template <fp8_dtype_t OUT>
-__device__ __forceinline__ float plus_output(const void* out, int64_t i, float v) {
+__device__ __forceinline__ float plus_base(const void* base, int64_t i, float v) {
   if constexpr (is_fp8(OUT))
     return v;
   else
-    return __fadd_rn(v, Wide<OUT>::to_float(static_cast<const typename Wide<OUT>::Raw*>(out)[i]));  // no FMA
+    return __fadd_rn(v, Wide<OUT>::to_float(static_cast<const typename Wide<OUT>::Raw*>(base)[i]));  // no FMA
 }
 
 template <fp8_dtype_t DT, fp8_dtype_t OUT>
 __global__ void __launch_bounds__(kThreads)
-    activation_kernel(fp8_activation_t act, bool backward, bool accumulate,
+    activation_kernel(fp8_activation_t act, bool backward, const void* base,
                       const typename Wide<DT>::Raw* __restrict__ x, const typename Wide<DT>::Raw* __restrict__ dy,
-                      int64_t rows, int64_t cols, bool vec, void* __restrict__ out, ScalingHeader* state,
-                      float* out_scale_inv) {
+                      int64_t rows, int64_t cols, bool vec, void* out, ScalingHeader* state, float* out_scale_inv) {
   const float scale = state ? state->scale : 1.0f;
   uint32_t amax = 0;
   const bool glu = act == FP8_ACTIVATION_SWIGLU;
@@ -72,9 +72,9 @@ __global__ void __launch_bounds__(kThreads)
       else v[k] = act == FP8_ACTIVATION_RELU ? relu_grad(a, gv.get(k)) : gelu_grad(a, gv.get(k));
     }
     if constexpr (!is_fp8(OUT)) {
-      if (accumulate) {
+      if (base) {
         Vec8<OUT> old;
-        old.load(static_cast<const typename Wide<OUT>::Raw*>(out) + i8 * 8);
+        old.load(static_cast<const typename Wide<OUT>::Raw*>(base) + i8 * 8);
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(v[k], old.get(k));  // one rounding, as on the CPU
       }
@@ -91,15 +91,15 @@ __global__ void __launch_bounds__(kThreads)
         const float g = Wide<DT>::to_float(dy[i]);
         const int64_t ia = r * cols + c, ib = r * cols + half + c;
         const float da = swiglu_grad_a(a, b, g), db = swiglu_grad_b(a, g);
-        store_output<OUT>(out, ia, accumulate ? plus_output<OUT>(out, ia, da) : da, scale, amax);
-        store_output<OUT>(out, ib, accumulate ? plus_output<OUT>(out, ib, db) : db, scale, amax);
+        store_output<OUT>(out, ia, base ? plus_base<OUT>(base, ia, da) : da, scale, amax);
+        store_output<OUT>(out, ib, base ? plus_base<OUT>(base, ib, db) : db, scale, amax);
       }
     } else {
       const float v = Wide<DT>::to_float(x[i]);
       float y;
       if (!backward) y = act == FP8_ACTIVATION_RELU ? relu(v) : gelu(v);
       else y = act == FP8_ACTIVATION_RELU ? relu_grad(v, Wide<DT>::to_float(dy[i])) : gelu_grad(v, Wide<DT>::to_float(dy[i]));
-      store_output<OUT>(out, i, accumulate ? plus_output<OUT>(out, i, y) : y, scale, amax);
+      store_output<OUT>(out, i, base ? plus_base<OUT>(base, i, y) : y, scale, amax);
     }
   }
   if (state) {
@@ -115,8 +115,9 @@ void launch_for_output(const ActivationJob& j, const LaunchLimits& lim, cudaStre
     const int64_t items = j.rows * (j.act == FP8_ACTIVATION_SWIGLU ? j.cols / 2 : j.cols);
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, (items + kThreads - 1) / kThreads, lim.sm_count);
     using Raw = typename Wide<DT>::Raw;
-    const bool vec = j.act != FP8_ACTIVATION_SWIGLU && aligned16(j.x) && aligned16(j.out) && (!j.backward || aligned16(j.dy));
-    kernel<<<grid, kThreads, 0, stream>>>(j.act, j.backward, j.accumulate, static_cast<const Raw*>(j.x),
+    const bool vec = j.act != FP8_ACTIVATION_SWIGLU && aligned16(j.x) && aligned16(j.out) &&
+                     (!j.backward || aligned16(j.dy)) && (!j.base || aligned16(j.base));
+    kernel<<<grid, kThreads, 0, stream>>>(j.act, j.backward, j.base, static_cast<const Raw*>(j.x),
                                           static_cast<const Raw*>(j.dy), j.rows, j.cols, vec, j.out, j.out_state,
                                           j.out_scale_inv.ptr);
   };

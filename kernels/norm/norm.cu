@@ -87,13 +87,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dx[i] (+)= rstd * (g - mean(g) - xhat * mean(g xhat)), g = dy * gamma.
+// dx[i] = (base[i] +) rstd * (g - mean(g) - xhat * mean(g xhat)), g = dy * gamma; base is nullptr,
+// dx itself (accumulate) or a residual's gradient (so dx is not marked __restrict__).
 template <fp8_dtype_t DX>
-__device__ __forceinline__ void put_dx(typename Wide<DX>::Raw* dx, int64_t i, float rstd, float g, float xhat,
-                                       float mean_g, float mean_gx, bool accumulate) {
+__device__ __forceinline__ void put_dx(typename Wide<DX>::Raw* dx, const typename Wide<DX>::Raw* base, int64_t i,
+                                       float rstd, float g, float xhat, float mean_g, float mean_gx) {
   const float v = rstd * (g - mean_g - xhat * mean_gx);
   // (__fadd_rn: one rounding of the sum, as on the CPU; a contraction into an FMA would differ)
-  dx[i] = Wide<DX>::from_float(accumulate ? __fadd_rn(Wide<DX>::to_float(dx[i]), v) : v);
+  dx[i] = Wide<DX>::from_float(base ? __fadd_rn(Wide<DX>::to_float(base[i]), v) : v);
 }
 
 template <fp8_dtype_t DT, fp8_dtype_t DY, fp8_dtype_t DX>
@@ -101,8 +102,8 @@ __global__ void __launch_bounds__(kThreads)
     norm_backward_dx_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x,
                             const typename Wide<DY>::Raw* __restrict__ dy, int64_t rows, int64_t d,
                             const float* __restrict__ gamma, const float* __restrict__ mean_in,
-                            const float* __restrict__ rstd_in, bool accumulate,
-                            typename Wide<DX>::Raw* __restrict__ dx) {
+                            const float* __restrict__ rstd_in, const typename Wide<DX>::Raw* base,
+                            typename Wide<DX>::Raw* dx) {
   __shared__ float scratch[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t c = threadIdx.x; c < d; c += kThreads) {
       const float xhat = (Wide<DT>::to_float(x[r * d + c]) - mean) * rstd;
       const float g = Wide<DY>::to_float(dy[r * d + c]) * gamma[c];
-      put_dx<DX>(dx, r * d + c, rstd, g, xhat, mean_g, mean_gx, accumulate);
+      put_dx<DX>(dx, base, r * d + c, rstd, g, xhat, mean_g, mean_gx);
     }
   }
 }
@@ -132,8 +133,8 @@ __global__ void __launch_bounds__(kThreads, PT <= kHoldPerThread ? 4 : 2)
     norm_backward_fused_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x,
                                const typename Wide<DY>::Raw* __restrict__ dy, int64_t rows, int64_t d,
                                const float* __restrict__ gamma, const float* __restrict__ mean_in,
-                               const float* __restrict__ rstd_in, bool accumulate,
-                               typename Wide<DX>::Raw* __restrict__ dx, float* __restrict__ partial) {
+                               const float* __restrict__ rstd_in, const typename Wide<DX>::Raw* base,
+                               typename Wide<DX>::Raw* dx, float* __restrict__ partial) {
   constexpr bool kHold = PT <= kHoldPerThread;
   constexpr int kHeld = kHold ? PT : 1;
   __shared__ float scratch[32];
@@ -174,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, PT <= kHoldPerThread ? 4 : 2)
           xhat = (Wide<DT>::to_float(xr[c]) - mean) * rstd;
           gv = Wide<DY>::to_float(dyr[c]) * gamma[c];
         }
-        put_dx<DX>(dx, r * d + c, rstd, gv, xhat, mean_g, mean_gx, accumulate);
+        put_dx<DX>(dx, base, r * d + c, rstd, gv, xhat, mean_g, mean_gx);
       }
     }
   }
@@ -279,15 +280,15 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
           norm_backward_fused_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
                                      decltype(per_thread)::value><<<R, kThreads, 0, stream>>>(
               j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.gamma, j.mean,
-              j.rstd, j.accumulate_dx, static_cast<RawDx*>(j.dx), scratch);
+              j.rstd, static_cast<const RawDx*>(j.dx_base), static_cast<RawDx*>(j.dx), scratch);
         };
         if (j.cols <= kThreads * kHoldPerThread) return launch_fused(std::integral_constant<int, kHoldPerThread>{});
         if (fused) return launch_fused(std::integral_constant<int, kFusedPerThread>{});
         auto* kernel = norm_backward_dx_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value>;
         const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
         kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
-                                              j.rows, j.cols, j.gamma, j.mean, j.rstd, j.accumulate_dx,
-                                              static_cast<RawDx*>(j.dx));
+                                              j.rows, j.cols, j.gamma, j.mean, j.rstd,
+                                              static_cast<const RawDx*>(j.dx_base), static_cast<RawDx*>(j.dx));
       });
       if (!fused) {
         const dim3 grid(static_cast<unsigned>((j.cols + kThreads - 1) / kThreads), static_cast<unsigned>(R));

@@ -366,7 +366,7 @@ FP8_API fp8_status_t fp8_layer_backward(fp8_model_t* model, int32_t layer_id, co
       fp8::fail(FP8_ERR_INVALID_STATE, "layer '", layer.name(), "' has no training-mode forward to differentiate (",
                 model->training ? "call fp8_layer_forward first)" : "the model is in eval mode)");
     fp8::nn::AutowrapRegion region(*model);
-    fp8::nn::layer_backward(*model, layer_id, *kept, dy, dx, false);
+    fp8::nn::layer_backward(*model, layer_id, *kept, dy, dx, 0);
     region.close();
     kept.reset();
   });
@@ -387,6 +387,14 @@ FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t* model, int32_t layer_i
   });
 }
 
+namespace {
+void require_backward_flags(uint32_t flags) {
+  if (flags & ~(FP8_BACKWARD_ACCUMULATE_DX | FP8_BACKWARD_ADD_DY))
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags,
+              "; expected 0, FP8_BACKWARD_ACCUMULATE_DX (1) or FP8_BACKWARD_ADD_DY (2)");
+}
+}  // namespace
+
 FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_id, fp8_saved_t* saved,
                                               const fp8_tensor_t* dy, fp8_tensor_t* dx, uint32_t flags) {
   return guard("fp8_layer_backward_saved", [&] {
@@ -395,10 +403,9 @@ FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_
     fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, dy, "dy");
     if (dx) require_tensor(model, dx, "dx");
-    if (flags & ~FP8_BACKWARD_ACCUMULATE_DX)
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags, "; expected 0 or FP8_BACKWARD_ACCUMULATE_DX (1)");
+    require_backward_flags(flags);
     fp8::nn::AutowrapRegion region(*model);
-    fp8::nn::layer_backward(*model, layer_id, *saved, dy, dx, (flags & FP8_BACKWARD_ACCUMULATE_DX) != 0);
+    fp8::nn::layer_backward(*model, layer_id, *saved, dy, dx, flags);
     region.close();
   });
 }
@@ -417,6 +424,22 @@ FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t* model, int32_t first_l
   });
 }
 
+FP8_API fp8_status_t fp8_stack_forward_residual(fp8_model_t* model, int32_t first_layer, int32_t layer_count,
+                                                const fp8_tensor_t* x, const fp8_tensor_t* residual, fp8_tensor_t* y,
+                                                fp8_dtype_t act_dtype, fp8_saved_t** saved) {
+  return guard("fp8_stack_forward_residual", [&] {
+    require_arg(model, "model");
+    require_arg(saved, "saved");
+    require_tensor(model, x, "x");
+    require_tensor(model, residual, "residual");
+    require_tensor(model, y, "y");
+    fp8::nn::AutowrapRegion region(*model);
+    std::unique_ptr<fp8_saved> s = fp8::nn::stack_forward(*model, first_layer, layer_count, x, y, residual, act_dtype);
+    region.close();
+    *saved = s.release();
+  });
+}
+
 FP8_API fp8_status_t fp8_stack_backward_saved(fp8_model_t* model, fp8_saved_t* saved, const fp8_tensor_t* dy,
                                               fp8_tensor_t* dx, uint32_t flags) {
   return guard("fp8_stack_backward_saved", [&] {
@@ -424,10 +447,9 @@ FP8_API fp8_status_t fp8_stack_backward_saved(fp8_model_t* model, fp8_saved_t* s
     require_arg(saved, "saved");
     require_tensor(model, dy, "dy");
     if (dx) require_tensor(model, dx, "dx");
-    if (flags & ~FP8_BACKWARD_ACCUMULATE_DX)
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags, "; expected 0 or FP8_BACKWARD_ACCUMULATE_DX (1)");
+    require_backward_flags(flags);
     fp8::nn::AutowrapRegion region(*model);
-    fp8::nn::stack_backward(*model, *saved, dy, dx, (flags & FP8_BACKWARD_ACCUMULATE_DX) != 0);
+    fp8::nn::stack_backward(*model, *saved, dy, dx, flags);
     region.close();
   });
 }

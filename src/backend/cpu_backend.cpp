@@ -226,7 +226,7 @@ void cpu_gemm(const GemmJob& j) {
           double v = scale * c[r * ldc + col];
           if (j.bias) v += load_wide(j.bias, j.bias_dtype, c0 + col);
           const int64_t i = (r0 + r) * n + c0 + col;
-          if (j.accumulate) v += load_wide(j.d, j.d_dtype, i);
+          if (j.accumulate) v += load_wide(j.c ? j.c : j.d, j.d_dtype, i);
           const float value = static_cast<float>(v);
           if (fp8_out) {
             tile_amax = std::max(tile_amax, abs_bits(value));
@@ -392,7 +392,7 @@ class CpuBackend final : public Backend {
         amax = std::max(amax, abs_bits(v));
         static_cast<uint8_t*>(j.out)[i] = encode_fp8(v * scale, j.out_dtype == FP8_DTYPE_E5M2);
       } else {
-        store_wide(j.out, j.out_dtype, i, j.accumulate ? load_wide(j.out, j.out_dtype, i) + v : v);
+        store_wide(j.out, j.out_dtype, i, j.base ? load_wide(j.base, j.out_dtype, i) + v : v);
       }
     };
     const int64_t half = j.cols / 2;
@@ -481,7 +481,7 @@ class CpuBackend final : public Backend {
         const double xhat = (load_wide(j.x, j.x_dtype, r * d + c) - mean) * rstd;
         const double g = load_wide(j.dy, j.dy_dtype, r * d + c) * j.gamma[c];
         const float v = static_cast<float>(rstd * (g - mean_g - xhat * mean_gx));
-        store_wide(j.dx, j.dx_dtype, r * d + c, j.accumulate_dx ? load_wide(j.dx, j.dx_dtype, r * d + c) + v : v);
+        store_wide(j.dx, j.dx_dtype, r * d + c, j.dx_base ? load_wide(j.dx_base, j.dx_dtype, r * d + c) + v : v);
       }
     }
     for (int64_t c = 0; c < d; ++c) {

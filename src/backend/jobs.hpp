@@ -167,7 +167,9 @@ struct ActivationJob {
   fp8_dtype_t out_dtype;
   ScalingHeader* out_state;  // FP8 out only
   ScaleDesc out_scale_inv;   // FP8 out only
-  bool accumulate = false;   // backward into a wide dx: dx = convert(float(dx) + value)
+  // Backward into a wide dx: dx = convert(float(base[i]) + value), base of out's dtype and shape
+  // (out itself to accumulate; another tensor for a residual's gradient); nullptr: dx = value.
+  const void* base = nullptr;
 };
 
 // The largest d (cols) a norm backward takes, on every backend: the CUDA backend sums dgamma and
@@ -202,10 +204,12 @@ struct NormJob {
   float* dgamma;
   float* dbeta;  // may be nullptr
   bool accumulate_params = false;  // backward: dgamma/dbeta += (gradient accumulation) instead of =
-  bool accumulate_dx = false;      // backward: dx = convert(float(dx) + value) (a residual's sum)
+  // Backward: dx = convert(float(dx_base[i]) + value), dx_base of dx's dtype and shape (dx itself to
+  // accumulate; another tensor for a residual's gradient); nullptr: dx = value.
+  const void* dx_base = nullptr;
 };
 
-// d[m][n] = alpha * sa * sb * sum_k a[m][k] * b[n][k] (+ bias[n]) (+ d if accumulate); an FP8 d
+// d[m][n] = alpha * sa * sb * sum_k a[m][k] * b[n][k] (+ bias[n]) (+ c if accumulate); an FP8 d
 // is encode(value * d_state.scale) with amax(value) max-accumulated into d_state's slot 0.
 // a_transposed / b_transposed: the operand is stored [k][m] / [k][n] instead (wide operands only;
 // FP8 tensor cores take the K-major "TN" layout alone).
@@ -227,6 +231,7 @@ struct GemmJob {
   float alpha;
   bool accumulate;
   bool fast_accumulation;
+  const void* c = nullptr;  // with accumulate (wide d only): d's dtype and layout; nullptr: d itself
 };
 
 // Adds `add` (n elements of add_dtype, F32 or BF16) into an FP8 gradient in one requantising pass

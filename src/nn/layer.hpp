@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "core/error.hpp"
 #include "core/objects.hpp"
 #include "core/recipe.hpp"
 
@@ -177,6 +178,13 @@ struct FoldedActivation {
   fp8_scaling* state;  // forward: the activation's output state, which scales x's cast
 };
 
+// A residual the last layer of a stack adds to its output (fp8_stack_forward_residual): y =
+// residual + layer(x), y and the residual of one dtype, x (wide) and dx of `act`.
+struct ResidualAdd {
+  const fp8_tensor* residual;
+  fp8_dtype_t act;
+};
+
 class Layer {
  public:
   Layer(std::shared_ptr<Backend> backend, std::string name, int32_t kind)
@@ -196,6 +204,11 @@ class Layer {
   // computes y = layer(folded->act(x)).
   virtual std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y,
                                              const FoldedActivation* folded = nullptr) = 0;
+  // The same with a residual added to y: a Linear's GEMM adds it (the runner asks no other kind).
+  virtual std::unique_ptr<fp8_saved> forward_residual(const Step& /*step*/, const fp8_tensor* /*x*/, fp8_tensor* /*y*/,
+                                                      const FoldedActivation* /*folded*/, const ResidualAdd& /*r*/) {
+    fail(FP8_ERR_INTERNAL, "layer '", name_, "' cannot add a residual");
+  }
   // An activation layer (ReLU, GELU, converted): the forward whose output the next layer computes
   // itself (takes_folded_input): the checks and the state of a forward, no work; fills `out`.
   // nullptr for a layer that cannot.
@@ -208,9 +221,10 @@ class Layer {
   virtual bool takes_folded_input(const Step& /*step*/, int64_t /*rows*/) const { return false; }
   // Differentiates the forward that made `saved` (already checked to be this layer's, unconsumed, of
   // this conversion and from training mode). dx may be nullptr when no input gradient is wanted (a
-  // Linear); accumulate_dx adds into dx instead of overwriting it. With `folded` (only where
-  // folds_activation_grad said yes) dy is the gradient of folded->act(y), not of y.
-  virtual void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
+  // Linear); with dx_base (of dx's dtype and shape: dx itself to accumulate, or a residual's
+  // gradient) dx = dx_base + the layer's dx. With `folded` (only where folds_activation_grad said
+  // yes) dy is the gradient of folded->act(y), not of y.
+  virtual void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, const void* dx_base,
                         const FoldedActivation* folded = nullptr) = 0;
   // An activation layer: whether its backward of `saved` can be folded into the layer before it,
   // and what that layer then needs (ReLU and GELU can; SwiGLU changes the width and cannot).

@@ -246,7 +246,7 @@ class Norm final : public ElementwiseBase {
     return s;
   }
 
-  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, const void* dx_base,
                 const FoldedActivation* /*folded: never for a norm or an activation*/) override {
     const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
     check_backward(s, dy, dx, dim_);
@@ -264,7 +264,7 @@ class Norm final : public ElementwiseBase {
     j.dy_dtype = dy->dtype;
     j.dx = dx->data;
     j.dx_dtype = dx->dtype;
-    j.accumulate_dx = accumulate_dx;
+    j.dx_base = dx_base;
     j.dgamma = static_cast<float*>(params_[0].grad->data);
     j.dbeta = rms_ ? nullptr : static_cast<float*>(params_[1].grad->data);
     j.accumulate_params = true;
@@ -327,7 +327,7 @@ class Activation final : public ElementwiseBase {
     return begin_forward(step, x, s_out_->state, false);
   }
 
-  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, const void* dx_base,
                 const FoldedActivation* /*folded: never for a norm or an activation*/) override {
     const ElementwiseSaved& s = static_cast<const ElementwiseSaved&>(saved);
     const int64_t cols = s.cols();
@@ -345,7 +345,7 @@ class Activation final : public ElementwiseBase {
     j.cols = cols;
     j.out = dx->data;
     j.out_dtype = dx->dtype;
-    j.accumulate = accumulate_dx;
+    j.base = dx_base;
     if (j.rows * j.cols > 0) step.backend.activation(j);
   }
 

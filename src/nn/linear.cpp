@@ -40,7 +40,8 @@ struct Plan {
 struct LinearSaved final : fp8_saved {
   Plan plan;
   int64_t rows = 0;
-  fp8_dtype_t act = FP8_DTYPE_BF16;
+  fp8_dtype_t act = FP8_DTYPE_BF16;  // x's (wide) and dx's dtype
+  fp8_dtype_t out = FP8_DTYPE_BF16;  // y's and dy's: act, or a residual's
   int32_t ndim = 0;
   int64_t y_shape[FP8_MAX_DIMS] = {};
   const void* x_hp = nullptr;  // x in A for a high-precision wgrad: the caller's x or x_copy
@@ -154,13 +155,25 @@ class Linear final : public Layer {
 
   std::unique_ptr<fp8_saved> forward(const Step& step, const fp8_tensor* x, fp8_tensor* y,
                                      const FoldedActivation* folded) override {
+    return run_forward(step, x, y, folded, nullptr);
+  }
+  std::unique_ptr<fp8_saved> forward_residual(const Step& step, const fp8_tensor* x, fp8_tensor* y,
+                                              const FoldedActivation* folded, const ResidualAdd& r) override {
+    return run_forward(step, x, y, folded, &r);
+  }
+
+  // y = x W^T + b (+ the residual, which the GEMM adds: y of its dtype, x and dx of r->act).
+  std::unique_ptr<fp8_saved> run_forward(const Step& step, const fp8_tensor* x, fp8_tensor* y,
+                                         const FoldedActivation* folded, const ResidualAdd* r) {
     require_layer_dtype(name_, y, "y", false);
-    const fp8_dtype_t act = y->dtype;
-    if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
-      fail(FP8_ERR_DTYPE, "y has dtype ", dtype_name(act), "; layer '", name_, "' writes f32 or bf16");
+    const fp8_dtype_t out_dt = y->dtype, act = r ? r->act : out_dt;
+    if (out_dt != FP8_DTYPE_F32 && out_dt != FP8_DTYPE_BF16)
+      fail(FP8_ERR_DTYPE, "y has dtype ", dtype_name(out_dt), "; layer '", name_, "' writes f32 or bf16");
     if (x->dtype == FP8_DTYPE_E5M2 || (!dtype_is_fp8(x->dtype) && x->dtype != act))
       fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), " and y ", dtype_name(act), "; layer '", name_,
            "' expects x of y's dtype or an e4m3 hand-off");
+    if (r && (r->residual->dtype != out_dt || r->residual->numel != y->numel))
+      fail(FP8_ERR_INTERNAL, "layer '", name_, "' was given a residual unlike its y");
     if (x->ndim < 1 || x->cols() != in_)
       fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_, "' expects [.., ", in_,
            "]");
@@ -178,6 +191,7 @@ class Linear final : public Layer {
     const Plan& plan = s.plan;
     s.rows = m;
     s.act = act;
+    s.out = out_dt;
     s.ndim = x->ndim;
     std::copy(y_shape, y_shape + x->ndim, s.y_shape);
     s.weights_version = weights_version(step);
@@ -201,7 +215,7 @@ class Linear final : public Layer {
                                        : 0);
     char* scratch = lay.base(*step.scratch);
     uint32_t* workspace = reinterpret_cast<uint32_t*>(scratch + at_ws);
-    refresh_copies(step, plan, act, workspace);
+    refresh_copies(step, plan, act, out_dt, workspace);
 
     Backend& be = step.backend;
     const void* x_hp = x->data;
@@ -262,8 +276,10 @@ class Linear final : public Layer {
     g.n = out_;
     g.k = in_;
     g.d = y->data;
-    g.d_dtype = act;
+    g.d_dtype = out_dt;
     g.alpha = 1.0f;
+    g.accumulate = r != nullptr;
+    g.c = r ? r->residual->data : nullptr;
     if (plan.fprop && cells) {
       set_fp8_operands(g, qx, FP8_DTYPE_E4M3, gemm_grid(act_mode(), m, in_, const_cast<float*>(qx_si)),
                        qw_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, weight_grid(false));
@@ -283,9 +299,9 @@ class Linear final : public Layer {
       g.a = x_hp;
       g.b = weight_in(step, act);
       g.a_dtype = g.b_dtype = act;
-      if (bias_) {
-        g.bias = act == FP8_DTYPE_F32 ? params_[1].value->data : b_bf16_.ensure(0);
-        g.bias_dtype = act;
+      if (bias_) {  // (of D's dtype, as cuBLASLt takes it with wide operands)
+        g.bias = out_dt == FP8_DTYPE_F32 ? params_[1].value->data : b_bf16_.ensure(0);
+        g.bias_dtype = out_dt;
       }
     }
     if (m > 0) be.gemm(g);
@@ -298,13 +314,13 @@ class Linear final : public Layer {
     return scaling() == FP8_SCALING_DELAYED && plan.wgrad && (plan.dgrad || !dx_wanted);
   }
 
-  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx,
+  void backward(const Step& step, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, const void* dx_base,
                 const FoldedActivation* folded) override {
     LinearSaved& s = static_cast<LinearSaved&>(saved);
     const fp8_dtype_t act = s.act;
     const int64_t m = s.rows;
-    if (dy->dtype != act)
-      fail(FP8_ERR_DTYPE, "dy has dtype ", dtype_name(dy->dtype), "; layer '", name_, "' expects ", dtype_name(act),
+    if (dy->dtype != s.out)
+      fail(FP8_ERR_DTYPE, "dy has dtype ", dtype_name(dy->dtype), "; layer '", name_, "' expects ", dtype_name(s.out),
            " (the forward's y)");
     require_shape(name_, dy, "dy", s.ndim, s.y_shape);
     if (dx) {
@@ -333,7 +349,16 @@ class Linear final : public Layer {
     const size_t at_partials = lay.add(dbias ? static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float) : 0);
     const size_t at_ws = lay.add(cells ? recipe_quantize_workspace(act_mode(), m, out_) : 0);
     const size_t at_dw = lay.add(grad8 && m > 0 ? static_cast<size_t>(out_ * in_) * sizeof(uint16_t) : 0);
+    // A high-precision GEMM takes dy in x's dtype: a residual's dy of another dtype is converted.
+    const bool hp_dy = (dx && !plan.dgrad) || !plan.wgrad;
+    const bool convert_dy = s.out != act && hp_dy && m > 0;
+    const size_t at_dy_act = lay.add(convert_dy ? static_cast<size_t>(m * out_) * dtype_size(act) : 0);
     char* scratch = lay.base(*step.scratch);
+    const void* dy_act = dy->data;
+    if (convert_dy) {
+      be.convert({dy->data, s.out, scratch + at_dy_act, act, m * out_});
+      dy_act = scratch + at_dy_act;
+    }
     float* partials = dbias ? reinterpret_cast<float*>(scratch + at_partials) : nullptr;
     uint8_t* qdy = cast_dy ? reinterpret_cast<uint8_t*>(scratch + at_qdy) : nullptr;
     uint8_t* qdyt = plan.wgrad ? reinterpret_cast<uint8_t*>(scratch + at_qdyt) : nullptr;
@@ -341,14 +366,14 @@ class Linear final : public Layer {
     float* dyt_si = cells ? dy_si + dy_grid : dy_si + kScaleSlot2;
     if (cells && cast_dy) {
       if (m > 0) {
-        cast_cells(be, dy->data, act, m, out_, act_mode(), s_dy_->dtype == FP8_DTYPE_E5M2, qdy, dy_si, qdyt, dyt_si,
+        cast_cells(be, dy->data, s.out, m, out_, act_mode(), s_dy_->dtype == FP8_DTYPE_E5M2, qdy, dy_si, qdyt, dyt_si,
                    *s_dy_, reinterpret_cast<uint32_t*>(scratch + at_ws));
-        if (dbias) be.bias_grad({dy->data, act, m, out_, dbias, partials});
+        if (dbias) be.bias_grad({dy->data, s.out, m, out_, dbias, partials});
       }
     } else if (cast_dy) {
       QuantizeJob q{};
       q.in = dy->data;
-      q.in_dtype = act;
+      q.in_dtype = s.out;
       q.rows = m;
       q.cols = out_;
       q.out = qdy;
@@ -366,7 +391,7 @@ class Linear final : public Layer {
       }
       if (m > 0) be.quantize(q);
     } else if (dbias && m > 0) {
-      be.bias_grad({dy->data, act, m, out_, dbias, partials});
+      be.bias_grad({dy->data, s.out, m, out_, dbias, partials});
     }
 
     if (dx && m > 0) {  // dx [m, in] (+)= dy [m, out] . W [out, in]
@@ -377,14 +402,15 @@ class Linear final : public Layer {
       g.d = dx->data;
       g.d_dtype = act;
       g.alpha = 1.0f;
-      g.accumulate = accumulate_dx;
+      g.accumulate = dx_base != nullptr;
+      g.c = dx_base;
       if (dgrad8 && cells) {
         set_fp8_operands(g, qdy, s_dy_->dtype, gemm_grid(act_mode(), m, out_, dy_si), qwt_.ensure<uint8_t>(0),
                          FP8_DTYPE_E4M3, weight_grid(true));
       } else if (dgrad8) {
         set_fp8_operands(g, qdy, s_dy_->dtype, dy_si, qwt_.ensure<uint8_t>(0), FP8_DTYPE_E4M3, w_si_.ensure<float>(0));
       } else {
-        g.a = dy->data;
+        g.a = dy_act;
         g.b = weight_in(step, act);
         g.a_dtype = g.b_dtype = act;
         g.b_transposed = true;  // W is [out][in] = [k][n]
@@ -409,7 +435,7 @@ class Linear final : public Layer {
       } else if (plan.wgrad) {
         set_fp8_operands(g, qdyt, s_dy_->dtype, dyt_si, s.xt(), FP8_DTYPE_E4M3, s.xt_scale_inv());
       } else {
-        g.a = dy->data;
+        g.a = dy_act;
         g.b = s.x_hp;
         g.a_dtype = g.b_dtype = act;
         g.a_transposed = true;  // dy is [m][out] = [k][m']
@@ -533,7 +559,7 @@ class Linear final : public Layer {
   // The FP8 weight (and its transpose) once per weights version; the weight in the activation dtype
   // and the bf16 bias when a GEMM takes them. The weight is FP32, F16 (O1/O2) or already E4M3 (O3:
   // only its transpose is made).
-  void refresh_copies(const Step& step, const Plan& p, fp8_dtype_t act, uint32_t* workspace) {
+  void refresh_copies(const Step& step, const Plan& p, fp8_dtype_t act, fp8_dtype_t out_dt, uint32_t* workspace) {
     const uint64_t version = weights_version(step);
     Backend& be = step.backend;
     const fp8_tensor& w = *params_[0].value;
@@ -567,7 +593,7 @@ class Linear final : public Layer {
     }
     if (w8) used_copy_at_ = step.weights_version;
     if (!p.fprop || (step.training && !p.dgrad)) weight_in(step, act);
-    const bool bf16_bias = bias_ && (p.fprop || act == FP8_DTYPE_BF16);  // (cuBLASLt's FP8 bias is bf16)
+    const bool bf16_bias = bias_ && (p.fprop || out_dt == FP8_DTYPE_BF16);  // (cuBLASLt's FP8 bias is bf16)
     if (bf16_bias && !bf16_bias_.current(step, version)) {
       be.convert({params_[1].value->data, FP8_DTYPE_F32, b_bf16_.ensure(static_cast<size_t>(out_) * 2), FP8_DTYPE_BF16,
                   out_});

@@ -128,17 +128,37 @@ void require_own_state(const fp8_model& m, int32_t id, const fp8_saved& s) {
          "run the forward again");
 }
 
+// What the first layer's dx adds to under the backward flags: nullptr, dx itself
+// (FP8_BACKWARD_ACCUMULATE_DX), or dy (FP8_BACKWARD_ADD_DY: the gradient of a residual that is x).
+const void* dx_base(uint32_t flags, const fp8_tensor* dy, const fp8_tensor* dx) {
+  const bool accumulate = (flags & FP8_BACKWARD_ACCUMULATE_DX) != 0, add_dy = (flags & FP8_BACKWARD_ADD_DY) != 0;
+  if (accumulate && add_dy)
+    fail(FP8_ERR_INVALID_ARGUMENT, "flags = ", flags,
+         "; FP8_BACKWARD_ACCUMULATE_DX and FP8_BACKWARD_ADD_DY exclude each other");
+  if (!add_dy) return accumulate && dx ? dx->data : nullptr;
+  if (!dx) fail(FP8_ERR_INVALID_ARGUMENT, "dx is NULL; FP8_BACKWARD_ADD_DY writes dx = dy + the input gradient");
+  if (dx->dtype != dy->dtype)
+    fail(FP8_ERR_DTYPE, "dx has dtype ", dtype_name(dx->dtype), " and dy ", dtype_name(dy->dtype),
+         "; FP8_BACKWARD_ADD_DY adds dy into dx, which takes dy's dtype");
+  bool same = dx->ndim == dy->ndim;
+  for (int32_t i = 0; same && i < dx->ndim; ++i) same = dx->shape[i] == dy->shape[i];
+  if (!same)
+    fail(FP8_ERR_SHAPE, "dx has shape ", shape_string(dx->ndim, dx->shape), " and dy ",
+         shape_string(dy->ndim, dy->shape), "; FP8_BACKWARD_ADD_DY adds dy into dx, which takes dy's shape");
+  return dy->data;
+}
+
 }  // namespace
 
-void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx,
-                    bool accumulate_dx) {
+void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags) {
+  const void* base = dx_base(flags, dy, dx);
   require_own_state(m, id, saved);
   const Step step = make_step(m);
   Layer& layer = layer_at(m, id);
   layer.check_saved(step, saved);
   const int32_t first = first_parameter(m, id), count = static_cast<int32_t>(layer.parameters().size());
   dist::before_grad_write(m, first, count);
-  layer.backward(step, saved, dy, dx, accumulate_dx);
+  layer.backward(step, saved, dy, dx, base);
   saved.consumed = true;
   saved.release();
   dist::after_grad_write(m, first, count);
@@ -301,30 +321,41 @@ std::vector<int64_t> chain_features(const fp8_model& m, size_t first, size_t cou
   return out;
 }
 
-void require_run_tensor(const fp8_tensor* t, const char* name, fp8_dtype_t dtype, int32_t ndim, const int64_t* shape) {
+// t has `dtype` (that of `whose`) and `shape`.
+void require_run_tensor(const fp8_tensor* t, const char* name, fp8_dtype_t dtype, int32_t ndim, const int64_t* shape,
+                        const char* whose) {
   if (t->dtype != dtype)
-    fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(t->dtype), "; expected ", dtype_name(dtype),
-         " (the dtype of the forward's x)");
+    fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(t->dtype), "; expected ", dtype_name(dtype), " (", whose,
+         "'s)");
   bool same = t->ndim == ndim;
   for (int32_t i = 0; same && i < ndim; ++i) same = t->shape[i] == shape[i];
   if (!same)
     fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(t->ndim, t->shape), "; expected ", shape_string(ndim, shape));
 }
 
+// What a run is: the whole model's (x's dtype throughout), a stack's (y's throughout), or a stack's
+// with a residual added (fp8_stack_forward_residual: `act` between the layers, y the residual's).
+struct RunKind {
+  bool whole_model = false;
+  const fp8_tensor* residual = nullptr;
+  fp8_dtype_t act = FP8_DTYPE_F32;  // with a residual
+};
+
 // The checks of a run's x and y (layers [first, first + count)), before anything runs; the output
-// features of each layer. The activations between the layers have y's dtype; x has it too, except
-// that the first layer of a stack (not of a whole-model run) may be a norm taking another one.
-std::vector<int64_t> check_stack(const fp8_model& m, size_t first, size_t count, const fp8_tensor* x,
-                                 const fp8_tensor* y, bool whole_model) {
-  const fp8_dtype_t act = whole_model ? x->dtype : y->dtype;
-  const char* what = whole_model ? "a whole-model run" : "a stack";
+// features of each layer and the activations' dtype. x has the activations' dtype, except that the
+// first layer of a stack (not of a whole-model run) may be a norm taking another one.
+std::pair<std::vector<int64_t>, fp8_dtype_t> check_stack(const fp8_model& m, size_t first, size_t count,
+                                                         const fp8_tensor* x, const fp8_tensor* y, const RunKind& run) {
+  const fp8_dtype_t act = run.whole_model ? x->dtype : run.residual ? run.act : y->dtype;
+  const char* what = run.whole_model ? "a whole-model run" : "a stack";
+  const char* act_from = run.whole_model ? "x" : run.residual ? "act_dtype" : "y";
   if (act != FP8_DTYPE_F32 && act != FP8_DTYPE_BF16)
-    fail(FP8_ERR_DTYPE, whole_model ? "x" : "y", " has dtype ", dtype_name(act), "; ", what,
+    fail(FP8_ERR_DTYPE, act_from, run.residual ? " is " : " has dtype ", dtype_name(act), "; ", what,
          " takes f32 or bf16 activations");
   const int32_t k = m.layers[first]->kind();
   if (x->dtype != act && (k != FP8_LAYER_LAYERNORM && k != FP8_LAYER_RMSNORM))
-    fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), " and y ", dtype_name(act), "; ", what,
-         " starting with layer '", layer_label(m, first), "' (not a norm) takes x of y's dtype");
+    fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), " and ", act_from, " ", dtype_name(act), "; ", what,
+         " starting with layer '", layer_label(m, first), "' (not a norm) takes x of the activations' dtype");
   if (x->dtype != FP8_DTYPE_F32 && x->dtype != FP8_DTYPE_BF16)
     fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), "; ", what, " takes f32 or bf16 x");
   if (x->ndim < 1) fail(FP8_ERR_SHAPE, "x has shape []; expected [.., features]");
@@ -332,10 +363,24 @@ std::vector<int64_t> check_stack(const fp8_model& m, size_t first, size_t count,
   int64_t shape[FP8_MAX_DIMS];
   std::copy(x->shape, x->shape + x->ndim, shape);
   shape[x->ndim - 1] = cols.back();
-  require_run_tensor(y, "y", act, x->ndim, shape);
+  if (run.residual) {
+    const size_t last = first + count - 1;
+    if (m.layers[last]->kind() != FP8_LAYER_LINEAR)
+      fail(FP8_ERR_UNSUPPORTED, "layer '", layer_label(m, last), "', the last of the stack, is not a Linear; the ",
+           "residual is added by the last Linear's GEMM");
+    const fp8_dtype_t rd = run.residual->dtype;
+    if (rd != FP8_DTYPE_F32 && rd != FP8_DTYPE_BF16)
+      fail(FP8_ERR_DTYPE, "residual has dtype ", dtype_name(rd), "; expected f32 or bf16");
+    require_run_tensor(run.residual, "residual", rd, x->ndim, shape, "the stack's output");
+    require_run_tensor(y, "y", rd, x->ndim, shape, "the residual");
+    // The GEMM reads the residual where it writes y: the same buffer or none of it.
+    if (run.residual->data != y->data) require_disjoint_buffers(layer_label(m, last), run.residual, "residual", y, "y");
+  } else {
+    require_run_tensor(y, "y", act, x->ndim, shape, run.whole_model ? "x" : "the activations");
+  }
   // The first layer's backward reads x again, after the last layer has written y.
   require_disjoint_buffers(layer_label(m, first), x, "x", y, "y");
-  return cols;
+  return {cols, act};
 }
 
 // Layers [first, first + saved.size()) in order, each one's y the next one's x: layer i writes
@@ -343,11 +388,13 @@ std::vector<int64_t> check_stack(const fp8_model& m, size_t first, size_t count,
 // a Linear that runs its forward GEMM in FP8 in E4M3 (no round trip through the activation dtype);
 // a converted ReLU or GELU before a Linear that can take it (Layer::takes_folded_input) writes
 // nothing: the Linear's x cast computes it from the activation's input, with the activation's state.
-// Returns the input shape of each layer after the first (x's number of dimensions each).
+// The activations between the layers have dtype `act`; with a residual the last layer (a Linear)
+// adds it to y. Returns the input shape of each layer after the first (x's number of dimensions each).
 template <typename Bind>
 std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, size_t first,
                                               std::vector<std::unique_ptr<fp8_saved>>& saved,
-                                              const std::vector<int64_t>& cols, const fp8_tensor* x, fp8_tensor* y,
+                                              const std::vector<int64_t>& cols, fp8_dtype_t act,
+                                              const fp8_tensor* residual, const fp8_tensor* x, fp8_tensor* y,
                                               Bind bind) {
   const size_t n = saved.size();
   const int64_t rows = x->rows();
@@ -374,9 +421,10 @@ std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, si
       if (k + 1 < n) {
         const bool handoff = step.fp8 && layer.converted() && layer.kind() != FP8_LAYER_LINEAR &&
                              m.layers[i + 1]->takes_fp8_input(step, rows);
-        out = bind(k, handoff ? FP8_DTYPE_E4M3 : y->dtype, x->ndim, shape);
+        out = bind(k, handoff ? FP8_DTYPE_E4M3 : act, x->ndim, shape);
       }
-      saved[k] = layer.forward(step, in, out, folded);
+      saved[k] = k + 1 == n && residual ? layer.forward_residual(step, in, out, folded, {residual, act})
+                                        : layer.forward(step, in, out, folded);
       folded = nullptr;
       in = out;
     }
@@ -388,10 +436,12 @@ std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, si
   return shapes;
 }
 
-// What a run's backward checks against (y's dtype is the activations').
-RunRecord record_run(const fp8_tensor* x, const fp8_tensor* y, std::vector<std::vector<int64_t>> shapes) {
+// What a run's backward checks against.
+RunRecord record_run(const fp8_tensor* x, const fp8_tensor* y, fp8_dtype_t act,
+                     std::vector<std::vector<int64_t>> shapes) {
   RunRecord r;
   r.dtype = y->dtype;
+  r.act = act;
   r.x_dtype = x->dtype;
   r.ndim = x->ndim;
   std::copy(x->shape, x->shape + x->ndim, r.x_shape);
@@ -408,10 +458,10 @@ RunRecord record_run(const fp8_tensor* x, const fp8_tensor* y, std::vector<std::
 void check_run_backward(const fp8_model& m, size_t first, const RunRecord& r,
                         const std::vector<std::unique_ptr<fp8_saved>>& saved, const Step& step, const fp8_tensor* dy,
                         const fp8_tensor* dx) {
-  require_run_tensor(dy, "dy", r.dtype, r.ndim, r.y_shape);
+  require_run_tensor(dy, "dy", r.dtype, r.ndim, r.y_shape, "the forward's y");
   if (dx) {
     const Layer& layer = *m.layers[first];
-    require_run_tensor(dx, "dx", r.x_dtype, r.ndim, r.x_shape);
+    require_run_tensor(dx, "dx", r.x_dtype, r.ndim, r.x_shape, "the forward's x");
     if (buffers_overlap(r.x_data, r.x_bytes, dx->data, dx->nbytes()))
       fail(FP8_ERR_INVALID_ARGUMENT, "dx and the forward's x overlap in memory; layer '", layer.name(),
            "''s backward reads x while it writes dx");
@@ -421,17 +471,17 @@ void check_run_backward(const fp8_model& m, size_t first, const RunRecord& r,
   for (size_t k = 0; k < saved.size(); ++k) m.layers[first + k]->check_saved(step, *saved[k]);
 }
 
-// The backward of run_forward's layers, last to first. The gradients between layers (dy's dtype)
-// alternate between bind_grad(0, ..) and bind_grad(1, ..) (never the buffer the layer reads its dy
-// from); layer `first`'s goes to dx, or, for a norm or an activation when dx is nullptr, to
-// bind_grad(2, x_dtype, ..) (they always make one). An activation's backward (ReLU, GELU) is folded into the
-// dy cast of the Linear before it where that Linear can take it (Layer::folds_activation_grad), so
-// the activation's gradient is never written out. The layers' parameters start at params_first in
-// the model's order.
+// The backward of run_forward's layers, last to first. The gradients between layers (the
+// activations' dtype) alternate between bind_grad(0, ..) and bind_grad(1, ..) (never the buffer the
+// layer reads its dy from); layer `first`'s goes to dx (added to dx_base, when given), or, for a norm
+// or an activation when dx is nullptr, to bind_grad(2, x_dtype, ..) (they always make one). An activation's backward
+// (ReLU, GELU) is folded into the dy cast of the Linear before it where that Linear can take it
+// (Layer::folds_activation_grad), so the activation's gradient is never written out. The layers' parameters start at
+// params_first in the model's order.
 template <typename BindGrad>
 void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std::unique_ptr<fp8_saved>>& saved,
-                  const std::vector<std::vector<int64_t>>& shapes, fp8_dtype_t x_dtype, const int64_t* x_shape,
-                  const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx, int32_t params_first, BindGrad bind_grad) {
+                  const RunRecord& run, const fp8_tensor* dy, fp8_tensor* dx, const void* dx_base, int32_t params_first,
+                  BindGrad bind_grad) {
   const size_t n = saved.size();
   const int32_t ndim = dy->ndim;
   int32_t end = params_first;  // the parameters of layers [first, i] are [params_first, end)
@@ -450,12 +500,12 @@ void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std:
     } else {
       fp8_tensor* g_in = dx;
       if (k > 0) {
-        g_in = bind_grad(slot, dy->dtype, ndim, shapes[k - 1].data());
+        g_in = bind_grad(slot, run.act, ndim, run.shapes[k - 1].data());
         slot ^= 1;
       } else if (!dx && layer.kind() != FP8_LAYER_LINEAR) {
-        g_in = bind_grad(2, x_dtype, ndim, x_shape);
+        g_in = bind_grad(2, run.x_dtype, ndim, run.x_shape);
       }
-      layer.backward(step, *saved[k], g_out, g_in, k == 0 && accumulate_dx, folding ? &fold : nullptr);
+      layer.backward(step, *saved[k], g_out, g_in, k == 0 ? dx_base : nullptr, folding ? &fold : nullptr);
       folding = false;
       g_out = g_in;
     }
@@ -473,17 +523,19 @@ void run_backward(fp8_model& m, const Step& step, size_t first, std::vector<std:
 void model_forward(fp8_model& m, const fp8_tensor* x, fp8_tensor* y) {
   const size_t n = m.layers.size();
   if (n == 0) fail(FP8_ERR_INVALID_STATE, "the model has no layers");
-  const std::vector<int64_t> cols = check_stack(m, 0, n, x, y, true);
+  RunKind whole;
+  whole.whole_model = true;
+  const auto [cols, act] = check_stack(m, 0, n, x, y, whole);
   m.run_saved.clear();
   const Step step = make_step(m);
   while (m.acts.size() + 1 < n) m.acts.push_back(std::make_unique<ScratchTensor>(m.backend));
   std::vector<std::unique_ptr<fp8_saved>> saved(n);
   auto shapes = run_forward(
-      m, step, 0, saved, cols, x, y,
+      m, step, 0, saved, cols, act, nullptr, x, y,
       [&](size_t k, fp8_dtype_t dt, int32_t ndim, const int64_t* shape) { return m.acts[k]->bind(dt, ndim, shape); });
   if (m.training) {
     m.run_saved = std::move(saved);
-    m.run = record_run(x, y, std::move(shapes));
+    m.run = record_run(x, y, act, std::move(shapes));
   }
 }
 
@@ -497,7 +549,7 @@ void model_backward(fp8_model& m, const fp8_tensor* dy, fp8_tensor* dx) {
   for (auto& g : m.grads)
     if (!g) g = std::make_unique<ScratchTensor>(m.backend);
   if (!m.first_dx) m.first_dx = std::make_unique<ScratchTensor>(m.backend);
-  run_backward(m, step, 0, m.run_saved, m.run.shapes, m.run.x_dtype, m.run.x_shape, dy, dx, false, 0,
+  run_backward(m, step, 0, m.run_saved, m.run, dy, dx, nullptr, 0,
                [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
                  return which == 2 ? m.first_dx->bind(dt, nd, shape) : m.grads[which]->bind(dt, nd, shape);
                });
@@ -523,8 +575,8 @@ struct StackSaved final : fp8_saved {
 
 }  // namespace
 
-std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t count, const fp8_tensor* x,
-                                         fp8_tensor* y) {
+std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t count, const fp8_tensor* x, fp8_tensor* y,
+                                         const fp8_tensor* residual, fp8_dtype_t act) {
   const auto layers = static_cast<int64_t>(m.layers.size());
   if (first < 0 || first >= layers)
     fail(FP8_ERR_INVALID_ARGUMENT, "first_layer = ", first, "; the model has layers 0..", layers - 1);
@@ -532,18 +584,21 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
     fail(FP8_ERR_INVALID_ARGUMENT, "layer_count = ", count, "; expected 1..", layers - first, " (layers ", first,
          " to ", layers - 1, " follow the first)");
   const auto f = static_cast<size_t>(first), n = static_cast<size_t>(count);
-  const std::vector<int64_t> cols = check_stack(m, f, n, x, y, false);
+  RunKind kind;
+  kind.residual = residual;
+  kind.act = act;
+  const auto [cols, acts] = check_stack(m, f, n, x, y, kind);
   const Step step = make_step(m);
   auto s = std::make_unique<StackSaved>();
   s->layers.resize(n);
   s->memory.resize(n - 1);
   std::vector<fp8_tensor> views(n - 1);  // (the layers' states keep data pointers, not these views)
   for (fp8_tensor& v : views) v.backend = m.backend;  // (a folded activation lays no view; all are destroyed)
-  auto shapes =
-      run_forward(m, step, f, s->layers, cols, x, y, [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
-        s->memory[k] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
-        return lay_view(views[k], s->memory[k].get<char>(), dt, nd, shape);
-      });
+  auto shapes = run_forward(m, step, f, s->layers, cols, acts, residual, x, y,
+                            [&](size_t k, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+                              s->memory[k] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
+                              return lay_view(views[k], s->memory[k].get<char>(), dt, nd, shape);
+                            });
   // An activation no backward reads goes back to the pool now (an E4M3 hand-off to an FP8 Linear,
   // which keeps its own transposed copy), for the next forward to use.
   for (size_t k = 1; k < n; ++k)
@@ -554,11 +609,11 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
   s->training = step.training;
   s->reads_input = s->layers[0]->reads_input;
   s->first = first;
-  s->run = record_run(x, y, std::move(shapes));
+  s->run = record_run(x, y, acts, std::move(shapes));
   return s;
 }
 
-void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx) {
+void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags) {
   if (!saved.stack)
     fail(FP8_ERR_INVALID_ARGUMENT, "saved comes from fp8_layer_forward_saved; differentiate it with ",
          "fp8_layer_backward_saved");
@@ -580,13 +635,14 @@ void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_te
            "' was converted (fp8_convert_model) after this forward; run the forward again");
   const Step step = make_step(m);
   check_run_backward(m, f, s.run, s.layers, step, dy, dx);
+  const void* base = dx_base(flags, dy, dx);
   // The gradients between the layers: pool buffers for the call (two alternating, and the first
   // layer's dx when the caller wants none).
   PooledBuffer grads[3];
   fp8_tensor views[3];
   for (fp8_tensor& v : views) v.backend = m.backend;
-  run_backward(m, step, f, s.layers, s.run.shapes, s.run.x_dtype, s.run.x_shape, dy, dx, accumulate_dx,
-               first_parameter(m, s.first), [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
+  run_backward(m, step, f, s.layers, s.run, dy, dx, base, first_parameter(m, s.first),
+               [&](int which, fp8_dtype_t dt, int32_t nd, const int64_t* shape) {
                  grads[which] = PooledBuffer(step.pool, tensor_bytes(dt, nd, shape));
                  return lay_view(views[which], grads[which].get<char>(), dt, nd, shape);
                });

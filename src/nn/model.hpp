@@ -29,7 +29,8 @@ struct ScratchTensor {
 
 // What the backward of a run of layers (a whole-model run or a stack) checks its dy and dx against.
 struct RunRecord {
-  fp8_dtype_t dtype = FP8_DTYPE_F32, x_dtype = FP8_DTYPE_F32;  // the activations' (y's), x's
+  fp8_dtype_t dtype = FP8_DTYPE_F32, x_dtype = FP8_DTYPE_F32;  // y's, x's
+  fp8_dtype_t act = FP8_DTYPE_F32;  // the activations' between the layers (y's but under a residual)
   int32_t ndim = 0;
   int64_t x_shape[FP8_MAX_DIMS] = {}, y_shape[FP8_MAX_DIMS] = {};
   const void* x_data = nullptr;  // the caller's x, which the first layer's backward reads again
@@ -112,14 +113,16 @@ void update_model_scaling(fp8_model& m, bool backward_only = false);
 std::unique_ptr<fp8_saved> layer_forward(fp8_model& m, int32_t id, const fp8_tensor* x, fp8_tensor* y);
 // The backward of the forward that made `saved`, after refusing a state of another model or layer,
 // of an earlier conversion, consumed, or from eval mode; marks it consumed and gives its buffers back.
-void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx,
-                    bool accumulate_dx);
+void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags);
 // Layers [first, first + count) as one stack, as model_forward runs them all (fp8_stack_forward_saved):
 // the state holds each layer's and the activations between them that their backwards read.
-std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t count, const fp8_tensor* x,
-                                         fp8_tensor* y);
-// Its backward (fp8_stack_backward_saved); every refusal comes before any layer runs.
-void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, bool accumulate_dx);
+// With `residual` (fp8_stack_forward_residual) y = residual + the stack's output, the activations
+// between the layers of dtype `act`.
+std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t count, const fp8_tensor* x, fp8_tensor* y,
+                                         const fp8_tensor* residual = nullptr, fp8_dtype_t act = FP8_DTYPE_F32);
+// Its backward (fp8_stack_backward_saved); every refusal comes before any layer runs. flags: the
+// FP8_BACKWARD_* flags.
+void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags);
 // Drops the forward states the model keeps itself (fp8_layer_forward's and fp8_model_forward's), as
 // a mode change or a conversion does.
 void drop_kept_states(fp8_model& m);

@@ -278,7 +278,7 @@ TEST_F(Refusals, NullArgumentsAndUnknownFlags) {
   EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, nullptr, dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, fn,
                  "'saved'");
   Saved s = forward(a);
-  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 2u), FP8_ERR_INVALID_ARGUMENT, fn,
+  EXPECT_REFUSED(fp8_layer_backward_saved(m(), a, s.get(), dy.get(), dx.get(), 4u), FP8_ERR_INVALID_ARGUMENT, fn,
                  "flags");
   EXPECT_REFUSED(fp8_layer_backward_saved(m(), 5, s.get(), dy.get(), dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, fn,
                  "layer_id");

@@ -1520,8 +1520,8 @@ TEST_F(ModelRunMisuse, StacksRefuseBadRangesForeignStatesAndStaleOnes) {
   Tensor dy_bf16 = act_tensor(ctx, FP8_DTYPE_BF16, with_last(kXShape, kOut), randn(32 * kOut, 7, 0.1f));
   EXPECT_REFUSED(fp8_stack_backward_saved(m, st, dy_bf16.get(), s.dx.get(), 0), FP8_ERR_DTYPE, bwd,
                  "dy has dtype bf16");
-  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 2), FP8_ERR_INVALID_ARGUMENT, bwd,
-                 "flags = 2");
+  EXPECT_REFUSED(fp8_stack_backward_saved(m, st, s.dy.get(), s.dx.get(), 4), FP8_ERR_INVALID_ARGUMENT, bwd,
+                 "flags = 4");
   Model other = make_model(ctx);
   build_stack(other.get(), Stack::LinearFirst);
   EXPECT_REFUSED(fp8_stack_backward_saved(other.get(), st, s.dy.get(), s.dx.get(), 0), FP8_ERR_INVALID_ARGUMENT, bwd,
@@ -1573,7 +1573,7 @@ TEST(StackRuns, XOfAnotherDtypeThanYIsRefusedAndAccumulateDxAdds) {
   fp8_saved_t* st = nullptr;
   FP8_ASSERT_OK(fp8_autocast_begin(m.get()));
   EXPECT_REFUSED(fp8_stack_forward_saved(m.get(), 0, 2, x32.get(), y16.get(), &st), FP8_ERR_DTYPE,
-                 "fp8_stack_forward_saved", "takes x of y's dtype");
+                 "fp8_stack_forward_saved", "takes x of the activations' dtype");
   FP8_ASSERT_OK(fp8_autocast_end(m.get()));
   EXPECT_EQ(st, nullptr);
   EXPECT_EQ(state_info(m.get(), 0, FP8_SCALING_OUTPUT).update_count, 0) << "a refused stack marked a state";
@@ -1592,6 +1592,181 @@ TEST(StackRuns, XOfAnotherDtypeThanYIsRefusedAndAccumulateDxAdds) {
   const std::vector<float> p = download<float>(plain.get()), got = download<float>(summed.get());
   ASSERT_GT(amax_of(p), 0.0f);
   for (size_t i = 0; i < p.size(); ++i) ASSERT_EQ(bits_of(got[i]), bits_of(base[i] + p[i])) << i;
+}
+
+// A pre-norm block as one residual stack: ln (32) -> fc1 (32 -> 64) -> GELU -> fc2 (64 -> 32), y =
+// x + block(x) with fc2's GEMM adding x, and its backward with FP8_BACKWARD_ADD_DY (dx = dy + the
+// block's dx in ln's pass). Twins from the same seeds.
+struct ResidualTwins {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model a = make_model(ctx.get()), b = make_model(ctx.get());
+  std::vector<float> xv = randn(static_cast<size_t>(numel_of(kXShape)), 61, 1.0f);
+  std::vector<float> dyv = randn(static_cast<size_t>(numel_of(kXShape)), 62, 0.05f);
+  explicit ResidualTwins(const std::string& recipe = "") {
+    for (fp8_model_t* m : {a.get(), b.get()}) {
+      EXPECT_OK(fp8_model_add_layernorm(m, "ln", kIn, 1e-5f, nullptr));
+      EXPECT_OK(fp8_model_add_linear(m, "fc1", kIn, kHidden, 1, nullptr));
+      EXPECT_OK(fp8_model_add_activation(m, "act", FP8_ACTIVATION_GELU, nullptr));
+      EXPECT_OK(fp8_model_add_linear(m, "fc2", kHidden, kIn, 1, nullptr));
+      set_param(m, "fc1.weight", randn(static_cast<size_t>(kIn * kHidden), 63, 0.18f));
+      set_param(m, "fc1.bias", randn(static_cast<size_t>(kHidden), 64, 0.1f));
+      set_param(m, "fc2.weight", randn(static_cast<size_t>(kIn * kHidden), 65, 0.12f));
+      set_param(m, "fc2.bias", randn(static_cast<size_t>(kIn), 66, 0.1f));
+      Recipe r = fp8_recipe(recipe);
+      EXPECT_OK(fp8_convert_model(m, r.get(), nullptr));
+    }
+  }
+};
+
+// With F32 activations the residual run is the plain stack plus x: y within one F32 rounding of
+// x + the plain y (the GEMM adds x before its one rounding), and the backward bit for bit the plain
+// backward accumulated onto a copy of dy (dx and every parameter gradient).
+TEST(ResidualStacks, AddXInTheLastGemmAndDyInTheFirstLayersPass) {
+  ResidualTwins t;
+  fp8_context_t* ctx = t.ctx.get();
+  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape), yb = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  Tensor dxa = make_tensor(ctx, FP8_DTYPE_F32, kXShape), dxb = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  fp8_saved_t *sa = nullptr, *sb = nullptr;
+  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_begin(m));
+  FP8_ASSERT_OK(fp8_stack_forward_residual(t.a.get(), 0, 4, x.get(), x.get(), ya.get(), FP8_DTYPE_F32, &sa));
+  FP8_ASSERT_OK(fp8_stack_forward_saved(t.b.get(), 0, 4, x.get(), yb.get(), &sb));
+  FP8_ASSERT_OK(fp8_stack_backward_saved(t.a.get(), sa, dy.get(), dxa.get(), FP8_BACKWARD_ADD_DY));
+  FP8_ASSERT_OK(fp8_stack_backward_saved(t.b.get(), sb, dy.get(), dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
+  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_end(m));
+  fp8_saved_destroy(sa);
+  fp8_saved_destroy(sb);
+  EXPECT_EQ(report_of(t.a.get(), 3).fp8_calls, 1) << "fc2 must run in FP8 for this test";
+  const std::vector<float> got = download<float>(ya.get()), plain = download<float>(yb.get());
+  double block = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double want = static_cast<double>(t.xv[i]) + plain[i];
+    ASSERT_LE(std::fabs(got[i] - want), 1.2e-7 * (std::fabs(t.xv[i]) + std::fabs(plain[i]))) << i;
+    block = std::max(block, std::fabs(static_cast<double>(plain[i])));
+  }
+  EXPECT_GT(block, 0.05) << "the block's output is too small for the test to see it";
+  const std::vector<float> da = download<float>(dxa.get()), db = download<float>(dxb.get());
+  for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
+  double moved = 0.0;
+  for (size_t i = 0; i < da.size(); ++i) moved = std::max(moved, std::fabs(static_cast<double>(da[i]) - t.dyv[i]));
+  EXPECT_GT(moved, 1e-3) << "dx is dy alone: the block's gradient is missing";
+  EXPECT_EQ(first_bit_difference(all_params(t.a.get(), true), all_params(t.b.get(), true)), "");
+}
+
+// BF16 activations inside an F32 residual stream (a transformer's layout): fc2 reads BF16 and writes
+// F32 y = x + its output; its backward casts the F32 dy. Against the plain BF16 stack: y within
+// BF16's rounding of its output; with dy's values exact in BF16 (so that both casts see the same
+// numbers) dx and every parameter gradient bit for bit the plain backward accumulated onto dy. Also
+// with every GEMM in high precision, where fc2's backward converts dy to BF16 for its GEMMs.
+class ResidualRecipes : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ResidualRecipes, Bf16ActivationsInAnF32ResidualStream) {
+  ResidualTwins t(GetParam());
+  fp8_context_t* ctx = t.ctx.get();
+  for (float& v : t.dyv) v = bf16_value(bf16_bits(v));
+  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  Tensor dy16 = act_tensor(ctx, FP8_DTYPE_BF16, kXShape, t.dyv);
+  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape), yb = make_tensor(ctx, FP8_DTYPE_BF16, kXShape);
+  Tensor dxa = make_tensor(ctx, FP8_DTYPE_F32, kXShape), dxb = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  fp8_saved_t *sa = nullptr, *sb = nullptr;
+  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_begin(m));
+  FP8_ASSERT_OK(fp8_stack_forward_residual(t.a.get(), 0, 4, x.get(), x.get(), ya.get(), FP8_DTYPE_BF16, &sa));
+  FP8_ASSERT_OK(fp8_stack_forward_saved(t.b.get(), 0, 4, x.get(), yb.get(), &sb));
+  FP8_ASSERT_OK(fp8_stack_backward_saved(t.a.get(), sa, dy.get(), dxa.get(), FP8_BACKWARD_ADD_DY));
+  FP8_ASSERT_OK(fp8_stack_backward_saved(t.b.get(), sb, dy16.get(), dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
+  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_end(m));
+  fp8_saved_destroy(sa);
+  fp8_saved_destroy(sb);
+  const std::vector<float> got = download<float>(ya.get()), plain = read_act(yb.get());
+  // (plus, in high precision, the bias: BF16 in the plain stack's GEMM, F32 in the residual's)
+  const double bias_rounding = amax_of(download<float>(param_tensor(t.a.get(), "fc2.bias"))) / 256.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double block = static_cast<double>(got[i]) - t.xv[i];
+    ASSERT_LE(std::fabs(block - plain[i]),
+              std::fabs(plain[i]) / 256.0 + 2.4e-7 * std::fabs(got[i]) + bias_rounding + 1e-7)
+        << i;
+  }
+  const std::vector<float> da = download<float>(dxa.get()), db = download<float>(dxb.get());
+  for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
+  EXPECT_EQ(first_bit_difference(all_params(t.a.get(), true), all_params(t.b.get(), true)), "");
+  const bool hp = std::string(GetParam()).find("override") != std::string::npos;
+  EXPECT_EQ(report_of(t.a.get(), 3).dgrad, hp ? 0 : 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8AndHighPrecisionGemms, ResidualRecipes,
+                         ::testing::Values("", "override_linear_precision=1/1/1"),
+                         [](const ::testing::TestParamInfo<const char*>& i) {
+                           return std::string(i.index == 0 ? "Fp8" : "HighPrecision");
+                         });
+
+// Refusals, each before anything runs (the state stays usable): a last layer that is not a Linear,
+// a residual or y unlike each other or the stack's output, an act_dtype that is not one, a y
+// partly overlapping the residual; FP8_BACKWARD_ADD_DY without a dx of dy's dtype and shape, or
+// with FP8_BACKWARD_ACCUMULATE_DX.
+TEST(ResidualStacks, MisuseIsRefusedNamingTheArgument) {
+  ResidualTwins t;
+  fp8_context_t* ctx = t.ctx.get();
+  fp8_model_t* m = t.a.get();
+  const char* fwd = "fp8_stack_forward_residual";
+  const char* bwd = "fp8_stack_backward_saved";
+  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), y = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  Tensor r16 = act_tensor(ctx, FP8_DTYPE_BF16, kXShape, t.xv);
+  Tensor hidden = make_tensor(ctx, FP8_DTYPE_F32, with_last(kXShape, kHidden));
+  fp8_saved_t* st = nullptr;
+  EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 3, x.get(), hidden.get(), hidden.get(), FP8_DTYPE_F32, &st),
+                       FP8_ERR_UNSUPPORTED, fwd, "layer 'act'", "not a Linear");
+  EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), r16.get(), y.get(), FP8_DTYPE_F32, &st),
+                       FP8_ERR_DTYPE, fwd, "y has dtype f32", "expected bf16");
+  EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), hidden.get(), y.get(), FP8_DTYPE_F32, &st),
+                       FP8_ERR_SHAPE, fwd, "residual has shape");
+  EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), x.get(), y.get(), FP8_DTYPE_E4M3, &st),
+                       FP8_ERR_DTYPE, fwd, "act_dtype is e4m3");
+  std::vector<float> storage(static_cast<size_t>(numel_of(kXShape)) + 64, 0.0f);
+  fp8_tensor_t *raw_r = nullptr, *raw_y = nullptr;
+  FP8_ASSERT_OK(fp8_tensor_wrap(&raw_r, ctx, FP8_DTYPE_F32, 3, kXShape.data(), storage.data()));
+  FP8_ASSERT_OK(fp8_tensor_wrap(&raw_y, ctx, FP8_DTYPE_F32, 3, kXShape.data(), storage.data() + 64));
+  Tensor r_over(raw_r), y_over(raw_y);
+  EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), r_over.get(), y_over.get(), FP8_DTYPE_F32, &st),
+                       FP8_ERR_INVALID_ARGUMENT, fwd, "residual", "y");
+  EXPECT_EQ(st, nullptr);
+
+  FP8_ASSERT_OK(fp8_stack_forward_residual(m, 0, 4, x.get(), x.get(), y.get(), FP8_DTYPE_F32, &st));
+  Tensor dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv), dx = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  EXPECT_REFUSED_WORDS(
+      fp8_stack_backward_saved(m, st, dy.get(), dx.get(), FP8_BACKWARD_ADD_DY | FP8_BACKWARD_ACCUMULATE_DX),
+      FP8_ERR_INVALID_ARGUMENT, bwd, "flags = 3", "exclude each other");
+  EXPECT_REFUSED_WORDS(fp8_stack_backward_saved(m, st, dy.get(), nullptr, FP8_BACKWARD_ADD_DY),
+                       FP8_ERR_INVALID_ARGUMENT, bwd, "dx is NULL", "FP8_BACKWARD_ADD_DY");
+  for (const auto& g : all_params(m, true)) ASSERT_EQ(amax_of(g), 0.0f) << "a refused backward wrote a gradient";
+  FP8_ASSERT_OK(fp8_stack_backward_saved(m, st, dy.get(), dx.get(), FP8_BACKWARD_ADD_DY));
+  fp8_saved_destroy(st);
+
+  // A plain stack of F32 x into BF16 y: dx (x's dtype) is not dy's, which FP8_BACKWARD_ADD_DY needs.
+  Tensor y16 = make_tensor(ctx, FP8_DTYPE_BF16, kXShape), dy16 = act_tensor(ctx, FP8_DTYPE_BF16, kXShape, t.dyv);
+  FP8_ASSERT_OK(fp8_stack_forward_saved(m, 0, 4, x.get(), y16.get(), &st));
+  EXPECT_REFUSED_WORDS(fp8_stack_backward_saved(m, st, dy16.get(), dx.get(), FP8_BACKWARD_ADD_DY), FP8_ERR_DTYPE, bwd,
+                       "dx has dtype f32 and dy bf16", "FP8_BACKWARD_ADD_DY");
+  FP8_ASSERT_OK(fp8_stack_backward_saved(m, st, dy16.get(), dx.get(), 0));
+  fp8_saved_destroy(st);
+}
+
+// FP8_BACKWARD_ADD_DY on one layer (the norm): dx = dy + its dx, the bits of accumulating onto dy.
+TEST(ResidualStacks, AddDyOnOneLayersBackward) {
+  ResidualTwins t;
+  fp8_context_t* ctx = t.ctx.get();
+  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape), yb = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  Tensor dxa = make_tensor(ctx, FP8_DTYPE_F32, kXShape), dxb = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  fp8_saved_t *sa = nullptr, *sb = nullptr;
+  FP8_ASSERT_OK(fp8_layer_forward_saved(t.a.get(), 0, x.get(), ya.get(), &sa));
+  FP8_ASSERT_OK(fp8_layer_forward_saved(t.b.get(), 0, x.get(), yb.get(), &sb));
+  FP8_ASSERT_OK(fp8_layer_backward_saved(t.a.get(), 0, sa, dy.get(), dxa.get(), FP8_BACKWARD_ADD_DY));
+  FP8_ASSERT_OK(fp8_layer_backward_saved(t.b.get(), 0, sb, dy.get(), dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
+  fp8_saved_destroy(sa);
+  fp8_saved_destroy(sb);
+  const std::vector<float> da = download<float>(dxa.get()), db = download<float>(dxb.get());
+  for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
+  EXPECT_NE(da, t.dyv);
 }
 
 // A dx the first layer's backward cannot take is refused before any layer runs: nothing accumulates,

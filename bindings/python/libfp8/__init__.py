@@ -69,6 +69,7 @@ BACKEND_AUTO, BACKEND_TE, BACKEND_MSAMP = 0, 1, 2
 OPT_O1, OPT_O2, OPT_O3 = 1, 2, 3
 STORAGE_VALUES, STORAGE_GRADS, STORAGE_MASTERS = 0, 1, 2
 BACKWARD_ACCUMULATE_DX = 1
+BACKWARD_ADD_DY = 2
 CHECKPOINT_GRADIENTS = 1
 DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES = 33554432, 256
 SMALL_LAYER_MIN_FEATURES, SMALL_LAYER_MIN_MACS = 2048, 4294967296
@@ -148,6 +149,7 @@ for _name, _args in {
     "fp8_layer_forward_saved": (_p, _i32, _p, _p, ctypes.POINTER(_p)),
     "fp8_layer_backward_saved": (_p, _i32, _p, _p, _p, ctypes.c_uint32),
     "fp8_stack_forward_saved": (_p, _i32, _i32, _p, _p, ctypes.POINTER(_p)),
+    "fp8_stack_forward_residual": (_p, _i32, _i32, _p, _p, _p, _i32, ctypes.POINTER(_p)),
     "fp8_stack_backward_saved": (_p, _p, _p, _p, ctypes.c_uint32),
     "fp8_model_parameter_count": (_p, ctypes.POINTER(_i32)),
     "fp8_model_parameter_at": (_p, _i32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_p), ctypes.POINTER(_p)),

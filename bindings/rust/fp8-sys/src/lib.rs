@@ -239,6 +239,7 @@ opaque!(fp8_saved);
 pub type fp8_saved_t = fp8_saved;
 
 pub const FP8_BACKWARD_ACCUMULATE_DX: u32 = 1;
+pub const FP8_BACKWARD_ADD_DY: u32 = 2;
 
 pub const FP8_SCALING_INPUT: i32 = 0;
 pub const FP8_SCALING_WEIGHT: i32 = 1;
@@ -642,6 +643,16 @@ extern "C" {
         layer_count: i32,
         x: *const fp8_tensor_t,
         y: *mut fp8_tensor_t,
+        saved: *mut *mut fp8_saved_t,
+    ) -> fp8_status_t;
+    pub fn fp8_stack_forward_residual(
+        model: *mut fp8_model_t,
+        first_layer: i32,
+        layer_count: i32,
+        x: *const fp8_tensor_t,
+        residual: *const fp8_tensor_t,
+        y: *mut fp8_tensor_t,
+        act_dtype: fp8_dtype_t,
         saved: *mut *mut fp8_saved_t,
     ) -> fp8_status_t;
     pub fn fp8_stack_backward_saved(
