@@ -69,8 +69,10 @@ class Block(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = attention(q, k, v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.mlp(x)
+        # x + proj(y) and x + mlp(x); for libfp8's layers the sums come from their last GEMMs (torch's
+        # modules: torch adds them).
+        x = lt.residual(self.proj, y, x)
+        return lt.residual(self.mlp, x)
 
 
 class GPT(nn.Module):

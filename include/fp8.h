@@ -1103,7 +1103,8 @@ FP8_API fp8_status_t fp8_stack_forward_residual(fp8_model_t *model, int32_t firs
 
 /**
  * Backward of the fp8_stack_forward_saved that made `saved`: [in] dy (y's shape and dtype), [out]
- * dx (x's shape and dtype; NULL when x needs no gradient; overlapping neither x nor dy), [in] flags
+ * dx (x's shape and dtype; NULL when x needs no gradient; overlapping neither dy nor, where
+ * fp8_saved_needs_input says the first layer reads it, x), [in] flags
  * 0, FP8_BACKWARD_ACCUMULATE_DX or FP8_BACKWARD_ADD_DY. Parameter gradients accumulate. A ReLU or GELU activation layer
  * after a Linear whose dy cast runs in FP8 with its transposed copy (delayed scaling, an FP8 weight
  * gradient, and an FP8 dgrad if that Linear's dx is needed) is differentiated inside that cast: the

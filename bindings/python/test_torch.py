@@ -2,6 +2,7 @@
 cases run on CUDA from tests/gpu/test_torch_gpu.py with LIBFP8_TEST_DEVICE=cuda).
 
 Exits 77 (CTest's skip code here) when torch is not installed."""
+import copy
 import ctypes
 import math
 import os
@@ -512,6 +513,87 @@ class SequentialTest(unittest.TestCase):
         loss.backward(retain_graph=True)
         with self.assertRaisesRegex(RuntimeError, "Sequential 'body': backward through the same graph"):
             loss.backward()
+
+
+class ResidualTest(unittest.TestCase):
+    """libfp8.torch.residual: r + module(x), the sum made by the last Linear's GEMM."""
+
+    def _twins(self, recipe):
+        a, b = Block(), Block()
+        for m in (a, b):
+            lt.convert_model(m, recipe=recipe, **ALL)
+        return a, b
+
+    def test_a_stacks_residual_matches_x_plus_the_stack(self):
+        # FP32: the GEMM adds x before its one rounding (y within an FP32 rounding of x + body(x)),
+        # and the backward's dx = dy + the stack's dx is torch's own sum, bit for bit.
+        for fp8 in (False, True):
+            with self.subTest(fp8=fp8):
+                fused, plain = self._twins(lt.Recipe(backend="te", **FP8))
+                x = torch.randn(4, 16, 32, device=DEVICE)
+                out = []
+                for m, call in ((fused, lambda m, x: lt.residual(m.body, x)), (plain, lambda m, x: m(x))):
+                    xm = x.clone().requires_grad_()
+                    with lt.fp8_autocast(enabled=fp8):
+                        y = call(m, xm)
+                    y.square().sum().backward()
+                    out.append((y.detach(), xm.grad, [p.grad.clone() for p in m.parameters()]))
+                self.assertLess(rel_err(out[0][0], out[1][0]), 1e-6)
+                self.assertLess(rel_err(out[0][0] - x, out[1][0] - x), 1e-5)  # the block itself
+                self.assertLess(rel_err(out[0][1], out[1][1]), 1e-5)
+                for a, b in zip(out[0][2], out[1][2]):
+                    self.assertLess(rel_err(a, b), 1e-5)
+                self.assertEqual(fprops(fused), [1, 1, 1] if fp8 else [0, 0, 0])
+
+    def test_under_autocast_the_sum_keeps_the_residuals_dtype(self):
+        ref, m = Block(), Block()
+        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            yr = ref(xr)
+            with lt.fp8_autocast():
+                ym = lt.residual(m.body, xm)
+        self.assertEqual(ym.dtype, torch.float32)
+        self.assertLess(rel_err(ym, yr), 0.08)
+        yr.float().square().sum().backward()
+        ym.square().sum().backward()
+        self.assertEqual(xm.grad.dtype, torch.float32)
+        self.assertLess(rel_err(xm.grad, xr.grad), 0.15)
+        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+            self.assertLess(rel_err(p.grad, q.grad), 0.15, n)
+
+    def test_a_linear_adds_another_tensor_and_hands_it_dy(self):
+        torch.manual_seed(3)
+        parent = torch.nn.Module()
+        parent.proj = torch.nn.Linear(32, 32)
+        parent.to(DEVICE)
+        ref = copy.deepcopy(parent)
+        lt.convert_model(parent, recipe=lt.Recipe(backend="te"), **ALL)
+        self.assertIsInstance(parent.proj, lt.Linear)
+        a, r = torch.randn(4, 16, 32, device=DEVICE), torch.randn(4, 16, 32, device=DEVICE)
+        grads = []
+        for mod, call in ((parent.proj, lambda m, a, r: lt.residual(m, a, r)), (ref.proj, lambda m, a, r: r + m(a))):
+            am, rm = a.clone().requires_grad_(), r.clone().requires_grad_()
+            y = call(mod, am, rm)
+            (y * torch.arange(y.numel(), device=DEVICE).view_as(y).sin()).sum().backward()
+            grads.append((y.detach(), am.grad, rm.grad, mod.weight.grad.clone()))
+        self.assertLess(rel_err(grads[0][0], grads[1][0]), 1e-6)
+        self.assertTrue(torch.equal(grads[0][2], grads[1][2]), "the residual's gradient is dy")
+        self.assertLess(rel_err(grads[0][1], grads[1][1]), 1e-5)
+        self.assertLess(rel_err(grads[0][3], grads[1][3]), 1e-5)
+
+    def test_what_libfp8_does_not_run_is_torchs_sum(self):
+        lin = torch.nn.Linear(32, 32).to(DEVICE)
+        x = torch.randn(2, 32, device=DEVICE)
+        self.assertTrue(torch.equal(lt.residual(lin, x), x + lin(x)))
+        m = Block()
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        r16 = torch.randn(4, 16, 32, device=DEVICE).half()
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        self.assertEqual(lt.residual(m.body, x, r16).dtype, torch.float32)  # float16 residual: torch's sum
+        with torch.no_grad():
+            self.assertLess(rel_err(lt.residual(m.body, x), m(x)), 1e-6)
 
 
 class OptimizerTest(unittest.TestCase):

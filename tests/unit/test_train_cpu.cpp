@@ -1750,6 +1750,32 @@ TEST(ResidualStacks, MisuseIsRefusedNamingTheArgument) {
   fp8_saved_destroy(st);
 }
 
+// A stack whose first layer does not read x in its backward (an FP8 Linear keeps x's FP8 copy) takes
+// a dx in x's own memory (a framework's allocator may hand x's freed memory back for dx): the same
+// bits as into a buffer of its own.
+TEST(ResidualStacks, DxMayReuseXsMemoryWhereTheFirstLayerDoesNotReadX) {
+  ResidualTwins t;
+  fp8_context_t* ctx = t.ctx.get();
+  Tensor dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  Tensor xa = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), xb = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv);
+  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape), yb = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  Tensor dxb = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  fp8_saved_t *sa = nullptr, *sb = nullptr;
+  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_begin(m));
+  FP8_ASSERT_OK(fp8_stack_forward_residual(t.a.get(), 1, 3, xa.get(), xa.get(), ya.get(), FP8_DTYPE_F32, &sa));
+  FP8_ASSERT_OK(fp8_stack_forward_residual(t.b.get(), 1, 3, xb.get(), xb.get(), yb.get(), FP8_DTYPE_F32, &sb));
+  int32_t needs = 1;
+  FP8_ASSERT_OK(fp8_saved_needs_input(sa, &needs));
+  ASSERT_EQ(needs, 0) << "fc1 must keep its own FP8 copy of x for this test";
+  FP8_ASSERT_OK(fp8_stack_backward_saved(t.a.get(), sa, dy.get(), xa.get(), 0));
+  FP8_ASSERT_OK(fp8_stack_backward_saved(t.b.get(), sb, dy.get(), dxb.get(), 0));
+  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_end(m));
+  fp8_saved_destroy(sa);
+  fp8_saved_destroy(sb);
+  const std::vector<float> da = download<float>(xa.get()), db = download<float>(dxb.get());
+  for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
+}
+
 // FP8_BACKWARD_ADD_DY on one layer (the norm): dx = dy + its dx, the bits of accumulating onto dy.
 TEST(ResidualStacks, AddDyOnOneLayersBackward) {
   ResidualTwins t;

@@ -47,7 +47,7 @@ from libfp8 import _check, _i32, _i64, _lib, _p
 
 __all__ = ["Recipe", "convert_model", "ConversionReport", "has_fp8_layers", "fp8_autocast", "checkpoint",
            "contextual_fp8_autocast", "apply_fp8_autowrap", "Optimizer", "Linear", "LayerNorm", "RMSNorm",
-           "Sequential", "Activation",
+           "Sequential", "Activation", "residual",
            "report", "to_torch", "from_torch"]
 
 _TORCH_DTYPES = {torch.float32: _f.DTYPE_F32, torch.float16: _f.DTYPE_F16, torch.bfloat16: _f.DTYPE_BF16}
@@ -811,6 +811,98 @@ class Sequential(torch.nn.Sequential):
             saved.handle = None
             return y, None
         return y, saved
+
+
+class _ResidualFunction(torch.autograd.Function):
+    """residual + layers(x) in one libfp8 call each way (fp8_stack_forward_residual): the last
+    Linear's GEMM adds the residual; in the backward the residual's gradient is dy itself, added in
+    the first layer's pass (FP8_BACKWARD_ADD_DY) when the residual is x."""
+
+    @staticmethod
+    def forward(ctx, run, x, r, *params):  # pylint: disable=arguments-differ
+        y, saved = run.forward(x, r, True)
+        ctx.run, ctx.same = run, r is x
+        _keep_for_backward(ctx, x, y, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # pylint: disable=arguments-differ
+        run = ctx.run
+        _check_backward(ctx, run.what)
+        group = run.layers[0]._group
+        group.dev.follow_stream()
+        for m in run.layers:
+            m._alias_grads()
+        dy = dy.to(ctx.y_dtype).contiguous()
+        need_dx = ctx.needs_input_grad[1] or not isinstance(run.layers[0], Linear)
+        dx = torch.empty(ctx.x_shape, dtype=ctx.x_dtype, device=dy.device) if need_dx else None
+        add_dy = ctx.same and dx is not None
+        _check(_lib.fp8_stack_backward_saved(group.model.handle, ctx.saved.handle, group.dev.wrap(dy),
+                                             group.dev.wrap(dx) if dx is not None else None,
+                                             _f.BACKWARD_ADD_DY if add_dy else 0))
+        ctx.saved = ctx.x = None
+        dr = None if add_dy or not ctx.needs_input_grad[2] else dy
+        return (None, dx if ctx.needs_input_grad[1] or add_dy else None, dr) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+class _ResidualRun:
+    """The layers of a libfp8 Linear, or of a libfp8 Sequential still the stack convert_model made,
+    run as one residual stack."""
+
+    def __init__(self, module):
+        seq = isinstance(module, Sequential)
+        self.layers = module._layers if seq else [module]  # (the ones with parameters)
+        self.first, self.count = (module._first, len(module)) if seq else (module._layer_id, 1)
+        self.what = (f"Sequential '{module._fp8_name}'" if isinstance(module, Sequential)
+                     else f"layer '{module._fp8_name}'")
+
+    def forward(self, x, r, need_backward):
+        group = self.layers[0]._group
+        wrap = group.dev.wrap
+        y = torch.empty_like(r, memory_format=torch.contiguous_format)
+        act = _autocast_dtype(x) or x.dtype
+        saved = _Saved()
+        _check(_lib.fp8_stack_forward_residual(group.model.handle, self.first, self.count, wrap(x), wrap(r), wrap(y),
+                                               _TORCH_DTYPES[act], ctypes.byref(saved.handle)))
+        if not need_backward:
+            _lib.fp8_saved_destroy(saved.handle)
+            saved.handle = None
+            return y, None
+        return y, saved
+
+
+def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
+    """residual + module(x), with residual = x when not given (a pre-norm block: x + f(norm(x))).
+    Where `module` is a libfp8 Linear, or a libfp8 Sequential ending with one (convert_model's
+    stacks), libfp8 adds the residual in that Linear's GEMM and writes the sum in the residual's
+    dtype (float32 or bfloat16: the residual stream) while the layers run in x's (or the autocast)
+    dtype; the backward hands dy to the residual and, when the residual is x, adds it in the first
+    layer's pass, so neither the sum nor its gradient takes a pass of its own (fp8.h,
+    fp8_stack_forward_residual). Anything else (torch modules, a changed or hooked Sequential, shapes
+    or dtypes libfp8's path does not take) is computed as residual + module(x) by torch."""
+    r = x if residual is None else residual
+    run_module = module if isinstance(module, (Linear, Sequential)) else None
+    if isinstance(module, Sequential) and not (module._is_the_stack() and isinstance(module[-1], Linear)):
+        run_module = None
+    if (run_module is None or not isinstance(r, torch.Tensor) or r.dtype not in (torch.float32, torch.bfloat16) or
+            not r.is_contiguous() or r.device != x.device):
+        return r + module(x)
+    layers = module._layers if isinstance(module, Sequential) else [module]
+    first = layers[0]
+    any(m._notice_writes() for m in layers)
+    x_in = first._cast_input(x).contiguous()
+    out_shape = x_in.shape[:-1] + (layers[-1].out_features,)
+    if r.shape != out_shape:
+        return r + module(x)
+    same = x_in is r
+    first._group.enter(module.training)
+    run = _ResidualRun(module)
+    if torch.is_grad_enabled() and module.training:
+        params = [p for m in layers for p in m._autograd_params()]
+        if x_in.requires_grad or r.requires_grad or params:
+            # (x passed once when it is the residual, so that autograd sees one input taking dx)
+            return _ResidualFunction.apply(run, x_in, x_in if same else r, *params)
+    return run.forward(x_in, r, False)[0]
 
 
 _ACTIVATIONS = {"GELU": _f.ACTIVATION_GELU, "ReLU": _f.ACTIVATION_RELU}
