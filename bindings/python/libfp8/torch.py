@@ -23,7 +23,8 @@ recipe's use_autocast_during_eval. Elsewhere the same modules compute in high pr
 
 An nn.Sequential whose children all convert (Linear, LayerNorm, RMSNorm, GELU(tanh), ReLU) becomes a
 libfp8 Sequential, run as one stack (fp8_stack_forward_saved): its norms hand their outputs to the
-Linears in E4M3 and its activations are folded into the Linears' casts.
+Linears in E4M3 and its activations are folded into the Linears' casts. residual(module, x, r) is
+r + module(x) with the sum made by the last GEMM of a libfp8 stack or Linear (fp8_stack_forward_residual).
 
 Each layer call is a torch.autograd.Function over fp8_layer_forward_saved / fp8_layer_backward_saved,
 so a module may be used several times in a step, recomputed by torch.utils.checkpoint, and
