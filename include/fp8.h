@@ -795,7 +795,8 @@ FP8_API fp8_status_t fp8_norm_backward(fp8_context_t *ctx, fp8_norm_t kind, cons
  * written by a converted norm or activation layer (the FP8 hand-off: its own scale_inv is used).
  * The gradients of a Linear (dW, db) are FP32 and accumulate across backward calls until
  * fp8_model_zero_grad. At O1..O3 dW is an FP8 gradient: the weight-gradient GEMM writes the call's
- * dW in BF16 and one pass adds it as fp8_model_accumulate_grad does (since 0.2; FP32 before).
+ * dW in BF16 (F32 where it runs in high precision on F32 activations) and one pass adds it as
+ * fp8_model_accumulate_grad does (since 0.2; FP32 before).
  *
  * Norms and activations compute in float from their input's dtype; once converted they may write y in
  * FP8 (pass an E4M3 y) with an output state of their own, which is the input the next Linear needs.
@@ -1037,18 +1038,20 @@ FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t *model, int32_t layer_i
  *  FP8_BACKWARD_ACCUMULATE_DX: dx += the input gradient (residual connections) instead of dx = it,
  *  as dx = round(float(dx) + value). FP8_BACKWARD_ADD_DY (since 0.2): dx = round(float(dy) + value),
  *  the gradient of y = x + f(x) whose residual is x itself (fp8_stack_forward_residual with
- *  residual = x) in the same pass, without a copy; dx takes dy's shape and dtype. Not both. */
+ *  residual = x) in the same pass, without a copy; dx takes dy's shape and dtype, and dy must be
+ *  16-byte aligned. Not both. */
 #define FP8_BACKWARD_ACCUMULATE_DX 1u
 #define FP8_BACKWARD_ADD_DY 2u
 
 /**
  * Backward of exactly the forward that made `saved`: [in] dy, [out] dx as in fp8_layer_backward
- * (dx NULL only for a Linear), [in] flags: 0 or FP8_BACKWARD_ACCUMULATE_DX. Parameter gradients
- * accumulate. Refused, before anything runs, when `saved` comes from another model or layer
- * (FP8_ERR_INVALID_ARGUMENT), was already differentiated, comes from an eval-mode forward, from
- * before a conversion of the layer, or when the layer's weights changed since its forward (an
- * optimizer step or a write came between) (FP8_ERR_INVALID_STATE). On success `saved` is consumed:
- * its buffers go back to the pool and only fp8_saved_destroy remains to be called. Asynchronous.
+ * (dx NULL only for a Linear), [in] flags: 0, FP8_BACKWARD_ACCUMULATE_DX or FP8_BACKWARD_ADD_DY.
+ * Parameter gradients accumulate. Refused, before anything runs, when `saved` comes from another
+ * model or layer (FP8_ERR_INVALID_ARGUMENT), was already differentiated, comes from an eval-mode
+ * forward, from before a conversion of the layer, or when the layer's weights changed since its
+ * forward (an optimizer step or a write came between) (FP8_ERR_INVALID_STATE). On success `saved`
+ * is consumed: its buffers go back to the pool and only fp8_saved_destroy remains to be called.
+ * Asynchronous.
  */
 FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t *model, int32_t layer_id, fp8_saved_t *saved,
                                               const fp8_tensor_t *dy, fp8_tensor_t *dx, uint32_t flags);
@@ -1091,9 +1094,11 @@ FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t *model, int32_t first_l
  * otherwise). residual and y: the stack's output shape, one dtype (F32 or BF16: a transformer's
  * residual stream); residual may be y itself or x (a pre-norm block's y = x + f(norm(x))), and
  * must otherwise not overlap y. act_dtype (F32 or BF16): the activations between the layers and
- * x's dtype (any wide dtype when the first layer is a norm). That last Linear writes y in the
- * residual's dtype from x of act_dtype (its bias added in that dtype), and its backward casts a
- * dy of y's dtype and gives its dx in act_dtype. Its backward is fp8_stack_backward_saved with dy
+ * x's dtype (F32 or BF16 either way when the first layer is a norm); a BF16 residual takes BF16
+ * activations (FP8_ERR_DTYPE otherwise). That last Linear writes y in the residual's dtype from x of
+ * act_dtype (its bias BF16 when the GEMM runs in FP8, else of y's dtype), and its backward casts a
+ * dy of y's dtype and gives its dx in act_dtype. A residual not 16-byte aligned sends that Linear
+ * to high precision, as a misaligned y does. Its backward is fp8_stack_backward_saved with dy
  * of y's dtype: the gradient of the residual is dy itself, which FP8_BACKWARD_ADD_DY adds into dx
  * in the first layer's pass when the residual was x. Asynchronous. Since 0.2.
  */

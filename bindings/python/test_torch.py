@@ -594,6 +594,13 @@ class ResidualTest(unittest.TestCase):
         self.assertEqual(lt.residual(m.body, x, r16).dtype, torch.float32)  # float16 residual: torch's sum
         with torch.no_grad():
             self.assertLess(rel_err(lt.residual(m.body, x), m(x)), 1e-6)
+        # A hooked module runs its own call (which runs the hooks): torch's sum around it.
+        seen = []
+        handle = m.body.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+        with torch.no_grad():
+            self.assertLess(rel_err(lt.residual(m.body, x), m(x)), 1e-6)
+        self.assertEqual(len(seen), 2)
+        handle.remove()
 
 
 class OptimizerTest(unittest.TestCase):

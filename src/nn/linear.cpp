@@ -186,8 +186,12 @@ class Linear final : public Layer {
 
     auto saved = std::make_unique<LinearSaved>();
     LinearSaved& s = *saved;
-    s.plan = decide(step, m, aligned16(y->data) && (!dtype_is_fp8(x->dtype) || aligned16(x->data)),
-                    aligned16(y->data) ? "x" : "y");
+    // (The residual is the GEMM's C, which FP8 GEMMs need aligned as D.)
+    const bool r_aligned = !r || aligned16(r->residual->data);
+    s.plan = decide(step, m, aligned16(y->data) && r_aligned && (!dtype_is_fp8(x->dtype) || aligned16(x->data)),
+                    !aligned16(y->data) ? "y"
+                    : !r_aligned        ? "residual"
+                                        : "x");
     const Plan& plan = s.plan;
     s.rows = m;
     s.act = act;
@@ -348,7 +352,10 @@ class Linear final : public Layer {
                                              : kScaleSlots * sizeof(float));
     const size_t at_partials = lay.add(dbias ? static_cast<size_t>(bias_grad_partials(m, out_)) * sizeof(float) : 0);
     const size_t at_ws = lay.add(cells ? recipe_quantize_workspace(act_mode(), m, out_) : 0);
-    const size_t at_dw = lay.add(grad8 && m > 0 ? static_cast<size_t>(out_ * in_) * sizeof(uint16_t) : 0);
+    // dW of an FP8 gradient in BF16 where its GEMM can write that (FP8 or BF16 operands; cuBLASLt has
+    // no F32 x F32 -> BF16), else F32.
+    const fp8_dtype_t dw_dtype = plan.wgrad || act == FP8_DTYPE_BF16 ? FP8_DTYPE_BF16 : FP8_DTYPE_F32;
+    const size_t at_dw = lay.add(grad8 && m > 0 ? static_cast<size_t>(out_ * in_) * dtype_size(dw_dtype) : 0);
     // A high-precision GEMM takes dy in x's dtype: a residual's dy of another dtype is converted.
     const bool hp_dy = (dx && !plan.dgrad) || !plan.wgrad;
     const bool convert_dy = s.out != act && hp_dy && m > 0;
@@ -419,14 +426,15 @@ class Linear final : public Layer {
     }
 
     if (m > 0) {  // dW [out, in] += dy^T [out, m] . x [m, in]
-      // An FP8 gradient (O1..O3) takes the new dW, rounded to BF16 in the call's scratch (half the
-      // bytes for the GEMM to write and the two passes to read), in one requantising pass.
+      // An FP8 gradient (O1..O3) takes the new dW from the call's scratch, rounded to BF16 where it
+      // can be (half the bytes for the GEMM to write and the two passes to read), in one
+      // requantising pass.
       GemmJob g{};
       g.m = out_;
       g.n = in_;
       g.k = m;
       g.d = grad8 ? scratch + at_dw : grad.data;
-      g.d_dtype = grad8 ? FP8_DTYPE_BF16 : FP8_DTYPE_F32;
+      g.d_dtype = grad8 ? dw_dtype : FP8_DTYPE_F32;
       g.alpha = 1.0f;
       g.accumulate = !grad8;
       if (plan.wgrad && cells) {
@@ -444,7 +452,7 @@ class Linear final : public Layer {
       be.gemm(g);
       if (grad8)
         be.grad_accumulate({static_cast<uint8_t*>(grad.data), grad.dtype == FP8_DTYPE_E5M2, g.d, out_ * in_,
-                            params_[0].grad_scales(), nullptr, FP8_DTYPE_BF16});
+                            params_[0].grad_scales(), nullptr, dw_dtype});
     }
   }
 

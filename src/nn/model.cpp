@@ -137,6 +137,8 @@ const void* dx_base(uint32_t flags, const fp8_tensor* dy, const fp8_tensor* dx) 
          "; FP8_BACKWARD_ACCUMULATE_DX and FP8_BACKWARD_ADD_DY exclude each other");
   if (!add_dy) return accumulate && dx ? dx->data : nullptr;
   if (!dx) fail(FP8_ERR_INVALID_ARGUMENT, "dx is NULL; FP8_BACKWARD_ADD_DY writes dx = dy + the input gradient");
+  if (!aligned16(dy->data))  // (a Linear's FP8 dgrad reads it as its GEMM's C, which must be aligned as dx)
+    fail(FP8_ERR_INVALID_ARGUMENT, "dy's data is not 16-byte aligned, which FP8_BACKWARD_ADD_DY needs");
   if (dx->dtype != dy->dtype)
     fail(FP8_ERR_DTYPE, "dx has dtype ", dtype_name(dx->dtype), " and dy ", dtype_name(dy->dtype),
          "; FP8_BACKWARD_ADD_DY adds dy into dx, which takes dy's dtype");
@@ -371,6 +373,9 @@ std::pair<std::vector<int64_t>, fp8_dtype_t> check_stack(const fp8_model& m, siz
     const fp8_dtype_t rd = run.residual->dtype;
     if (rd != FP8_DTYPE_F32 && rd != FP8_DTYPE_BF16)
       fail(FP8_ERR_DTYPE, "residual has dtype ", dtype_name(rd), "; expected f32 or bf16");
+    // (A high-precision GEMM writes D in its operands' dtype or F32: F32 activations give no BF16 y.)
+    if (rd == FP8_DTYPE_BF16 && act == FP8_DTYPE_F32)
+      fail(FP8_ERR_DTYPE, "residual has dtype bf16 and act_dtype is f32; a residual of bf16 takes bf16 activations");
     require_run_tensor(run.residual, "residual", rd, x->ndim, shape, "the stack's output");
     require_run_tensor(y, "y", rd, x->ndim, shape, "the residual");
     // The GEMM reads the residual where it writes y: the same buffer or none of it.
@@ -412,8 +417,8 @@ std::vector<std::vector<int64_t>> run_forward(fp8_model& m, const Step& step, si
       shapes.emplace_back(shape, shape + x->ndim);
     }
     // A foldable activation before a Linear that takes it: no output of its own (in stays its input).
-    const bool fold_next =
-        k + 1 < n && step.fp8 && m.layers[i + 1]->takes_folded_input(step, rows) && (k + 2 < n || aligned16(y->data));
+    const bool fold_next = k + 1 < n && step.fp8 && m.layers[i + 1]->takes_folded_input(step, rows) &&
+                           (k + 2 < n || (aligned16(y->data) && (!residual || aligned16(residual->data))));
     if (fold_next && (saved[k] = layer.forward_into_next(step, in, &fold)) != nullptr) {
       folded = &fold;
     } else {

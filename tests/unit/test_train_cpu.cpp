@@ -1715,12 +1715,15 @@ TEST(ResidualStacks, MisuseIsRefusedNamingTheArgument) {
   fp8_saved_t* st = nullptr;
   EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 3, x.get(), hidden.get(), hidden.get(), FP8_DTYPE_F32, &st),
                        FP8_ERR_UNSUPPORTED, fwd, "layer 'act'", "not a Linear");
-  EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), r16.get(), y.get(), FP8_DTYPE_F32, &st),
+  EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), r16.get(), y.get(), FP8_DTYPE_BF16, &st),
                        FP8_ERR_DTYPE, fwd, "y has dtype f32", "expected bf16");
   EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), hidden.get(), y.get(), FP8_DTYPE_F32, &st),
                        FP8_ERR_SHAPE, fwd, "residual has shape");
   EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), x.get(), y.get(), FP8_DTYPE_E4M3, &st),
                        FP8_ERR_DTYPE, fwd, "act_dtype is e4m3");
+  Tensor y16r = make_tensor(ctx, FP8_DTYPE_BF16, kXShape);
+  EXPECT_REFUSED_WORDS(fp8_stack_forward_residual(m, 0, 4, x.get(), r16.get(), y16r.get(), FP8_DTYPE_F32, &st),
+                       FP8_ERR_DTYPE, fwd, "residual has dtype bf16 and act_dtype is f32");
   std::vector<float> storage(static_cast<size_t>(numel_of(kXShape)) + 64, 0.0f);
   fp8_tensor_t *raw_r = nullptr, *raw_y = nullptr;
   FP8_ASSERT_OK(fp8_tensor_wrap(&raw_r, ctx, FP8_DTYPE_F32, 3, kXShape.data(), storage.data()));
@@ -1737,6 +1740,12 @@ TEST(ResidualStacks, MisuseIsRefusedNamingTheArgument) {
       FP8_ERR_INVALID_ARGUMENT, bwd, "flags = 3", "exclude each other");
   EXPECT_REFUSED_WORDS(fp8_stack_backward_saved(m, st, dy.get(), nullptr, FP8_BACKWARD_ADD_DY),
                        FP8_ERR_INVALID_ARGUMENT, bwd, "dx is NULL", "FP8_BACKWARD_ADD_DY");
+  std::vector<float> dy_storage(static_cast<size_t>(numel_of(kXShape)) + 1, 0.01f);
+  fp8_tensor_t* raw_dy = nullptr;
+  FP8_ASSERT_OK(fp8_tensor_wrap(&raw_dy, ctx, FP8_DTYPE_F32, 3, kXShape.data(), dy_storage.data() + 1));
+  Tensor dy_misaligned(raw_dy);
+  EXPECT_REFUSED_WORDS(fp8_stack_backward_saved(m, st, dy_misaligned.get(), dx.get(), FP8_BACKWARD_ADD_DY),
+                       FP8_ERR_INVALID_ARGUMENT, bwd, "dy's data is not 16-byte aligned", "FP8_BACKWARD_ADD_DY");
   for (const auto& g : all_params(m, true)) ASSERT_EQ(amax_of(g), 0.0f) << "a refused backward wrote a gradient";
   FP8_ASSERT_OK(fp8_stack_backward_saved(m, st, dy.get(), dx.get(), FP8_BACKWARD_ADD_DY));
   fp8_saved_destroy(st);
@@ -1774,6 +1783,37 @@ TEST(ResidualStacks, DxMayReuseXsMemoryWhereTheFirstLayerDoesNotReadX) {
   fp8_saved_destroy(sb);
   const std::vector<float> da = download<float>(xa.get()), db = download<float>(dxb.get());
   for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
+}
+
+// A residual not 16-byte aligned (the last GEMM's C) sends that Linear to high precision, with the
+// reason in its report, and the sum is still right.
+TEST(ResidualStacks, AMisalignedResidualSendsTheLastLinearToHighPrecision) {
+  ResidualTwins t;
+  fp8_context_t* ctx = t.ctx.get();
+  fp8_model_t* m = t.a.get();
+  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), y = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  Tensor plain_y = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  std::vector<float> storage(static_cast<size_t>(numel_of(kXShape)) + 1);
+  std::copy(t.xv.begin(), t.xv.end(), storage.begin() + 1);
+  fp8_tensor_t* raw = nullptr;
+  FP8_ASSERT_OK(fp8_tensor_wrap(&raw, ctx, FP8_DTYPE_F32, 3, kXShape.data(), storage.data() + 1));
+  Tensor r(raw);
+  fp8_saved_t* st = nullptr;
+  FP8_ASSERT_OK(fp8_autocast_begin(m));
+  FP8_ASSERT_OK(fp8_stack_forward_residual(m, 0, 4, x.get(), r.get(), y.get(), FP8_DTYPE_F32, &st));
+  FP8_ASSERT_OK(fp8_autocast_end(m));
+  fp8_saved_destroy(st);
+  const fp8_layer_report_t rep = report_of(m, 3);
+  EXPECT_EQ(rep.fprop, 0);
+  EXPECT_NE(std::string(rep.reason).find("residual's data is not 16-byte aligned"), std::string::npos) << rep.reason;
+  // Against the twin's plain stack, whose fc2 runs in FP8: y - x within E4M3's error of its output.
+  FP8_ASSERT_OK(fp8_autocast_begin(t.b.get()));
+  FP8_ASSERT_OK(fp8_stack_forward_saved(t.b.get(), 0, 4, x.get(), plain_y.get(), &st));
+  FP8_ASSERT_OK(fp8_autocast_end(t.b.get()));
+  fp8_saved_destroy(st);
+  Params block = {download<float>(y.get())}, plain = {download<float>(plain_y.get())};
+  for (size_t i = 0; i < t.xv.size(); ++i) block[0][i] -= t.xv[i];
+  EXPECT_LT(relative_difference(block, plain), 0.1);
 }
 
 // FP8_BACKWARD_ADD_DY on one layer (the norm): dx = dy + its dx, the bits of accumulating onto dy.

@@ -838,6 +838,8 @@ class _ResidualFunction(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[1] or not isinstance(run.layers[0], Linear)
         dx = torch.empty(ctx.x_shape, dtype=ctx.x_dtype, device=dy.device) if need_dx else None
         add_dy = ctx.same and dx is not None
+        if add_dy and dy.data_ptr() % 16:  # (libfp8 reads dy beside dx: 16-byte aligned)
+            dy = dy.clone()
         _check(_lib.fp8_stack_backward_saved(group.model.handle, ctx.saved.handle, group.dev.wrap(dy),
                                              group.dev.wrap(dx) if dx is not None else None,
                                              _f.BACKWARD_ADD_DY if add_dy else 0))
@@ -885,6 +887,9 @@ def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
     run_module = module if isinstance(module, (Linear, Sequential)) else None
     if isinstance(module, Sequential) and not (module._is_the_stack() and isinstance(module[-1], Linear)):
         run_module = None
+    if run_module is not None and (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or
+                                   getattr(module, "_backward_pre_hooks", None)):
+        run_module = None  # (the module's own call runs its hooks)
     if (run_module is None or not isinstance(r, torch.Tensor) or r.dtype not in (torch.float32, torch.bfloat16) or
             not r.is_contiguous() or r.device != x.device):
         return r + module(x)
@@ -893,7 +898,8 @@ def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
     any(m._notice_writes() for m in layers)
     x_in = first._cast_input(x).contiguous()
     out_shape = x_in.shape[:-1] + (layers[-1].out_features,)
-    if r.shape != out_shape:
+    # (F32 activations give no BF16 sum: a high-precision GEMM writes its operands' dtype or F32)
+    if r.shape != out_shape or (r.dtype == torch.bfloat16 and (_autocast_dtype(x_in) or x_in.dtype) == torch.float32):
         return r + module(x)
     same = x_in is r
     first._group.enter(module.training)
