@@ -483,23 +483,26 @@ class SequentialTest(unittest.TestCase):
                 self.assertEqual(fprops(stacked), [1, 1, 1])  # norm (its E4M3 hand-off), both Linears
 
     def test_fp8_stack_under_autocast_within_fp8_bounds(self):
-        # torch.autocast: an FP32 residual into a stack of the autocast dtype (the norm reads FP32).
-        ref, m = Block(), Block()
-        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
-        x = torch.randn(4, 16, 32, device=DEVICE)
-        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            yr = ref(xr)
-            with lt.fp8_autocast():
-                ym = m(xm)
-        self.assertEqual(ym.dtype, torch.float32)  # the residual's
-        self.assertLess(rel_err(ym, yr), 0.08)
-        yr.float().square().sum().backward()
-        ym.float().square().sum().backward()
-        self.assertEqual(xm.grad.dtype, torch.float32)
-        self.assertLess(rel_err(xm.grad, xr.grad), 0.15)
-        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            self.assertLess(rel_err(p.grad, q.grad), 0.15, n)
+        # torch.autocast: an FP32 residual into a stack of the autocast dtype (the norm reads FP32);
+        # the same with the sum made by libfp8 (lt.residual), which keeps the residual's dtype.
+        for name, call in (("x + stack(x)", lambda m, x: m(x)), ("lt.residual", lambda m, x: lt.residual(m.body, x))):
+            with self.subTest(name):
+                ref, m = Block(), Block()
+                lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
+                x = torch.randn(4, 16, 32, device=DEVICE)
+                xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+                with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                    yr = ref(xr)
+                    with lt.fp8_autocast():
+                        ym = call(m, xm)
+                self.assertEqual(ym.dtype, torch.float32)  # the residual's
+                self.assertLess(rel_err(ym, yr), 0.08)
+                yr.float().square().sum().backward()
+                ym.float().square().sum().backward()
+                self.assertEqual(xm.grad.dtype, torch.float32)
+                self.assertLess(rel_err(xm.grad, xr.grad), 0.15)
+                for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+                    self.assertLess(rel_err(p.grad, q.grad), 0.15, n)
 
     def test_no_grad_forward_and_a_second_backward(self):
         m = Block()
@@ -544,24 +547,6 @@ class ResidualTest(unittest.TestCase):
                 for a, b in zip(out[0][2], out[1][2]):
                     self.assertLess(rel_err(a, b), 1e-5)
                 self.assertEqual(fprops(fused), [1, 1, 1] if fp8 else [0, 0, 0])
-
-    def test_under_autocast_the_sum_keeps_the_residuals_dtype(self):
-        ref, m = Block(), Block()
-        lt.convert_model(m, recipe=lt.Recipe(backend="te", **FP8), **ALL)
-        x = torch.randn(4, 16, 32, device=DEVICE)
-        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            yr = ref(xr)
-            with lt.fp8_autocast():
-                ym = lt.residual(m.body, xm)
-        self.assertEqual(ym.dtype, torch.float32)
-        self.assertLess(rel_err(ym, yr), 0.08)
-        yr.float().square().sum().backward()
-        ym.square().sum().backward()
-        self.assertEqual(xm.grad.dtype, torch.float32)
-        self.assertLess(rel_err(xm.grad, xr.grad), 0.15)
-        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            self.assertLess(rel_err(p.grad, q.grad), 0.15, n)
 
     def test_a_linear_adds_another_tensor_and_hands_it_dy(self):
         torch.manual_seed(3)

@@ -1616,6 +1616,29 @@ struct ResidualTwins {
       EXPECT_OK(fp8_convert_model(m, r.get(), nullptr));
     }
   }
+  // One training step of each twin on x = xv, dy = dyv: a as the residual stack (activations of
+  // `act`, F32 y and dy, FP8_BACKWARD_ADD_DY), b as the plain stack (y and dy of `act`, its dx
+  // accumulated onto a copy of dy).
+  struct Step {
+    Tensor ya, yb, dxa, dxb;
+  };
+  Step step_both(fp8_dtype_t act) {
+    fp8_context_t* c = ctx.get();
+    Tensor x = act_tensor(c, FP8_DTYPE_F32, kXShape, xv), dy = act_tensor(c, FP8_DTYPE_F32, kXShape, dyv);
+    Tensor dy_plain = act_tensor(c, act, kXShape, dyv);
+    Step o{make_tensor(c, FP8_DTYPE_F32, kXShape), make_tensor(c, act, kXShape), make_tensor(c, FP8_DTYPE_F32, kXShape),
+           act_tensor(c, FP8_DTYPE_F32, kXShape, dyv)};
+    fp8_saved_t *sa = nullptr, *sb = nullptr;
+    for (fp8_model_t* m : {a.get(), b.get()}) EXPECT_OK(fp8_autocast_begin(m));
+    EXPECT_OK(fp8_stack_forward_residual(a.get(), 0, 4, x.get(), x.get(), o.ya.get(), act, &sa));
+    EXPECT_OK(fp8_stack_forward_saved(b.get(), 0, 4, x.get(), o.yb.get(), &sb));
+    EXPECT_OK(fp8_stack_backward_saved(a.get(), sa, dy.get(), o.dxa.get(), FP8_BACKWARD_ADD_DY));
+    EXPECT_OK(fp8_stack_backward_saved(b.get(), sb, dy_plain.get(), o.dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
+    for (fp8_model_t* m : {a.get(), b.get()}) EXPECT_OK(fp8_autocast_end(m));
+    fp8_saved_destroy(sa);
+    fp8_saved_destroy(sb);
+    return o;
+  }
 };
 
 // With F32 activations the residual run is the plain stack plus x: y within one F32 rounding of
@@ -1623,21 +1646,9 @@ struct ResidualTwins {
 // backward accumulated onto a copy of dy (dx and every parameter gradient).
 TEST(ResidualStacks, AddXInTheLastGemmAndDyInTheFirstLayersPass) {
   ResidualTwins t;
-  fp8_context_t* ctx = t.ctx.get();
-  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
-  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape), yb = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
-  Tensor dxa = make_tensor(ctx, FP8_DTYPE_F32, kXShape), dxb = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
-  fp8_saved_t *sa = nullptr, *sb = nullptr;
-  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_begin(m));
-  FP8_ASSERT_OK(fp8_stack_forward_residual(t.a.get(), 0, 4, x.get(), x.get(), ya.get(), FP8_DTYPE_F32, &sa));
-  FP8_ASSERT_OK(fp8_stack_forward_saved(t.b.get(), 0, 4, x.get(), yb.get(), &sb));
-  FP8_ASSERT_OK(fp8_stack_backward_saved(t.a.get(), sa, dy.get(), dxa.get(), FP8_BACKWARD_ADD_DY));
-  FP8_ASSERT_OK(fp8_stack_backward_saved(t.b.get(), sb, dy.get(), dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
-  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_end(m));
-  fp8_saved_destroy(sa);
-  fp8_saved_destroy(sb);
+  const ResidualTwins::Step o = t.step_both(FP8_DTYPE_F32);
   EXPECT_EQ(report_of(t.a.get(), 3).fp8_calls, 1) << "fc2 must run in FP8 for this test";
-  const std::vector<float> got = download<float>(ya.get()), plain = download<float>(yb.get());
+  const std::vector<float> got = download<float>(o.ya.get()), plain = download<float>(o.yb.get());
   double block = 0.0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double want = static_cast<double>(t.xv[i]) + plain[i];
@@ -1645,7 +1656,7 @@ TEST(ResidualStacks, AddXInTheLastGemmAndDyInTheFirstLayersPass) {
     block = std::max(block, std::fabs(static_cast<double>(plain[i])));
   }
   EXPECT_GT(block, 0.05) << "the block's output is too small for the test to see it";
-  const std::vector<float> da = download<float>(dxa.get()), db = download<float>(dxb.get());
+  const std::vector<float> da = download<float>(o.dxa.get()), db = download<float>(o.dxb.get());
   for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
   double moved = 0.0;
   for (size_t i = 0; i < da.size(); ++i) moved = std::max(moved, std::fabs(static_cast<double>(da[i]) - t.dyv[i]));
@@ -1662,22 +1673,9 @@ class ResidualRecipes : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(ResidualRecipes, Bf16ActivationsInAnF32ResidualStream) {
   ResidualTwins t(GetParam());
-  fp8_context_t* ctx = t.ctx.get();
   for (float& v : t.dyv) v = bf16_value(bf16_bits(v));
-  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
-  Tensor dy16 = act_tensor(ctx, FP8_DTYPE_BF16, kXShape, t.dyv);
-  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape), yb = make_tensor(ctx, FP8_DTYPE_BF16, kXShape);
-  Tensor dxa = make_tensor(ctx, FP8_DTYPE_F32, kXShape), dxb = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
-  fp8_saved_t *sa = nullptr, *sb = nullptr;
-  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_begin(m));
-  FP8_ASSERT_OK(fp8_stack_forward_residual(t.a.get(), 0, 4, x.get(), x.get(), ya.get(), FP8_DTYPE_BF16, &sa));
-  FP8_ASSERT_OK(fp8_stack_forward_saved(t.b.get(), 0, 4, x.get(), yb.get(), &sb));
-  FP8_ASSERT_OK(fp8_stack_backward_saved(t.a.get(), sa, dy.get(), dxa.get(), FP8_BACKWARD_ADD_DY));
-  FP8_ASSERT_OK(fp8_stack_backward_saved(t.b.get(), sb, dy16.get(), dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
-  for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_end(m));
-  fp8_saved_destroy(sa);
-  fp8_saved_destroy(sb);
-  const std::vector<float> got = download<float>(ya.get()), plain = read_act(yb.get());
+  const ResidualTwins::Step o = t.step_both(FP8_DTYPE_BF16);
+  const std::vector<float> got = download<float>(o.ya.get()), plain = read_act(o.yb.get());
   // (plus, in high precision, the bias: BF16 in the plain stack's GEMM, F32 in the residual's)
   const double bias_rounding = amax_of(download<float>(param_tensor(t.a.get(), "fc2.bias"))) / 256.0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -1686,7 +1684,7 @@ TEST_P(ResidualRecipes, Bf16ActivationsInAnF32ResidualStream) {
               std::fabs(plain[i]) / 256.0 + 2.4e-7 * std::fabs(got[i]) + bias_rounding + 1e-7)
         << i;
   }
-  const std::vector<float> da = download<float>(dxa.get()), db = download<float>(dxb.get());
+  const std::vector<float> da = download<float>(o.dxa.get()), db = download<float>(o.dxb.get());
   for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
   EXPECT_EQ(first_bit_difference(all_params(t.a.get(), true), all_params(t.b.get(), true)), "");
   const bool hp = std::string(GetParam()).find("override") != std::string::npos;
