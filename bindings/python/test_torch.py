@@ -579,6 +579,12 @@ class ResidualTest(unittest.TestCase):
         self.assertEqual(lt.residual(m.body, x, r16).dtype, torch.float32)  # float16 residual: torch's sum
         with torch.no_grad():
             self.assertLess(rel_err(lt.residual(m.body, x), m(x)), 1e-6)
+        # In eval mode the residual still hands dy to a residual that wants a gradient.
+        m.eval()
+        xe = x.clone().requires_grad_()
+        lt.residual(m.body, xe).sum().backward()
+        self.assertTrue(torch.equal(xe.grad, torch.ones_like(xe)))
+        m.train()
         # A hooked module runs its own call (which runs the hooks): torch's sum around it.
         seen = []
         handle = m.body.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))

@@ -909,6 +909,8 @@ def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
         if x_in.requires_grad or r.requires_grad or params:
             # (x passed once when it is the residual, so that autograd sees one input taking dx)
             return _ResidualFunction.apply(run, x_in, x_in if same else r, *params)
+    elif torch.is_grad_enabled() and r.requires_grad:
+        return r + module(x)  # (eval mode keeps nothing for a backward, but the residual's gradient is dy)
     return run.forward(x_in, r, False)[0]
 
 
