@@ -922,15 +922,27 @@ TEST(OptimLevelBytes, SgdAtO1AddsTheMomentumBufferOnFirstUse) {
 
 // Two micro-batches into one FP8 gradient. The data are multiples of 1/16 with small integer
 // numerators, so each dW = dy^T x is exact in float; the backward rounds it to BF16 (b(dW)) before
-// adding, and the expected codes follow bit for bit:
+// adding where its GEMM writes BF16 (b = identity with F32 activations), and the expected codes
+// follow bit for bit:
 //   after the first:  scale1 = fp8_max / amax(b(dW1)),                q1 = encode(b(dW1) * scale1)
 //   after the second: scale2 = fp8_max / (amax(q1) + amax(b(dW2))), q2 = encode((q1/scale1 + b(dW2)) * scale2)
 // and the decoded sum is within the format's half-ulp of dW1 (first rounding) plus that of the sum,
 // plus BF16's half-ulp of each addend.
 class OptimLevelGradAccumulation : public ::testing::TestWithParam<const char*> {};
 
-TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
-  const bool e5m2 = std::string(GetParam()) == "HYBRID";
+// Floats into an F32 tensor, or rounded to nearest even into a BF16 one.
+void upload_as(fp8_tensor_t* t, const std::vector<float>& v, fp8_dtype_t dt) {
+  if (dt == FP8_DTYPE_F32) return upload(t, v);
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = fp8::float_to_bf16(v[i]);
+  upload(t, h);
+}
+
+// (`act`: the activations' dtype; the layer runs in high precision, so dW is exact in float and
+// the backward rounds it to BF16 where its GEMM writes BF16: BF16 activations; F32 ones give F32.)
+void two_micro_batches(const char* format, fp8_dtype_t act) {
+  SCOPED_TRACE(act == FP8_DTYPE_BF16 ? "bf16 activations" : "f32 activations");
+  const bool e5m2 = std::string(format) == "HYBRID";
   const double fmax = e5m2 ? 57344.0 : 448.0, rel = e5m2 ? kE5M2Rel : kE4M3Rel, floor = e5m2 ? kE5M2Floor : kE4M3Floor;
   Context ctx = make_context(FP8_DEVICE_CPU);
   Model model = make_model(ctx.get());
@@ -938,7 +950,7 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
   const int64_t in = 32, out = 16, rows = 16;
   FP8_ASSERT_OK(fp8_model_add_linear(m, "fc", in, out, 0, nullptr));
   upload(param_tensor(m, "fc.weight"), randn(static_cast<size_t>(in * out), 5, 0.3f));
-  const std::string text = std::string("backend=msamp, opt_level=O2, fp8_format=") + GetParam();
+  const std::string text = std::string("backend=msamp, opt_level=O2, fp8_format=") + format;
   Recipe r = make_recipe(text.c_str());
   FP8_ASSERT_OK(fp8_convert_model(m, r.get(), nullptr));
   Optimizer o = make_optimizer(m, FP8_OPTIMIZER_ADAM);
@@ -952,15 +964,15 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
     for (float& f : v) f = static_cast<float>(num(rng) * (sign(rng) ? 1 : -1)) * unit;
     return v;
   };
-  std::vector<std::vector<float>> dws, added;  // dW exact, and as the backward adds it (BF16)
+  std::vector<std::vector<float>> dws, added;  // dW exact, and as the backward adds it
   for (int mb = 0; mb < 2; ++mb) {
     const std::vector<float> x = small(static_cast<size_t>(rows * in), 0.0625f);
     const std::vector<float> dy = small(static_cast<size_t>(rows * out), 0.0625f);
-    Tensor xt = make_tensor(ctx.get(), FP8_DTYPE_F32, {rows, in});
-    Tensor yt = make_tensor(ctx.get(), FP8_DTYPE_F32, {rows, out});
-    Tensor dyt = make_tensor(ctx.get(), FP8_DTYPE_F32, {rows, out});
-    upload(xt.get(), x);
-    upload(dyt.get(), dy);
+    Tensor xt = make_tensor(ctx.get(), act, {rows, in});
+    Tensor yt = make_tensor(ctx.get(), act, {rows, out});
+    Tensor dyt = make_tensor(ctx.get(), act, {rows, out});
+    upload_as(xt.get(), x, act);  // (k/16: exact in BF16 too)
+    upload_as(dyt.get(), dy, act);
     FP8_ASSERT_OK(fp8_layer_forward(m, 0, xt.get(), yt.get()));
     FP8_ASSERT_OK(fp8_layer_backward(m, 0, dyt.get(), nullptr));
     std::vector<float> dw(static_cast<size_t>(out * in), 0.0f);
@@ -971,7 +983,8 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
         dw[static_cast<size_t>(o_ * in + i)] = static_cast<float>(s);  // exact: 16 terms of k/256 or k/64
       }
     dws.push_back(dw);
-    for (float& v : dw) v = fp8::bf16_to_float(fp8::float_to_bf16(v));
+    if (act == FP8_DTYPE_BF16)
+      for (float& v : dw) v = fp8::bf16_to_float(fp8::float_to_bf16(v));
     added.push_back(dw);
   }
   // The expected codes, step by step.
@@ -1003,7 +1016,7 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
     den2 += sum * sum;
     alone2 += std::pow(got[i] - dws[1][i], 2);
   }
-  std::printf("[ grad accumulation %s ] ||err||/||dW1 + dW2|| %.4f, worst |err|/bound %.3f\n", GetParam(),
+  std::printf("[ grad accumulation %s ] ||err||/||dW1 + dW2|| %.4f, worst |err|/bound %.3f\n", format,
               std::sqrt(num2 / den2), worst);
   EXPECT_LE(worst, 1.0);
   EXPECT_LT(std::sqrt(num2 / den2), rel);
@@ -1022,6 +1035,10 @@ TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
     q3[i] = fp8::encode_fp8((fp8::dequantize_fp8(q2[i], e5m2, 1.0f / scale2) + dw3[i]) * scale3, e5m2);
   EXPECT_EQ(download<uint8_t>(grad), q3);
   EXPECT_EQ(bits_of(scale_inv_of(grad)), bits_of(1.0f / scale3));
+}
+
+TEST_P(OptimLevelGradAccumulation, TwoMicroBatchesRequantiseTheSumInOnePass) {
+  for (fp8_dtype_t act : {FP8_DTYPE_F32, FP8_DTYPE_BF16}) two_micro_batches(GetParam(), act);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, OptimLevelGradAccumulation, ::testing::Values("HYBRID", "E4M3"),
