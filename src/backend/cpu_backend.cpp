@@ -226,7 +226,7 @@ void cpu_gemm(const GemmJob& j) {
           double v = scale * c[r * ldc + col];
           if (j.bias) v += load_wide(j.bias, j.bias_dtype, c0 + col);
           const int64_t i = (r0 + r) * n + c0 + col;
-          if (j.accumulate) v += load_wide(j.c ? j.c : j.d, j.d_dtype, i);
+          if (j.accumulate) v += load_wide(j.addend(), j.d_dtype, i);
           const float value = static_cast<float>(v);
           if (fp8_out) {
             tile_amax = std::max(tile_amax, abs_bits(value));

@@ -126,8 +126,9 @@ void CublasLtGemm::destroy(Plan& p) noexcept {
 // D'(n x m) = B'(k x n)^T * A'(k x m): cuBLASLt's "A" is our B (transposed), its "B" is our A.
 // A transposed operand (stored [k][m] or [k][n], wide types only) flips its op and its layout.
 CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmJob& j) {
+  // (C and D share one layout and one alignment bound in the plan)
   const uint32_t align_a = alignment(j.a), align_b = alignment(j.b),
-                 align_d = std::min(alignment(j.d), j.accumulate && j.c ? alignment(j.c) : alignment(j.d));
+                 align_d = std::min(alignment(j.d), alignment(j.accumulate ? j.addend() : j.d));
   const Key key(j.m, j.n, j.k, j.a_dtype, j.b_dtype, j.d_dtype, j.bias ? j.bias_dtype : -1, j.accumulate,
                 j.fast_accumulation, j.a_transposed, j.b_transposed, align_a, align_b, align_d, j.a_scale_inv.mode,
                 j.b_scale_inv.mode, j.d_scale_inv.mode);
@@ -228,7 +229,7 @@ void CublasLtGemm::run(const GemmJob& j, cudaStream_t stream) {
   if (j.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, j.bias);
   const float alpha = j.alpha, beta = j.accumulate ? 1.0f : 0.0f;
   // An FP8 D is never accumulated into, and cuBLASLt wants no C then (C = D would need C's type).
-  const void* c = fp8_out ? nullptr : j.accumulate && j.c ? j.c : j.d;
+  const void* c = fp8_out ? nullptr : j.accumulate ? j.addend() : j.d;
   const cublasStatus_t st = cublasLtMatmul(handle_, p.desc, &alpha, j.b, p.a, j.a, p.b, &beta, c, p.c, j.d, p.d,
                                            &p.algo, workspace_, kWorkspaceBytes, stream);
   if (st != CUBLAS_STATUS_SUCCESS) {

@@ -232,6 +232,7 @@ struct GemmJob {
   bool accumulate;
   bool fast_accumulation;
   const void* c = nullptr;  // with accumulate (wide d only): d's dtype and layout; nullptr: d itself
+  const void* addend() const { return c ? c : d; }  // what accumulate adds: C
 };
 
 // Adds `add` (n elements of add_dtype, F32 or BF16) into an FP8 gradient in one requantising pass

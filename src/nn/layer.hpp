@@ -307,6 +307,13 @@ std::unique_ptr<Layer> make_activation(std::shared_ptr<Backend> backend, std::st
 
 // Checks shared by the layers; messages name the layer and the argument.
 void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const char* name, bool allow_fp8);
+// Whether t has `ndim` dimensions of `shape`.
+inline bool has_shape(const fp8_tensor* t, int32_t ndim, const int64_t* shape) {
+  if (t->ndim != ndim) return false;
+  for (int32_t i = 0; i < ndim; ++i)
+    if (t->shape[i] != shape[i]) return false;
+  return true;
+}
 void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim, const int64_t* shape);
 void require_disjoint_buffers(const std::string& layer, const fp8_tensor* a, const char* a_name, const fp8_tensor* b,
                               const char* b_name);

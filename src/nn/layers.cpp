@@ -68,9 +68,7 @@ void require_layer_dtype(const std::string& layer, const fp8_tensor* t, const ch
 
 void require_shape(const std::string& layer, const fp8_tensor* t, const char* name, int32_t ndim,
                    const int64_t* shape) {
-  bool same = t->ndim == ndim;
-  for (int32_t i = 0; same && i < ndim; ++i) same = t->shape[i] == shape[i];
-  if (!same)
+  if (!has_shape(t, ndim, shape))
     fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(t->ndim, t->shape), "; layer '", layer, "' expects ",
          shape_string(ndim, shape));
 }

@@ -172,8 +172,6 @@ class Linear final : public Layer {
     if (x->dtype == FP8_DTYPE_E5M2 || (!dtype_is_fp8(x->dtype) && x->dtype != act))
       fail(FP8_ERR_DTYPE, "x has dtype ", dtype_name(x->dtype), " and y ", dtype_name(act), "; layer '", name_,
            "' expects x of y's dtype or an e4m3 hand-off");
-    if (r && (r->residual->dtype != out_dt || r->residual->numel != y->numel))
-      fail(FP8_ERR_INTERNAL, "layer '", name_, "' was given a residual unlike its y");
     if (x->ndim < 1 || x->cols() != in_)
       fail(FP8_ERR_SHAPE, "x has shape ", shape_string(x->ndim, x->shape), "; layer '", name_, "' expects [.., ", in_,
            "]");

@@ -142,9 +142,7 @@ const void* dx_base(uint32_t flags, const fp8_tensor* dy, const fp8_tensor* dx) 
   if (dx->dtype != dy->dtype)
     fail(FP8_ERR_DTYPE, "dx has dtype ", dtype_name(dx->dtype), " and dy ", dtype_name(dy->dtype),
          "; FP8_BACKWARD_ADD_DY adds dy into dx, which takes dy's dtype");
-  bool same = dx->ndim == dy->ndim;
-  for (int32_t i = 0; same && i < dx->ndim; ++i) same = dx->shape[i] == dy->shape[i];
-  if (!same)
+  if (!has_shape(dx, dy->ndim, dy->shape))
     fail(FP8_ERR_SHAPE, "dx has shape ", shape_string(dx->ndim, dx->shape), " and dy ",
          shape_string(dy->ndim, dy->shape), "; FP8_BACKWARD_ADD_DY adds dy into dx, which takes dy's shape");
   return dy->data;
@@ -329,9 +327,7 @@ void require_run_tensor(const fp8_tensor* t, const char* name, fp8_dtype_t dtype
   if (t->dtype != dtype)
     fail(FP8_ERR_DTYPE, name, " has dtype ", dtype_name(t->dtype), "; expected ", dtype_name(dtype), " (", whose,
          "'s)");
-  bool same = t->ndim == ndim;
-  for (int32_t i = 0; same && i < ndim; ++i) same = t->shape[i] == shape[i];
-  if (!same)
+  if (!has_shape(t, ndim, shape))
     fail(FP8_ERR_SHAPE, name, " has shape ", shape_string(t->ndim, t->shape), "; expected ", shape_string(ndim, shape));
 }
 

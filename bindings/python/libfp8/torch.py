@@ -728,85 +728,50 @@ class Activation(torch.nn.Module):
         return f"{self.kind}, libfp8='{self._fp8_name}'"
 
 
-class _StackFunction(torch.autograd.Function):
-    """One libfp8 Sequential call: fp8_stack_forward_saved / fp8_stack_backward_saved over its
-    layers; the parameter gradients accumulate in libfp8's storage, as in _LayerFunction."""
+class _StackRun:
+    """Consecutive layers of one libfp8 model run as one stack (fp8_stack_forward_saved, or
+    fp8_stack_forward_residual with a residual): a libfp8 Sequential's children, or one libfp8 Linear
+    (for residual())."""
 
-    @staticmethod
-    def forward(ctx, seq, x, *params):  # pylint: disable=arguments-differ
-        y, saved = seq._run(x, True)
-        ctx.seq = seq
-        _keep_for_backward(ctx, x, y, saved)
-        return y
+    def __init__(self, module):
+        seq = isinstance(module, Sequential)
+        self.layers = module._layers if seq else [module]  # (the ones with parameters)
+        self.first, self.count = (module._first, len(module)) if seq else (module._layer_id, 1)
+        self.linear_first = isinstance(module[0] if seq else module, Linear)  # (else the first makes a dx)
+        self.out_features = self.layers[-1].out_features if isinstance(self.layers[-1], Linear) else None
+        self.what = f"Sequential '{module._fp8_name}'" if seq else f"layer '{module._fp8_name}'"
 
-    @staticmethod
-    def backward(ctx, dy):  # pylint: disable=arguments-differ
-        seq = ctx.seq
-        _check_backward(ctx, f"Sequential '{seq._fp8_name}'")
-        group = seq._layers[0]._group
-        group.dev.follow_stream()
-        for m in seq._layers:
-            m._alias_grads()
-        dy = dy.to(ctx.y_dtype).contiguous()
-        need_dx = ctx.needs_input_grad[1] or not isinstance(seq[0], Linear)  # norms and activations make one
-        dx = torch.empty(ctx.x_shape, dtype=ctx.x_dtype, device=dy.device) if need_dx else None
-        _check(_lib.fp8_stack_backward_saved(group.model.handle, ctx.saved.handle, group.dev.wrap(dy),
-                                             group.dev.wrap(dx) if dx is not None else None, 0))
-        ctx.saved = ctx.x = None
-        return (None, dx if ctx.needs_input_grad[1] else None) + (None,) * (len(ctx.needs_input_grad) - 2)
+    def enter(self, x, training):
+        """Before a call: libfp8 told of parameter writes, x cast and contiguous, the group entered."""
+        any(m._notice_writes() for m in self.layers)  # (stops at the first sync: it covers the group)
+        x = self.layers[0]._cast_input(x).contiguous()
+        self.layers[0]._group.enter(training)
+        return x
 
+    def call(self, x, r, training):
+        """r + the stack(x) (r None: the stack(x)), through autograd where a backward may follow."""
+        if torch.is_grad_enabled() and training:
+            params = [p for m in self.layers for p in m._autograd_params()]
+            if x.requires_grad or (r is not None and r.requires_grad) or params:
+                # (x passed once when it is the residual, so that autograd sees one input taking dx)
+                return _StackFunction.apply(self, x, r, *params)
+        return self.forward(x, r, False)[0]
 
-class Sequential(torch.nn.Sequential):
-    """An nn.Sequential whose children libfp8 runs as one stack (made by convert_model from an
-    nn.Sequential of Linears, LayerNorms, RMSNorms and GELU(tanh)/ReLU, every one converted): one
-    call into libfp8 per forward and per backward, the activations between the layers kept by
-    libfp8, a norm or activation handing its output to the FP8 Linear after it in E4M3, and the
-    backward of a GELU or ReLU after a Linear folded into that Linear's gradient cast (fp8.h,
-    fp8_stack_forward_saved). Same children and names as the nn.Sequential it replaces."""
-
-    def _attach_stack(self, name):
-        self._fp8_name = name
-        self._layers = [m for m in self if isinstance(m, _Module)]
-        self._ids = [m._layer_id for m in self]  # consecutive layers of one libfp8 model
-        self._first = self._ids[0]
-
-    def __getitem__(self, idx):
-        # A slice is torch's nn.Sequential of the same children (libfp8 runs the whole stack only).
-        if isinstance(idx, slice):
-            return torch.nn.Sequential(collections.OrderedDict(list(self._modules.items())[idx]))
-        return super().__getitem__(idx)
-
-    def _is_the_stack(self):
-        """Whether the children are still the layers convert_model stacked, with no hooks (which a
-        stack's call would skip): else the children run one call each."""
-        kids = list(self._modules.values())
-        return (len(kids) == len(self._ids) and [getattr(m, "_layer_id", None) for m in kids] == self._ids and
-                not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in kids))
-
-    def forward(self, x):  # pylint: disable=arguments-renamed
-        if not self._is_the_stack():
-            return super().forward(x)
-        first = self._layers[0]
-        any(m._notice_writes() for m in self._layers)  # (stops at the first sync: it covers the group)
-        x = first._cast_input(x).contiguous()
-        first._group.enter(self.training)
-        if torch.is_grad_enabled() and self.training:
-            params = [p for m in self._layers for p in m._autograd_params()]
-            if x.requires_grad or params:
-                return _StackFunction.apply(self, x, *params)
-        return self._run(x, False)[0]
-
-    def _run(self, x, need_backward):
-        """y = the stack(x) through fp8_stack_forward_saved; the saved state when a backward follows."""
-        group = self._layers[0]._group
+    def forward(self, x, r, need_backward):
+        """y, and the saved state when a backward follows."""
+        group = self.layers[0]._group
         wrap = group.dev.wrap
-        features = x.shape[-1]
-        for m in self:
-            features = m.out_features if isinstance(m, Linear) else features
-        y = torch.empty(x.shape[:-1] + (features,), dtype=_autocast_dtype(x) or x.dtype, device=x.device)
+        act = _autocast_dtype(x) or x.dtype
         saved = _Saved()
-        _check(_lib.fp8_stack_forward_saved(group.model.handle, self._first, len(self), wrap(x), wrap(y),
-                                            ctypes.byref(saved.handle)))
+        if r is None:
+            features = self.out_features or x.shape[-1]
+            y = torch.empty(x.shape[:-1] + (features,), dtype=act, device=x.device)
+            _check(_lib.fp8_stack_forward_saved(group.model.handle, self.first, self.count, wrap(x), wrap(y),
+                                                ctypes.byref(saved.handle)))
+        else:
+            y = torch.empty_like(r, memory_format=torch.contiguous_format)
+            _check(_lib.fp8_stack_forward_residual(group.model.handle, self.first, self.count, wrap(x), wrap(r),
+                                                   wrap(y), _TORCH_DTYPES[act], ctypes.byref(saved.handle)))
         if not need_backward:
             _lib.fp8_saved_destroy(saved.handle)  # its pool buffers go back now
             saved.handle = None
@@ -814,10 +779,11 @@ class Sequential(torch.nn.Sequential):
         return y, saved
 
 
-class _ResidualFunction(torch.autograd.Function):
-    """residual + layers(x) in one libfp8 call each way (fp8_stack_forward_residual): the last
-    Linear's GEMM adds the residual; in the backward the residual's gradient is dy itself, added in
-    the first layer's pass (FP8_BACKWARD_ADD_DY) when the residual is x."""
+class _StackFunction(torch.autograd.Function):
+    """One stack call: fp8_stack_forward_saved / fp8_stack_backward_saved over its layers, the
+    parameter gradients accumulated in libfp8's storage, as in _LayerFunction. With a residual r the
+    last Linear's GEMM adds it; in the backward r's gradient is dy itself, added in the first layer's
+    pass (FP8_BACKWARD_ADD_DY) when r is x."""
 
     @staticmethod
     def forward(ctx, run, x, r, *params):  # pylint: disable=arguments-differ
@@ -835,7 +801,7 @@ class _ResidualFunction(torch.autograd.Function):
         for m in run.layers:
             m._alias_grads()
         dy = dy.to(ctx.y_dtype).contiguous()
-        need_dx = ctx.needs_input_grad[1] or not isinstance(run.layers[0], Linear)
+        need_dx = ctx.needs_input_grad[1] or not run.linear_first
         dx = torch.empty(ctx.x_shape, dtype=ctx.x_dtype, device=dy.device) if need_dx else None
         add_dy = ctx.same and dx is not None
         if add_dy and dy.data_ptr() % 16:  # (libfp8 reads dy beside dx: 16-byte aligned)
@@ -844,34 +810,57 @@ class _ResidualFunction(torch.autograd.Function):
                                              group.dev.wrap(dx) if dx is not None else None,
                                              _f.BACKWARD_ADD_DY if add_dy else 0))
         ctx.saved = ctx.x = None
-        dr = None if add_dy or not ctx.needs_input_grad[2] else dy
-        return (None, dx if ctx.needs_input_grad[1] or add_dy else None, dr) + (None,) * (len(ctx.needs_input_grad) - 3)
+        dr = dy if ctx.needs_input_grad[2] and not add_dy else None
+        return (None, dx if ctx.needs_input_grad[1] else None, dr) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
-class _ResidualRun:
-    """The layers of a libfp8 Linear, or of a libfp8 Sequential still the stack convert_model made,
-    run as one residual stack."""
+class Sequential(torch.nn.Sequential):
+    """An nn.Sequential whose children libfp8 runs as one stack (made by convert_model from an
+    nn.Sequential of Linears, LayerNorms, RMSNorms and GELU(tanh)/ReLU, every one converted): one
+    call into libfp8 per forward and per backward, the activations between the layers kept by
+    libfp8, a norm or activation handing its output to the FP8 Linear after it in E4M3, and the
+    backward of a GELU or ReLU after a Linear folded into that Linear's gradient cast (fp8.h,
+    fp8_stack_forward_saved). Same children and names as the nn.Sequential it replaces."""
 
-    def __init__(self, module):
-        seq = isinstance(module, Sequential)
-        self.layers = module._layers if seq else [module]  # (the ones with parameters)
-        self.first, self.count = (module._first, len(module)) if seq else (module._layer_id, 1)
-        self.what = (f"Sequential '{module._fp8_name}'" if isinstance(module, Sequential)
-                     else f"layer '{module._fp8_name}'")
+    def _attach_stack(self, name):
+        self._fp8_name = name
+        self._layers = [m for m in self if isinstance(m, _Module)]
+        self._ids = [m._layer_id for m in self]  # consecutive layers of one libfp8 model
+        self._first = self._ids[0]
+        self._stack_run = _StackRun(self)
 
-    def forward(self, x, r, need_backward):
-        group = self.layers[0]._group
-        wrap = group.dev.wrap
-        y = torch.empty_like(r, memory_format=torch.contiguous_format)
-        act = _autocast_dtype(x) or x.dtype
-        saved = _Saved()
-        _check(_lib.fp8_stack_forward_residual(group.model.handle, self.first, self.count, wrap(x), wrap(r), wrap(y),
-                                               _TORCH_DTYPES[act], ctypes.byref(saved.handle)))
-        if not need_backward:
-            _lib.fp8_saved_destroy(saved.handle)
-            saved.handle = None
-            return y, None
-        return y, saved
+    def __getitem__(self, idx):
+        # A slice is torch's nn.Sequential of the same children (libfp8 runs the whole stack only).
+        if isinstance(idx, slice):
+            return torch.nn.Sequential(collections.OrderedDict(list(self._modules.items())[idx]))
+        return super().__getitem__(idx)
+
+    def _is_the_stack(self):
+        """Whether the children are still the layers convert_model stacked, with no hooks (which a
+        stack's call would skip): else the children run one call each."""
+        kids = list(self._modules.values())
+        return (len(kids) == len(self._ids) and [getattr(m, "_layer_id", None) for m in kids] == self._ids and
+                not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in kids))
+
+    def forward(self, x):  # pylint: disable=arguments-renamed
+        if not self._is_the_stack():
+            return super().forward(x)
+        run = self._stack_run
+        return run.call(run.enter(x, self.training), None, self.training)
+
+
+def _residual_run(module):
+    """The stack residual() runs for `module` (a libfp8 Linear, or a libfp8 Sequential still the stack
+    convert_model made and ending with a Linear, neither hooked), else None."""
+    if isinstance(module, Sequential):
+        if not (module._is_the_stack() and isinstance(module[-1], Linear)):
+            return None
+    elif not isinstance(module, Linear):
+        return None
+    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or
+            getattr(module, "_backward_pre_hooks", None)):
+        return None  # (the module's own call runs its hooks)
+    return module._stack_run if isinstance(module, Sequential) else _StackRun(module)
 
 
 def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
@@ -884,34 +873,19 @@ def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
     fp8_stack_forward_residual). Anything else (torch modules, a changed or hooked Sequential, shapes
     or dtypes libfp8's path does not take) is computed as residual + module(x) by torch."""
     r = x if residual is None else residual
-    run_module = module if isinstance(module, (Linear, Sequential)) else None
-    if isinstance(module, Sequential) and not (module._is_the_stack() and isinstance(module[-1], Linear)):
-        run_module = None
-    if run_module is not None and (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or
-                                   getattr(module, "_backward_pre_hooks", None)):
-        run_module = None  # (the module's own call runs its hooks)
-    if (run_module is None or not isinstance(r, torch.Tensor) or r.dtype not in (torch.float32, torch.bfloat16) or
+    run = _residual_run(module)
+    if (run is None or not isinstance(r, torch.Tensor) or r.dtype not in (torch.float32, torch.bfloat16) or
             not r.is_contiguous() or r.device != x.device):
         return r + module(x)
-    layers = module._layers if isinstance(module, Sequential) else [module]
-    first = layers[0]
-    any(m._notice_writes() for m in layers)
-    x_in = first._cast_input(x).contiguous()
-    out_shape = x_in.shape[:-1] + (layers[-1].out_features,)
-    # (F32 activations give no BF16 sum: a high-precision GEMM writes its operands' dtype or F32)
-    if r.shape != out_shape or (r.dtype == torch.bfloat16 and (_autocast_dtype(x_in) or x_in.dtype) == torch.float32):
+    # (eval mode keeps nothing for a backward, but the residual's gradient is dy: torch's sum there)
+    if not module.training and torch.is_grad_enabled() and r.requires_grad:
         return r + module(x)
-    same = x_in is r
-    first._group.enter(module.training)
-    run = _ResidualRun(module)
-    if torch.is_grad_enabled() and module.training:
-        params = [p for m in layers for p in m._autograd_params()]
-        if x_in.requires_grad or r.requires_grad or params:
-            # (x passed once when it is the residual, so that autograd sees one input taking dx)
-            return _ResidualFunction.apply(run, x_in, x_in if same else r, *params)
-    elif torch.is_grad_enabled() and r.requires_grad:
-        return r + module(x)  # (eval mode keeps nothing for a backward, but the residual's gradient is dy)
-    return run.forward(x_in, r, False)[0]
+    # (F32 activations give no BF16 sum: a high-precision GEMM writes its operands' dtype or F32)
+    if (not isinstance(x, torch.Tensor) or r.shape != x.shape[:-1] + (run.out_features,) or
+            (r.dtype == torch.bfloat16 and (_autocast_dtype(x) or x.dtype) == torch.float32)):
+        return r + module(x)
+    x_in = run.enter(x, module.training)
+    return run.call(x_in, x_in if x_in is r else r, module.training)
 
 
 _ACTIVATIONS = {"GELU": _f.ACTIVATION_GELU, "ReLU": _f.ACTIVATION_RELU}
