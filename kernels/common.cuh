@@ -151,28 +151,50 @@ struct TileLoads128 {
   __device__ __forceinline__ float get(int k, int i) const { return x[k][i >> 3].get(i & 7); }
 };
 
-// The write half of a 128 x 128 byte-tile transpose (FP8 codes in shared memory, rows PITCH bytes
-// apart): 8 lanes write one output row (a tile column) of 16 codes each, one 16-byte store when
-// rows_aligned, else byte by byte. Used by cast_transpose and by the plain FP8 transpose.
-template <int THREADS, int PITCH>
+// The 128 x 128 tile of FP8 codes through which the transposing casts turn a tile around in shared
+// memory: rows of 128 bytes, the eight 16-byte chunks of row r permuted (chunk XOR 2 * ((r / 16) % 4))
+// so that store_tile_transposed's reads fall in 32 different banks (with any pitch that keeps rows
+// 16-byte aligned, rows 16 apart share banks). tile_at(r, c) is the byte offset of code (r, c); a
+// 16-byte chunk (c a multiple of 16) stays contiguous.
+constexpr int kCodeTileBytes = 128 * 128;
+__device__ __forceinline__ int tile_at(int r, int c) {
+  return r * 128 + (((c >> 4) ^ ((r >> 3) & 6)) << 4) + (c & 15);
+}
+
+// The write half of a 128 x 128 byte-tile transpose (codes written at tile_at): each thread reads a
+// block of 16 rows x 4 columns as 16 words (a warp: 4 row blocks x 8 column words, no bank
+// conflict), turns it around with byte permutes, and writes 4 rows of out_t (tile columns) of 16
+// codes each: one 16-byte store when rows_aligned, else byte by byte. Used by cast_transpose,
+// recipe_quantize and the plain FP8 transpose.
+template <int THREADS>
 __device__ __forceinline__ void store_tile_transposed(const uint8_t* tile, uint8_t* out_t, int64_t rows, int64_t R0,
                                                       int64_t C0, bool rows_aligned) {
+  static_assert(THREADS == 256, "one 16 x 4 block of the tile per thread");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int q = 8 * (warp & 3) + (lane & 7);     // tile columns 4q .. 4q + 3
+  const int rb = 4 * (warp >> 2) + (lane >> 3);  // tile rows 16 rb .. 16 rb + 15
+  uint32_t w[16];
 #pragma unroll
-  for (int k = 0; k < 128 * 128 / 16 / THREADS; ++k) {
-    const int task = threadIdx.x + k * THREADS, c = task >> 3, r0 = (task & 7) * 16;
-    uint32_t w[4];
+  for (int s = 0; s < 16; ++s) w[s] = *reinterpret_cast<const uint32_t*>(tile + tile_at(16 * rb + s, 4 * q));
+  uint32_t o[4][4];  // o[j][k]: codes of tile column 4q + j, rows 16 rb + 4k .. + 3
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      w[b] = 0;
+  for (int k = 0; k < 4; ++k) {  // a 4 x 4 byte transpose of rows 4k .. 4k + 3
+    const uint32_t t0 = __byte_perm(w[4 * k], w[4 * k + 1], 0x5140), t1 = __byte_perm(w[4 * k], w[4 * k + 1], 0x7362);
+    const uint32_t t2 = __byte_perm(w[4 * k + 2], w[4 * k + 3], 0x5140),
+                   t3 = __byte_perm(w[4 * k + 2], w[4 * k + 3], 0x7362);
+    o[0][k] = __byte_perm(t0, t2, 0x5410);
+    o[1][k] = __byte_perm(t0, t2, 0x7632);
+    o[2][k] = __byte_perm(t1, t3, 0x5410);
+    o[3][k] = __byte_perm(t1, t3, 0x7632);
+  }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) w[b] |= static_cast<uint32_t>(tile[(r0 + 4 * b + i) * PITCH + c]) << (8 * i);
-    }
-    uint8_t* dst = out_t + (C0 + c) * rows + R0 + r0;
+  for (int j = 0; j < 4; ++j) {
+    uint8_t* dst = out_t + (C0 + 4 * q + j) * rows + R0 + 16 * rb;
     if (rows_aligned) {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(o[j][0], o[j][1], o[j][2], o[j][3]);
     } else {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+      for (int i = 0; i < 16; ++i) dst[i] = static_cast<uint8_t>(o[j][i / 4] >> (8 * (i % 4)));
     }
   }
 }

@@ -1,8 +1,8 @@
 // Cast + transpose + amax in one pass over 128 x 128 tiles. Phase 1 gives each thread 16
 // consecutive columns of a row: 16-byte loads, 16-byte stores of the codes to `out` (8 lanes write
-// one whole 128-byte line) and to a shared tile. Phase 2 gives 8 lanes one row of `out_t` (an input
-// column), 16 input rows each, so `out_t` is written in whole 128-byte lines too. The loads of a
-// block's next tile are issued before it writes the current one. bench/RESULTS.md records the
+// one whole 128-byte line) and to a shared tile. Phase 2 (store_tile_transposed) turns 16 x 4 blocks
+// of the tile around in registers and writes `out_t` 16 bytes a lane. The loads of a block's next
+// tile are issued before it writes the current one. bench/RESULTS.md records the
 // register-only designs this one beat. With DBIAS the pass also writes one partial column sum per
 // tile (the Linear's bias gradient from the dy cast; see kBiasGradRows), in a fixed order. One
 // launch may cast several tensors (the model's weight copies, cast_transpose_group): the tiles of
@@ -22,9 +22,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Rows of the shared tile are padded to 144 bytes so that phase 2's byte reads (8 rows x 4 columns
-// per warp instruction) fall in 8 different banks, and 16-byte stores stay aligned.
-constexpr int kTile = 128, kTilePitch = 144;
+constexpr int kTile = 128;
 
 template <fp8_dtype_t DT>
 using TileLoads = TileLoads128<DT, kThreads>;
@@ -121,12 +119,14 @@ __device__ __forceinline__ void cp_async16(uint4* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 
+// Two blocks per SM for 16-bit inputs (128 registers: the prefetch needs the occupancy, and on the
+// H200 1 block per SM ran 14-20% slower); F32 tiles hold twice the registers in flight and spill at 128.
 template <fp8_dtype_t DT, bool E5M2, bool DBIAS, int N, int FOLD>
-__global__ void __launch_bounds__(kThreads, folds_grad(FOLD) && DT != FP8_DTYPE_F32 ? 2 : 1)
+__global__ void __launch_bounds__(kThreads, DT != FP8_DTYPE_F32 ? 2 : 1)
     cast_transpose_kernel(const __grid_constant__ CastItems<N> g, float current_max, bool current_pow2,
                           float* __restrict__ dbias_partials) {
   using Raw = typename Wide<DT>::Raw;
-  __shared__ __align__(16) uint8_t tile[kTile * kTilePitch];
+  __shared__ __align__(16) uint8_t tile[kCodeTileBytes];
   __shared__ float col_part[DBIAS ? kThreads / 32 * kTile : 1];
   extern __shared__ uint4 staged[];  // folds_grad(FOLD): the next tile's act_x, [copy][thread]
   const int tid = threadIdx.x;
@@ -219,14 +219,14 @@ __global__ void __launch_bounds__(kThreads, folds_grad(FOLD) && DT != FP8_DTYPE_
         }
         const uint4 codes = make_uint4(w[0], w[1], w[2], w[3]);
         *reinterpret_cast<uint4*>(it.out + (R0 + r) * cols + C0 + c) = codes;
-        *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) = codes;
+        *reinterpret_cast<uint4*>(tile + tile_at(r, c)) = codes;
       }
       if constexpr (DBIAS) tile_column_sums(sums, col_part, dbias_partials, lt / it.tiles_c, C0, cols);
       __syncthreads();
       // Phase 2: transposed row c (input column C0 + c), input rows r0..r0+15: one 16-byte store
       // when rows keeps the transposed rows 16-byte aligned, else 16 byte stores (e.g. a vocabulary
       // of 50257 rows still gets the vector loads and the row-major stores of phase 1).
-      store_tile_transposed<kThreads, kTilePitch>(tile, it.out_t, rows, R0, C0, it.rows_aligned);
+      store_tile_transposed<kThreads>(tile, it.out_t, rows, R0, C0, it.rows_aligned);
       __syncthreads();  // the tile is reused by the next iteration
     } else {
       // Edge or unaligned tile: element by element, rows spread over the threads.

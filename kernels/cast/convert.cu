@@ -18,15 +18,15 @@ __global__ void __launch_bounds__(kThreads) convert_kernel(const typename Wide<I
 }
 
 // 128 x 128 byte tiles through shared memory with 16-byte accesses on both sides (the layout of
-// cast_transpose.cu without the cast): a thread loads 16 codes of a row, then gathers 16 codes of
-// a column into one store. Rows are padded to 144 bytes so the column reads spread over banks.
-// Edge tiles and unaligned tensors go element by element.
-constexpr int kT = 128, kPitch = 144;
+// cast_transpose.cu without the cast): a thread loads 16 codes of a row into the tile, then
+// store_tile_transposed writes them turned around. Edge tiles and unaligned tensors go element by
+// element.
+constexpr int kT = 128;
 
 __global__ void __launch_bounds__(kThreads) transpose_kernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
                                                              bool vec, uint8_t* __restrict__ out,
                                                              const float* in_scale_inv, float* out_scale_inv) {
-  __shared__ __align__(16) uint8_t tile[kT * kPitch];
+  __shared__ __align__(16) uint8_t tile[kCodeTileBytes];
   const int tid = threadIdx.x;
   const int64_t tiles_c = (cols + kT - 1) / kT;
   const int64_t tiles = (rows + kT - 1) / kT * tiles_c;
@@ -36,11 +36,11 @@ __global__ void __launch_bounds__(kThreads) transpose_kernel(const uint8_t* __re
 #pragma unroll
       for (int k = 0; k < kT * kT / 16 / kThreads; ++k) {
         const int ch = tid + k * kThreads, r = ch >> 3, c = (ch & 7) * 16;
-        *reinterpret_cast<uint4*>(tile + r * kPitch + c) =
+        *reinterpret_cast<uint4*>(tile + tile_at(r, c)) =
             __ldg(reinterpret_cast<const uint4*>(in + (R0 + r) * cols + C0 + c));
       }
       __syncthreads();
-      store_tile_transposed<kThreads, kPitch>(tile, out, rows, R0, C0, true);
+      store_tile_transposed<kThreads>(tile, out, rows, R0, C0, true);
       __syncthreads();
     } else {
       for (int e = tid; e < kT * kT; e += kThreads) {

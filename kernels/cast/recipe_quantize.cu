@@ -20,7 +20,7 @@ namespace fp8::kernels {
 
 namespace {
 
-constexpr int kThreads = 256, kTile = 128, kPitch = 144;
+constexpr int kThreads = 256, kTile = 128;
 
 template <fp8_dtype_t DT>
 using Tile = TileLoads128<DT, kThreads>;
@@ -152,7 +152,7 @@ template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
   constexpr int kChunks = Tile<DT>::kChunks;
-  __shared__ __align__(16) uint8_t tile[kTile * kPitch];
+  __shared__ __align__(16) uint8_t tile[kCodeTileBytes];
   __shared__ uint32_t col_part[kThreads / 32][kTile];
   __shared__ __align__(16) float col_scale[kTile];
   __shared__ uint32_t warp_max[kThreads / 32];  // 128x128: each warp's maximum
@@ -277,17 +277,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
             w[q] = cast4<E5M2>(cur.get(k, 4 * q) * cs[4 * q], cur.get(k, 4 * q + 1) * cs[4 * q + 1],
                                cur.get(k, 4 * q + 2) * cs[4 * q + 2], cur.get(k, 4 * q + 3) * cs[4 * q + 3]);
         }
-        *reinterpret_cast<uint4*>(tile + r * kPitch + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(tile + tile_at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
     if (with_t) {
       __syncthreads();
       if (vector) {
-        store_tile_transposed<kThreads, kPitch>(tile, p.out_t, p.rows, R0, C0, p.rows_aligned);
+        store_tile_transposed<kThreads>(tile, p.out_t, p.rows, R0, C0, p.rows_aligned);
       } else {
         for (int e = tid; e < kTile * kTile; e += kThreads) {
           const int c = e / kTile, r = e % kTile;
-          if (R0 + r < p.rows && C0 + c < p.cols) p.out_t[(C0 + c) * p.rows + R0 + r] = tile[r * kPitch + c];
+          if (R0 + r < p.rows && C0 + c < p.cols) p.out_t[(C0 + c) * p.rows + R0 + r] = tile[tile_at(r, c)];
         }
       }
     }
