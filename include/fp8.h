@@ -699,13 +699,12 @@ FP8_API fp8_status_t fp8_gemm_scaled(fp8_context_t *ctx, const fp8_tensor_t *a, 
  * the scaling state's history slot 0 and the tensor's scale_inv set to the state's scale_inv: the
  * hand-off to the next Linear without a bf16 round trip. The scaling argument is required for an
  * FP8 output (of the output's dtype) and must be NULL otherwise. The CPU reference and the GPU use
- * the same formulas in float and agree to an ulp or two of expf (not bit for bit).
+ * the same formulas in float and agree to an ulp or two of tanhf/expf (not bit for bit).
  * --------------------------------------------------------------------------------------------- */
 
 typedef int32_t fp8_activation_t;
 #define FP8_ACTIVATION_RELU 0   /**< max(x, 0); NaN stays NaN */
-#define FP8_ACTIVATION_GELU 1   /**< 0.5x(1 + tanh(u)), u = sqrt(2/pi)(x + 0.044715x^3) (TransformerEngine's),
-                                     computed as x / (1 + exp(-2u)) */
+#define FP8_ACTIVATION_GELU 1   /**< 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), TransformerEngine's */
 #define FP8_ACTIVATION_SWIGLU 2 /**< x = [gate | up] along the last dimension: silu(gate) * up */
 
 /**

@@ -1,6 +1,6 @@
 // Activations on the GPU against the CPU reference on the same inputs, forward and backward, every
 // input dtype and output dtype (FP8 included), awkward shapes. The two use the same float formulas
-// but different expf, so the comparison is by relative error, not bit for bit.
+// but different tanhf/expf, so the comparison is by relative error, not bit for bit.
 #include <cmath>
 #include <random>
 
@@ -55,7 +55,7 @@ TEST(GpuActivation, ForwardAndBackwardMatchTheCpuReference) {
               FP8_ASSERT_OK(fp8_activation_backward(cpu.get(), act, x_c.get(), dy_c.get(), o_c.get(), s_c.get()));
               FP8_ASSERT_OK(fp8_activation_backward(gpu.get(), act, x_g.get(), dy_g.get(), o_g.get(), s_g.get()));
             }
-            // f32: ulps of expf; bf16: rare one-ulp flips of the rounding; FP8: rare one-step flips.
+            // f32: ulps of tanhf/expf; bf16: rare one-ulp flips of the rounding; FP8: rare one-step flips.
             const double bound = out_dt == FP8_DTYPE_F32 ? 1e-6 : out_dt == FP8_DTYPE_BF16 ? 2e-3 : 2e-2;
             EXPECT_LT(relative_error(values(o_g.get()), values(o_c.get())), bound);
             if (fp8_out) {

@@ -272,7 +272,7 @@ TEST(GpuLayers, MlpBlockWithFp8HandOffsMatchesTheCpuReference) {
       FP8_ASSERT_OK(fp8_layer_backward(m, 1, g1, g0));
       FP8_ASSERT_OK(fp8_layer_backward(m, 0, g0, dx));
     }
-    // The hand-offs are FP8 codes of float results (norm statistics in float vs double, expf):
+    // The hand-offs are FP8 codes of float results (norm statistics in float vs double, tanhf):
     // a few codes may round the other way, so they are compared as values, like the rest.
     EXPECT_LT(relative_error(values(h0_g.get()), values(h0_c.get())), 1e-2) << "norm output, step " << step;
     EXPECT_LT(relative_error(values(h2_g.get()), values(h2_c.get())), 1e-2) << "gelu output, step " << step;
@@ -325,7 +325,7 @@ TEST(GpuLayers, StackFoldingTheActivationMatchesTheCpuReference) {
     t.expect_grads_close(2e-2);
     expect_all_fp8(t, {1, 3});
     // The activation's output state scaled fc2's x cast, and fc1's gradient state recorded the amax
-    // of the folded values (the activation's dx): on both backends within the last bits of expf.
+    // of the folded values (the activation's dx): on both backends within the last bits of tanhf.
     for (auto [id, slot] : {std::pair{2, FP8_SCALING_OUTPUT}, std::pair{1, FP8_SCALING_GRAD_OUTPUT}}) {
       fp8_scaling_t *sc = nullptr, *sg = nullptr;
       FP8_ASSERT_OK(fp8_layer_get_scaling(t.mc.get(), id, slot, &sc));

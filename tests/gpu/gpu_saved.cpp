@@ -30,7 +30,7 @@ TEST_P(GpuTwoInFlight, SameBitsAsPairsAndTwinsAndCloseToTheCpu) {
   const sc::Kind kind = GetParam();
   const sc::Outputs twins = sc::run(0, kind, sc::Mode::kTwins, false);
   // LayerNorm and GELU compute in float on the GPU and in double (norm statistics) or with another
-  // expf on the CPU: a few ulps. The Linear's GEMMs sum in another order.
+  // tanhf on the CPU: a few ulps. The Linear's GEMMs sum in another order.
   // (FP8 operands are the same codes on both; the forward GEMM's fast accumulation rounds more.)
   const double tol = kind == sc::Kind::kLinearFp8 ? 2e-3 : 1e-5;
   for (bool second_first : {false, true}) {

@@ -6,7 +6,7 @@
 //  - The optimizer step is bit-identical on both backends (fp8.h, "Optimizer"; core/optim_rule.hpp):
 //    same parameters + same gradients + same hyper-parameters give the same bits, stats included.
 //  - A whole-model step is not: FP8 GEMMs accumulate in another order (fprop with fast
-//    accumulation), norms take their statistics in float on the GPU and in double on the CPU, expf
+//    accumulation), norms take their statistics in float on the GPU and in double on the CPU, tanhf
 //    differs by an ulp. Outputs and gradients are compared as normwise relative errors, with the
 //    tolerances gpu_layers.cpp uses for the same kind of block.
 //  - To compare the training steps themselves tightly, the CPU model is kept in lockstep with the
@@ -719,7 +719,7 @@ fp8_scaling_t* state_of(fp8_model_t* m, int32_t layer, int32_t slot) {
 // The forward states after `fwd` forwards, the gradient states after `bwd` backwards. The ones
 // whose amax comes from identical data are exact: fc1's x (the caller's), both weights (identical
 // in lockstep) and fc2's dy (the caller's); fc2's x never records (the E4M3 hand-off brings its own
-// scale). fc1's dy (the norm's recomputed input gradient) and the GELU's output (expf, and norm
+// scale). fc1's dy (the norm's recomputed input gradient) and the GELU's output (tanhf, and norm
 // statistics in float vs double) are compared within a tolerance.
 void expect_states(TrainRig& r, int64_t fwd, int64_t bwd, const std::string& what) {
   struct Slot {
