@@ -90,30 +90,18 @@ void with_bias_gradient(fp8::QuantizeJob& j) {
 
 int main(int argc, char** argv) {
   const char* json_path = argc > 1 ? argv[1] : "bench_cast.json";
-  cudaStream_t stream = nullptr;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+  const fp8bench::KernelDevice dev = fp8bench::open_kernel_device();
+  cudaStream_t stream = dev.stream;
+  const int sms = dev.sms;
   const fp8::kernels::LaunchLimits lim{0, sms};
-  struct Row {
-    std::string name;
-    double ms, gbps;
-  };
-  std::vector<Row> rows;
-  {
-    double ms = 0.0;
-    const double gbps = fp8bench::copy_bandwidth_gbps(stream, &ms);
-    rows.push_back({"d2d copy 1 GiB", ms, gbps});
-  }
+  std::vector<fp8bench::BandwidthRow> rows{fp8bench::copy_ceiling_row(stream)};
   const int64_t tokens = 8192, d = 2048, hidden = 8192;
   // One cast: bytes per element = the input's width (+ act_x's) + 2 FP8 layouts.
   auto time_cast = [&](const std::string& name, const fp8::QuantizeJob& j) {
     const double width = j.in_dtype == FP8_DTYPE_F32 ? 4.0 : 2.0;
     const double bytes = static_cast<double>(j.rows * j.cols) * (width * (j.act_x ? 2.0 : 1.0) + 2.0);
-    const double ms = median_ms(stream, [&](int) { fp8::kernels::cast_transpose(j, lim, stream); }, 20);
+    const double ms = median_ms(
+        stream, [&](int) { fp8::kernels::cast_transpose(j, lim, stream); }, 20);
     rows.push_back({name, ms, bytes / ms / 1e6});
   };
   {
@@ -148,20 +136,11 @@ int main(int argc, char** argv) {
         w.push_back(cast_job(FP8_DTYPE_F16, r, c, false, 100 + static_cast<uint32_t>(w.size())));
         bytes += static_cast<double>(r * c) * 4.0;
       }
-    const double ms =
-        median_ms(stream, [&](int) { fp8::kernels::cast_transpose_group(w.data(), w.size(), lim, stream); }, 5);
+    const double ms = median_ms(
+        stream, [&](int) { fp8::kernels::cast_transpose_group(w.data(), w.size(), lim, stream); }, 5);
     rows.push_back({"weights f16, 64 tensors grouped (805M values)", ms, bytes / ms / 1e6});
   }
-  std::printf("%-52s %10s %12s %9s\n", "cast + transpose + amax", "ms", "GB/s", "of copy");
-  FILE* json = std::fopen(json_path, "w");
-  std::fprintf(json, "[\n");
-  for (size_t i = 0; i < rows.size(); ++i) {
-    std::printf("%-52s %10.4f %12.1f %8.1f%%\n", rows[i].name.c_str(), rows[i].ms, rows[i].gbps,
-                100.0 * rows[i].gbps / rows[0].gbps);
-    std::fprintf(json, "  {\"name\": \"%s\", \"ms\": %.5f, \"gbps\": %.2f}%s\n", rows[i].name.c_str(), rows[i].ms,
-                 rows[i].gbps, i + 1 < rows.size() ? "," : "");
-  }
-  std::fprintf(json, "]\n");
-  std::fclose(json);
+  fp8bench::print_bandwidth_rows("cast + transpose + amax", rows);
+  fp8bench::write_bandwidth_json(json_path, rows);
   return 0;
 }

@@ -17,15 +17,6 @@
 
 using fp8bench::median_ms;
 
-namespace {
-
-struct Row {
-  std::string name;
-  double ms, gbps;
-};
-
-}  // namespace
-
 int main(int argc, char** argv) {
   const char* json_path = argc > 1 ? argv[1] : "bench_quantize.json";
   fp8_context_t* gpu = nullptr;
@@ -39,13 +30,7 @@ int main(int argc, char** argv) {
   fp8_device_info_init(&info);
   CHECK_FP8(fp8_device_query(0, &info));
   std::printf("device: %s (sm_%d)\n", info.name, info.compute_capability);
-  std::vector<Row> rows;
-
-  {  // the ceiling
-    double ms = 0.0;
-    const double gbps = fp8bench::copy_bandwidth_gbps(stream, &ms);
-    rows.push_back({"d2d copy 1 GiB", ms, gbps});
-  }
+  std::vector<fp8bench::BandwidthRow> rows{fp8bench::copy_ceiling_row(stream)};
 
   fp8_recipe_t* recipe = nullptr;
   CHECK_FP8(fp8_recipe_create(&recipe));
@@ -111,17 +96,8 @@ int main(int argc, char** argv) {
     fp8_scaling_destroy(s);
   }
 
-  std::printf("%-44s %10s %12s %9s\n", "libfp8", "ms", "GB/s", "of copy");
-  FILE* json = std::fopen(json_path, "w");
-  std::fprintf(json, "[\n");
-  for (size_t i = 0; i < rows.size(); ++i) {
-    std::printf("%-44s %10.4f %12.1f %8.1f%%\n", rows[i].name.c_str(), rows[i].ms, rows[i].gbps,
-                100.0 * rows[i].gbps / rows[0].gbps);
-    std::fprintf(json, "  {\"name\": \"%s\", \"ms\": %.5f, \"gbps\": %.2f}%s\n", rows[i].name.c_str(), rows[i].ms,
-                 rows[i].gbps, i + 1 < rows.size() ? "," : "");
-  }
-  std::fprintf(json, "]\n");
-  std::fclose(json);
+  fp8bench::print_bandwidth_rows("libfp8", rows);
+  fp8bench::write_bandwidth_json(json_path, rows);
   fp8_recipe_destroy(recipe);
   fp8_context_destroy(cpu);
   fp8_context_destroy(gpu);

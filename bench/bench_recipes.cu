@@ -25,23 +25,10 @@ using fp8bench::median_ms;
 
 int main(int argc, char** argv) {
   const char* json_path = argc > 1 ? argv[1] : "bench_recipe_quantize.json";
-  cudaStream_t stream = nullptr;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
-  struct Row {
-    std::string name;
-    double ms, gbps;
-  };
-  std::vector<Row> rows;
-  {  // the ceiling
-    double ms = 0.0;
-    const double gbps = fp8bench::copy_bandwidth_gbps(stream, &ms);
-    rows.push_back({"d2d copy 1 GiB", ms, gbps});
-  }
+  const fp8bench::KernelDevice dev = fp8bench::open_kernel_device();
+  cudaStream_t stream = dev.stream;
+  const int sms = dev.sms;
+  std::vector<fp8bench::BandwidthRow> rows{fp8bench::copy_ceiling_row(stream)};
   const fp8::ScaleMode modes[] = {fp8::ScaleMode::kTensor, fp8::ScaleMode::kRow, fp8::ScaleMode::kBlock1x128,
                                   fp8::ScaleMode::kBlock128x128};
   for (auto [m, k] : std::vector<std::pair<int64_t, int64_t>>{{8192, 8192}, {16384, 8192}}) {
@@ -141,15 +128,10 @@ int main(int argc, char** argv) {
     }
     for (void* p : {static_cast<void*>(a), static_cast<void*>(b), d, static_cast<void*>(scales)}) cudaFree(p);
   }
-  std::printf("%-52s %10s %12s %9s\n", "", "ms", "GB/s", "of copy");
+  fp8bench::print_bandwidth_rows("", rows);
   FILE* json = std::fopen(json_path, "w");
   std::fprintf(json, "[\n");
-  for (size_t i = 0; i < rows.size(); ++i) {
-    std::printf("%-52s %10.4f %12.1f %8.1f%%\n", rows[i].name.c_str(), rows[i].ms, rows[i].gbps,
-                100.0 * rows[i].gbps / rows[0].gbps);
-    std::fprintf(json, "%s  {\"name\": \"%s\", \"ms\": %.5f, \"gbps\": %.2f}", i ? ",\n" : "", rows[i].name.c_str(),
-                 rows[i].ms, rows[i].gbps);
-  }
+  fp8bench::json_bandwidth_rows(json, rows);
   std::printf("\n%-52s %10s %12s\n", "", "ms", "TFLOP/s");
   for (const GemmRow& r : gemm_rows) {
     std::printf("%-52s %10.4f %12.1f\n", r.name.c_str(), r.ms, r.tflops);

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <functional>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -167,6 +168,59 @@ inline double copy_bandwidth_gbps(cudaStream_t stream, double* ms_out = nullptr)
   cudaFree(dst);
   if (ms_out) *ms_out = ms;
   return 2.0 * static_cast<double>(n) / ms / 1e6;
+}
+
+// For the benchmarks that call kernels directly: device 0's name printed, a non-blocking stream
+// on it and its SM count (the launchers' grid sizing).
+struct KernelDevice {
+  cudaStream_t stream = nullptr;
+  int sms = 0;
+};
+inline KernelDevice open_kernel_device() {
+  KernelDevice d;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
+  CHECK_CUDA(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+  return d;
+}
+
+// One timed operation of a bandwidth table: its time and the GB/s of the bytes it must move.
+struct BandwidthRow {
+  std::string name;
+  double ms, gbps;
+};
+
+// A bandwidth table's first row: the device-to-device copy of 1 GiB (the ceiling "of copy" counts against).
+inline BandwidthRow copy_ceiling_row(cudaStream_t stream) {
+  double ms = 0.0;
+  const double gbps = copy_bandwidth_gbps(stream, &ms);
+  return {"d2d copy 1 GiB", ms, gbps};
+}
+
+// Prints rows (rows[0] the copy ceiling) as a table headed by `title`.
+inline void print_bandwidth_rows(const char* title, const std::vector<BandwidthRow>& rows) {
+  std::printf("%-52s %10s %12s %9s\n", title, "ms", "GB/s", "of copy");
+  for (const BandwidthRow& r : rows)
+    std::printf("%-52s %10.4f %12.1f %8.1f%%\n", r.name.c_str(), r.ms, r.gbps, 100.0 * r.gbps / rows[0].gbps);
+}
+
+// Writes rows as comma-separated JSON objects {name, ms, gbps}, without the array's brackets (a
+// caller may add rows of its own after them).
+inline void json_bandwidth_rows(FILE* f, const std::vector<BandwidthRow>& rows) {
+  for (size_t i = 0; i < rows.size(); ++i)
+    std::fprintf(f, "%s  {\"name\": \"%s\", \"ms\": %.5f, \"gbps\": %.2f}", i ? ",\n" : "", rows[i].name.c_str(),
+                 rows[i].ms, rows[i].gbps);
+}
+
+// Writes rows as a JSON array of {name, ms, gbps} to `path`.
+inline void write_bandwidth_json(const char* path, const std::vector<BandwidthRow>& rows) {
+  FILE* json = std::fopen(path, "w");
+  std::fprintf(json, "[\n");
+  json_bandwidth_rows(json, rows);
+  std::fprintf(json, "\n]\n");
+  std::fclose(json);
 }
 
 }  // namespace fp8bench
