@@ -454,6 +454,20 @@ FP8_API fp8_status_t fp8_stack_backward_saved(fp8_model_t* model, fp8_saved_t* s
   });
 }
 
+FP8_API fp8_status_t fp8_stack_backward_saved_add(fp8_model_t* model, fp8_saved_t* saved, const fp8_tensor_t* dy,
+                                                  const fp8_tensor_t* base, fp8_tensor_t* dx) {
+  return guard("fp8_stack_backward_saved_add", [&] {
+    require_arg(model, "model");
+    require_arg(saved, "saved");
+    require_tensor(model, dy, "dy");
+    require_tensor(model, base, "base");
+    require_tensor(model, dx, "dx");
+    fp8::nn::AutowrapRegion region(*model);
+    fp8::nn::stack_backward(*model, *saved, dy, dx, 0, base);
+    region.close();
+  });
+}
+
 FP8_API fp8_status_t fp8_saved_needs_input(const fp8_saved_t* saved, int32_t* needs_input) {
   return guard("fp8_saved_needs_input", [&] {
     require_arg(saved, "saved");

@@ -148,6 +148,23 @@ const void* dx_base(uint32_t flags, const fp8_tensor* dy, const fp8_tensor* dx) 
   return dy->data;
 }
 
+// What the first layer's dx adds to in fp8_stack_backward_saved_add: base, of dx's shape and dtype,
+// 16-byte aligned (a Linear's FP8 dgrad reads it as its GEMM's C), dx itself or apart from it.
+const void* dx_base(const fp8_tensor* base, const fp8_tensor* dx) {
+  if (!dx)
+    fail(FP8_ERR_INVALID_ARGUMENT, "dx is NULL; fp8_stack_backward_saved_add writes dx = base + the input gradient");
+  if (base->dtype != dx->dtype)
+    fail(FP8_ERR_DTYPE, "base has dtype ", dtype_name(base->dtype), " and dx ", dtype_name(dx->dtype),
+         "; base is added into dx, which takes its dtype");
+  if (!has_shape(base, dx->ndim, dx->shape))
+    fail(FP8_ERR_SHAPE, "base has shape ", shape_string(base->ndim, base->shape), " and dx ",
+         shape_string(dx->ndim, dx->shape), "; base is added into dx, which takes its shape");
+  if (!aligned16(base->data)) fail(FP8_ERR_INVALID_ARGUMENT, "base's data is not 16-byte aligned, which it needs");
+  if (base->data != dx->data && buffers_overlap(base->data, base->nbytes(), dx->data, dx->nbytes()))
+    fail(FP8_ERR_INVALID_ARGUMENT, "base and dx overlap in memory; base must be dx itself or apart from it");
+  return base->data;
+}
+
 }  // namespace
 
 void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags) {
@@ -614,7 +631,8 @@ std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t co
   return s;
 }
 
-void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags) {
+void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags,
+                    const fp8_tensor* base_tensor) {
   if (!saved.stack)
     fail(FP8_ERR_INVALID_ARGUMENT, "saved comes from fp8_layer_forward_saved; differentiate it with ",
          "fp8_layer_backward_saved");
@@ -636,7 +654,7 @@ void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_te
            "' was converted (fp8_convert_model) after this forward; run the forward again");
   const Step step = make_step(m);
   check_run_backward(m, f, s.run, s.layers, step, dy, dx);
-  const void* base = dx_base(flags, dy, dx);
+  const void* base = base_tensor ? dx_base(base_tensor, dx) : dx_base(flags, dy, dx);
   // The gradients between the layers: pool buffers for the call (two alternating, and the first
   // layer's dx when the caller wants none).
   PooledBuffer grads[3];

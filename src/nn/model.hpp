@@ -121,8 +121,10 @@ void layer_backward(fp8_model& m, int32_t id, fp8_saved& saved, const fp8_tensor
 std::unique_ptr<fp8_saved> stack_forward(fp8_model& m, int32_t first, int32_t count, const fp8_tensor* x, fp8_tensor* y,
                                          const fp8_tensor* residual = nullptr, fp8_dtype_t act = FP8_DTYPE_F32);
 // Its backward (fp8_stack_backward_saved); every refusal comes before any layer runs. flags: the
-// FP8_BACKWARD_* flags.
-void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags);
+// FP8_BACKWARD_* flags; with `base` (fp8_stack_backward_saved_add, flags 0) dx = base + the input
+// gradient.
+void stack_backward(fp8_model& m, fp8_saved& saved, const fp8_tensor* dy, fp8_tensor* dx, uint32_t flags,
+                    const fp8_tensor* base = nullptr);
 // Drops the forward states the model keeps itself (fp8_layer_forward's and fp8_model_forward's), as
 // a mode change or a conversion does.
 void drop_kept_states(fp8_model& m);

@@ -1833,6 +1833,65 @@ TEST(ResidualStacks, AddDyOnOneLayersBackward) {
   EXPECT_NE(da, t.dyv);
 }
 
+// fp8_stack_backward_saved_add: dx = base + the stack's input gradient in the first layer's pass,
+// bit for bit the plain backward accumulated onto a copy of base (dx and every parameter gradient),
+// into a dx of its own and in place (base = dx). The refusals come before anything runs.
+TEST(ResidualStacks, BaseAddedInTheFirstLayersPass) {
+  ResidualTwins t;
+  fp8_context_t* ctx = t.ctx.get();
+  const std::vector<float> basev = randn(t.xv.size(), 67, 0.3f);
+  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  Tensor base = act_tensor(ctx, FP8_DTYPE_F32, kXShape, basev);
+  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape), yb = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  for (bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "base = dx" : "base apart from dx");
+    Tensor dxa = in_place ? act_tensor(ctx, FP8_DTYPE_F32, kXShape, basev) : make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+    Tensor dxb = act_tensor(ctx, FP8_DTYPE_F32, kXShape, basev);
+    fp8_saved_t *sa = nullptr, *sb = nullptr;
+    for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_begin(m));
+    FP8_ASSERT_OK(fp8_stack_forward_saved(t.a.get(), 0, 4, x.get(), ya.get(), &sa));
+    FP8_ASSERT_OK(fp8_stack_forward_saved(t.b.get(), 0, 4, x.get(), yb.get(), &sb));
+    FP8_ASSERT_OK(fp8_stack_backward_saved_add(t.a.get(), sa, dy.get(), in_place ? dxa.get() : base.get(), dxa.get()));
+    FP8_ASSERT_OK(fp8_stack_backward_saved(t.b.get(), sb, dy.get(), dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
+    for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_end(m));
+    fp8_saved_destroy(sa);
+    fp8_saved_destroy(sb);
+    const std::vector<float> da = download<float>(dxa.get()), db = download<float>(dxb.get());
+    for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
+    EXPECT_NE(da, basev) << "dx is base alone: the stack's gradient is missing";
+    EXPECT_EQ(first_bit_difference(all_params(t.a.get(), true), all_params(t.b.get(), true)), "");
+  }
+  EXPECT_EQ(download<float>(base.get()), basev) << "base is read, never written";
+
+  fp8_model_t* m = t.a.get();
+  const char* fn = "fp8_stack_backward_saved_add";
+  FP8_ASSERT_OK(fp8_model_zero_grad(m));
+  fp8_saved_t* st = nullptr;
+  FP8_ASSERT_OK(fp8_stack_forward_saved(m, 0, 4, x.get(), ya.get(), &st));
+  Tensor dx = make_tensor(ctx, FP8_DTYPE_F32, kXShape), base16 = act_tensor(ctx, FP8_DTYPE_BF16, kXShape, basev);
+  Tensor wide = make_tensor(ctx, FP8_DTYPE_F32, with_last(kXShape, kHidden));
+  std::vector<float> storage(static_cast<size_t>(numel_of(kXShape)) + 64, 0.0f);
+  fp8_tensor_t *raw_base = nullptr, *raw_dx = nullptr;
+  FP8_ASSERT_OK(fp8_tensor_wrap(&raw_base, ctx, FP8_DTYPE_F32, 3, kXShape.data(), storage.data() + 1));
+  FP8_ASSERT_OK(fp8_tensor_wrap(&raw_dx, ctx, FP8_DTYPE_F32, 3, kXShape.data(), storage.data() + 8));
+  Tensor base_misaligned(raw_base), dx_over(raw_dx);
+  EXPECT_REFUSED_WORDS(fp8_stack_backward_saved_add(m, st, dy.get(), base.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn,
+                       "dx");
+  EXPECT_REFUSED_WORDS(fp8_stack_backward_saved_add(m, st, dy.get(), base16.get(), dx.get()), FP8_ERR_DTYPE, fn,
+                       "base has dtype bf16 and dx f32");
+  EXPECT_REFUSED_WORDS(fp8_stack_backward_saved_add(m, st, dy.get(), wide.get(), dx.get()), FP8_ERR_SHAPE, fn,
+                       "base has shape");
+  EXPECT_REFUSED_WORDS(fp8_stack_backward_saved_add(m, st, dy.get(), base_misaligned.get(), dx.get()),
+                       FP8_ERR_INVALID_ARGUMENT, fn, "base's data is not 16-byte aligned");
+  FP8_ASSERT_OK(fp8_tensor_wrap(&raw_base, ctx, FP8_DTYPE_F32, 3, kXShape.data(), storage.data()));
+  Tensor base_over(raw_base);
+  EXPECT_REFUSED_WORDS(fp8_stack_backward_saved_add(m, st, dy.get(), base_over.get(), dx_over.get()),
+                       FP8_ERR_INVALID_ARGUMENT, fn, "base and dx overlap");
+  for (const auto& g : all_params(m, true)) ASSERT_EQ(amax_of(g), 0.0f) << "a refused backward wrote a gradient";
+  FP8_ASSERT_OK(fp8_stack_backward_saved_add(m, st, dy.get(), base.get(), dx.get()));
+  fp8_saved_destroy(st);
+}
+
 // A dx the first layer's backward cannot take is refused before any layer runs: nothing accumulates,
 // no scaling state records or updates, and the forward can still be differentiated. (The checks used
 // to come from the first layer itself, after the later layers had run their backward.)

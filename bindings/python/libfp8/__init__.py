@@ -151,6 +151,7 @@ for _name, _args in {
     "fp8_stack_forward_saved": (_p, _i32, _i32, _p, _p, ctypes.POINTER(_p)),
     "fp8_stack_forward_residual": (_p, _i32, _i32, _p, _p, _p, _i32, ctypes.POINTER(_p)),
     "fp8_stack_backward_saved": (_p, _p, _p, _p, ctypes.c_uint32),
+    "fp8_stack_backward_saved_add": (_p, _p, _p, _p, _p),
     "fp8_model_parameter_count": (_p, ctypes.POINTER(_i32)),
     "fp8_model_parameter_at": (_p, _i32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_p), ctypes.POINTER(_p)),
     "fp8_model_write_parameter": (_p, _i32, _i32, _p, _size),

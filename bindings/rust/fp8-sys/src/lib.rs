@@ -662,6 +662,13 @@ extern "C" {
         dx: *mut fp8_tensor_t,
         flags: u32,
     ) -> fp8_status_t;
+    pub fn fp8_stack_backward_saved_add(
+        model: *mut fp8_model_t,
+        saved: *mut fp8_saved_t,
+        dy: *const fp8_tensor_t,
+        base: *const fp8_tensor_t,
+        dx: *mut fp8_tensor_t,
+    ) -> fp8_status_t;
     pub fn fp8_saved_destroy(saved: *mut fp8_saved_t);
 
     pub fn fp8_model_forward(model: *mut fp8_model_t, x: *const fp8_tensor_t, y: *mut fp8_tensor_t) -> fp8_status_t;
