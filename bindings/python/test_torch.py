@@ -568,6 +568,85 @@ class ResidualTest(unittest.TestCase):
         self.assertLess(rel_err(grads[0][1], grads[1][1]), 1e-5)
         self.assertLess(rel_err(grads[0][3], grads[1][3]), 1e-5)
 
+    def _attention_twins(self, recipe):
+        """Two converted pre-norm 'attention' blocks, y = x + proj(mix(qkv(x))), with a torch op between
+        the qkv stack and proj (as attention is)."""
+        blocks = []
+        for _ in range(2):
+            torch.manual_seed(5)
+            m = torch.nn.Module()
+            m.qkv = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 96))
+            m.proj = torch.nn.Linear(32, 32)
+            for p in m.parameters():
+                torch.nn.init.normal_(p, std=0.3)
+            m.to(DEVICE)
+            lt.convert_model(m, recipe=recipe, **ALL)
+            blocks.append(m)
+        return blocks
+
+    @staticmethod
+    def _mix(h):
+        q, k, v = h.split(32, dim=-1)
+        return torch.tanh(q) * torch.sigmoid(k) + v.transpose(0, 1).transpose(0, 1)
+
+    def test_a_residual_hands_its_gradient_to_the_stack_it_went_through(self):
+        # y = x + proj(mix(qkv(x))): proj's residual gradient goes to the qkv stack's backward, which
+        # adds it in the norm's pass (fp8_stack_backward_saved_add) instead of autograd's sum. In FP32
+        # the two give the same bits: dx, and every parameter gradient.
+        for fp8 in (False, True):
+            with self.subTest(fp8=fp8):
+                a, b = self._attention_twins(lt.Recipe(backend="te", **FP8))
+                x = torch.randn(4, 16, 32, device=DEVICE)
+                out = []
+                for m, handed in ((a, True), (b, False)):
+                    xm = x.clone().requires_grad_()
+                    with lt.fp8_autocast(enabled=fp8):
+                        h = m.qkv(xm)
+                        # (b: the residual is a view of x, which the stack did not see: autograd's sum)
+                        y = lt.residual(m.proj, self._mix(h), xm if handed else xm.view_as(xm))
+                    w = torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)  # (dy)
+                    (y * w).sum().backward()
+                    link = getattr(xm, "_fp8_base_link", None)
+                    self.assertEqual((link.claimed, link.done), (handed, True))
+                    self.assertIsNone(link.base)
+                    out.append((y.detach(), xm.grad, [p.grad.clone() for p in m.parameters()]))
+                self.assertTrue(torch.equal(out[0][0], out[1][0]))
+                self.assertTrue(torch.equal(out[0][1], out[1][1]), "dx")
+                for ga, gb in zip(out[0][2], out[1][2]):
+                    self.assertTrue(torch.equal(ga, gb))
+                self.assertGreater((out[0][1] - w).abs().max().item(), 1e-3, "dx is the residual's gradient alone")
+
+    def test_a_residual_that_does_not_depend_on_the_stack_keeps_autograds_sum(self):
+        # proj's input not computed from the qkv stack's output: no hand-off (the stack's backward
+        # could run first), and the gradient is right.
+        a, b = self._attention_twins(lt.Recipe(backend="te"))
+        x, z = torch.randn(4, 16, 32, device=DEVICE), torch.randn(4, 16, 96, device=DEVICE)
+        grads = []
+        for m in (a, b):
+            xm = x.clone().requires_grad_()
+            h = m.qkv(xm)
+            y = lt.residual(m.proj, self._mix(z), xm) if m is a else xm + m.proj(self._mix(z))
+            (y.square().sum() + h.square().sum()).backward()
+            self.assertFalse(xm._fp8_base_link.claimed)
+            grads.append(xm.grad)
+        self.assertLess(rel_err(grads[0], grads[1]), 1e-6)
+
+    def test_a_backward_that_stops_before_the_stack_drops_the_handed_gradient(self):
+        # torch.autograd.grad for proj's input only: the qkv stack's backward never runs; the gradient
+        # kept for it is dropped at the end of that backward pass (x's gradient was not asked for).
+        a, b = self._attention_twins(lt.Recipe(backend="te"))
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        grads = []
+        for m in (a, b):
+            xm = x.clone().requires_grad_()
+            mixed = self._mix(m.qkv(xm))
+            y = lt.residual(m.proj, mixed, xm) if m is a else xm + m.proj(mixed)
+            grads.append(torch.autograd.grad(y.square().sum(), [mixed])[0])
+            if m is a:
+                link = xm._fp8_base_link
+                self.assertEqual((link.claimed, link.done, link.base), (True, False, None))
+        self.assertLess(rel_err(grads[0], grads[1]), 1e-6)
+
     def test_what_libfp8_does_not_run_is_torchs_sum(self):
         lin = torch.nn.Linear(32, 32).to(DEVICE)
         x = torch.randn(2, 32, device=DEVICE)

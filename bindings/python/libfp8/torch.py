@@ -753,8 +753,12 @@ class _StackRun:
         if torch.is_grad_enabled() and training:
             params = [p for m in self.layers for p in m._autograd_params()]
             if x.requires_grad or (r is not None and r.requires_grad) or params:
+                handoff = _BaseLink.claim(r, x) if r is not None and r is not x else None
                 # (x passed once when it is the residual, so that autograd sees one input taking dx)
-                return _StackFunction.apply(self, x, r, *params)
+                y = _StackFunction.apply(self, x, r, handoff, *params)
+                if r is None and x.requires_grad:
+                    _BaseLink.offer(x, y.grad_fn)
+                return y
         return self.forward(x, r, False)[0]
 
     def forward(self, x, r, need_backward):
@@ -779,6 +783,66 @@ class _StackRun:
         return y, saved
 
 
+class _BaseLink:
+    """The gradient of a residual handed to the stack that the residual also went through, so that
+    the stack's backward adds it in its first layer's pass (fp8_stack_backward_saved_add) instead of
+    autograd summing the two gradients in a pass of its own: in a pre-norm block y = x + proj(attn(
+    qkv(x))), residual() hands x's gradient through proj to the qkv stack's backward.
+
+    A stack called on x with autograd offers a link on x (offer); a later residual() with residual x
+    claims it (claim) only where its own input depends on that stack's output (found in the autograd
+    graph), so that the stack's backward runs after its own and takes the gradient. Its backward
+    then keeps the residual's gradient in the link (autograd gets None for it) unless the stack's
+    backward has already run."""
+
+    _SEARCH_LIMIT = 64  # autograd nodes searched between the two calls
+
+    def __init__(self):
+        self.base, self.claimed, self.done = None, False, False
+
+    @staticmethod
+    def offer(x, node):
+        link = _BaseLink()
+        node.base_link = link
+        x._fp8_base_link = link  # (the link refers to neither, so nothing is kept alive by it)
+
+    @staticmethod
+    def claim(r, x):
+        link = getattr(r, "_fp8_base_link", None)
+        if link is None or link.claimed or link.done or not r.requires_grad or x.grad_fn is None:
+            return None
+        seen, todo = {}, [x.grad_fn]  # (seen holds the nodes: ids of freed wrappers would be reused)
+        while todo and len(seen) < _BaseLink._SEARCH_LIMIT:
+            node = todo.pop()
+            if getattr(node, "base_link", None) is link:
+                link.claimed = True
+                return link
+            for nxt, _ in node.next_functions:
+                if nxt is not None and id(nxt) not in seen:
+                    seen[id(nxt)] = nxt
+                    todo.append(nxt)
+        return None
+
+    def keep(self, grad):
+        """In the residual's backward: keeps grad for the stack's backward (True), or False where that
+        backward already ran. A backward pass that ends without running the stack's did not need x's
+        gradient (x is that stack's input): the gradient kept is dropped then."""
+        if self.done:
+            return False
+        self.base = grad
+        torch.autograd.Variable._execution_engine.queue_callback(self._drop)
+        return True
+
+    def _drop(self):
+        self.base = None
+
+    def take(self):
+        """In the stack's backward: the residual's gradient kept for it, or None."""
+        self.done = True
+        base, self.base = self.base, None
+        return base
+
+
 class _StackFunction(torch.autograd.Function):
     """One stack call: fp8_stack_forward_saved / fp8_stack_backward_saved over its layers, the
     parameter gradients accumulated in libfp8's storage, as in _LayerFunction. With a residual r the
@@ -786,9 +850,9 @@ class _StackFunction(torch.autograd.Function):
     pass (FP8_BACKWARD_ADD_DY) when r is x."""
 
     @staticmethod
-    def forward(ctx, run, x, r, *params):  # pylint: disable=arguments-differ
+    def forward(ctx, run, x, r, handoff, *params):  # pylint: disable=arguments-differ
         y, saved = run.forward(x, r, True)
-        ctx.run, ctx.same = run, r is x
+        ctx.run, ctx.same, ctx.handoff = run, r is x, handoff
         _keep_for_backward(ctx, x, y, saved)
         return y
 
@@ -806,11 +870,23 @@ class _StackFunction(torch.autograd.Function):
         add_dy = ctx.same and dx is not None
         if add_dy and dy.data_ptr() % 16:  # (libfp8 reads dy beside dx: 16-byte aligned)
             dy = dy.clone()
-        _check(_lib.fp8_stack_backward_saved(group.model.handle, ctx.saved.handle, group.dev.wrap(dy),
-                                             group.dev.wrap(dx) if dx is not None else None,
-                                             _f.BACKWARD_ADD_DY if add_dy else 0))
+        link = getattr(ctx, "base_link", None)  # (a residual's gradient handed to this stack: _BaseLink)
+        base = link.take() if link is not None else None
+        wrap = group.dev.wrap
+        if base is not None and dx is not None:
+            base = base.to(ctx.x_dtype).contiguous()
+            if base.data_ptr() % 16:
+                base = base.clone()
+            _check(_lib.fp8_stack_backward_saved_add(group.model.handle, ctx.saved.handle, wrap(dy), wrap(base),
+                                                     wrap(dx)))
+        else:
+            _check(_lib.fp8_stack_backward_saved(group.model.handle, ctx.saved.handle, wrap(dy),
+                                                 wrap(dx) if dx is not None else None,
+                                                 _f.BACKWARD_ADD_DY if add_dy else 0))
         ctx.saved = ctx.x = None
         dr = dy if ctx.needs_input_grad[2] and not add_dy else None
+        if dr is not None and ctx.handoff is not None and ctx.handoff.keep(dr):
+            dr = None  # (the stack the residual went through adds it)
         return (None, dx if ctx.needs_input_grad[1] else None, dr) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
@@ -870,8 +946,11 @@ def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
     dtype (float32 or bfloat16: the residual stream) while the layers run in x's (or the autocast)
     dtype; the backward hands dy to the residual and, when the residual is x, adds it in the first
     layer's pass, so neither the sum nor its gradient takes a pass of its own (fp8.h,
-    fp8_stack_forward_residual). Anything else (torch modules, a changed or hooked Sequential, shapes
-    or dtypes libfp8's path does not take) is computed as residual + module(x) by torch."""
+    fp8_stack_forward_residual). When the residual is not x but went through a libfp8 stack whose
+    output x was computed from (a pre-norm attention block: x + proj(attn(qkv(x)))), its gradient
+    is added in that stack's first layer's pass (fp8_stack_backward_saved_add; _BaseLink). Anything
+    else (torch modules, a changed or hooked Sequential, shapes or dtypes libfp8's path does not
+    take) is computed as residual + module(x) by torch."""
     r = x if residual is None else residual
     run = _residual_run(module)
     if (run is None or not isinstance(r, torch.Tensor) or r.dtype not in (torch.float32, torch.bfloat16) or
