@@ -1128,9 +1128,10 @@ FP8_API fp8_status_t fp8_stack_backward_saved(fp8_model_t *model, fp8_saved_t *s
  * the first layer's own pass: x's gradient from elsewhere added without a pass of its own. A pre-norm
  * block y = x + g(f(x)) with g outside libfp8 (attention) runs f as one stack and the last Linear
  * as fp8_stack_forward_residual with residual = x; the gradient of that residual (its dy) is the
- * base of f's backward. [in] base: dx's shape and dtype, 16-byte aligned, dx itself (then this is
- * FP8_BACKWARD_ACCUMULATE_DX) or not overlapping dx; [out] dx: required. Refused, before anything
- * runs, as fp8_stack_backward_saved refuses, and for a base unlike that. Asynchronous. Since 0.2.
+ * base of f's backward. [in] base: dx's shape and dtype, 16-byte aligned, either dx itself (then
+ * this is FP8_BACKWARD_ACCUMULATE_DX, with the alignment still required) or not overlapping dx;
+ * [out] dx: required. Refused, before anything runs, as fp8_stack_backward_saved refuses, and for
+ * a base unlike that. Asynchronous. Since 0.2.
  */
 FP8_API fp8_status_t fp8_stack_backward_saved_add(fp8_model_t *model, fp8_saved_t *saved, const fp8_tensor_t *dy,
                                                   const fp8_tensor_t *base, fp8_tensor_t *dx);

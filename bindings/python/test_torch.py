@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import unittest
+import warnings
 
 try:
     import torch
@@ -630,6 +631,27 @@ class ResidualTest(unittest.TestCase):
             self.assertFalse(xm._fp8_base_link.claimed)
             grads.append(xm.grad)
         self.assertLess(rel_err(grads[0], grads[1]), 1e-6)
+
+    def test_a_stack_with_a_backward_hook_takes_no_residual_gradient(self):
+        # A (legacy) module backward hook on the stack would see the residual's gradient inside its
+        # grad_input: such a stack offers no link, and autograd sums as before.
+        a, b = self._attention_twins(lt.Recipe(backend="te"))
+        x = torch.randn(4, 16, 32, device=DEVICE)
+        grads = []
+        for m in (a, b):
+            if m is a:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # (torch's deprecation of non-full hooks)
+                    m.qkv.register_backward_hook(lambda mod, gin, gout: None)
+            xm = x.clone().requires_grad_()
+            h = m.qkv(xm)
+            y = lt.residual(m.proj, self._mix(h), xm)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                y.square().sum().backward()
+            self.assertEqual(getattr(xm, "_fp8_base_link", None) is None, m is a)
+            grads.append(xm.grad)
+        self.assertTrue(torch.equal(grads[0], grads[1]))
 
     def test_a_backward_that_stops_before_the_stack_drops_the_handed_gradient(self):
         # torch.autograd.grad for proj's input only: the qkv stack's backward never runs; the gradient

@@ -149,10 +149,9 @@ const void* dx_base(uint32_t flags, const fp8_tensor* dy, const fp8_tensor* dx) 
 }
 
 // What the first layer's dx adds to in fp8_stack_backward_saved_add: base, of dx's shape and dtype,
-// 16-byte aligned (a Linear's FP8 dgrad reads it as its GEMM's C), dx itself or apart from it.
+// 16-byte aligned (a Linear's FP8 dgrad reads it as its GEMM's C), dx itself or apart from it (dx is
+// never NULL: the C API requires it).
 const void* dx_base(const fp8_tensor* base, const fp8_tensor* dx) {
-  if (!dx)
-    fail(FP8_ERR_INVALID_ARGUMENT, "dx is NULL; fp8_stack_backward_saved_add writes dx = base + the input gradient");
   if (base->dtype != dx->dtype)
     fail(FP8_ERR_DTYPE, "base has dtype ", dtype_name(base->dtype), " and dx ", dtype_name(dx->dtype),
          "; base is added into dx, which takes its dtype");

@@ -1835,40 +1835,60 @@ TEST(ResidualStacks, AddDyOnOneLayersBackward) {
 
 // fp8_stack_backward_saved_add: dx = base + the stack's input gradient in the first layer's pass,
 // bit for bit the plain backward accumulated onto a copy of base (dx and every parameter gradient),
-// into a dx of its own and in place (base = dx). The refusals come before anything runs.
+// into a dx of its own and in place (base = dx), for each kind of first layer (the norm, fc1 with
+// its FP8 dgrad, the activation) and in F32 and BF16. The refusals come before anything runs.
 TEST(ResidualStacks, BaseAddedInTheFirstLayersPass) {
   ResidualTwins t;
   fp8_context_t* ctx = t.ctx.get();
-  const std::vector<float> basev = randn(t.xv.size(), 67, 0.3f);
-  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
-  Tensor base = act_tensor(ctx, FP8_DTYPE_F32, kXShape, basev);
-  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape), yb = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
-  for (bool in_place : {false, true}) {
-    SCOPED_TRACE(in_place ? "base = dx" : "base apart from dx");
-    Tensor dxa = in_place ? act_tensor(ctx, FP8_DTYPE_F32, kXShape, basev) : make_tensor(ctx, FP8_DTYPE_F32, kXShape);
-    Tensor dxb = act_tensor(ctx, FP8_DTYPE_F32, kXShape, basev);
-    fp8_saved_t *sa = nullptr, *sb = nullptr;
-    for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_begin(m));
-    FP8_ASSERT_OK(fp8_stack_forward_saved(t.a.get(), 0, 4, x.get(), ya.get(), &sa));
-    FP8_ASSERT_OK(fp8_stack_forward_saved(t.b.get(), 0, 4, x.get(), yb.get(), &sb));
-    FP8_ASSERT_OK(fp8_stack_backward_saved_add(t.a.get(), sa, dy.get(), in_place ? dxa.get() : base.get(), dxa.get()));
-    FP8_ASSERT_OK(fp8_stack_backward_saved(t.b.get(), sb, dy.get(), dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
-    for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_end(m));
-    fp8_saved_destroy(sa);
-    fp8_saved_destroy(sb);
-    const std::vector<float> da = download<float>(dxa.get()), db = download<float>(dxb.get());
-    for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
-    EXPECT_NE(da, basev) << "dx is base alone: the stack's gradient is missing";
-    EXPECT_EQ(first_bit_difference(all_params(t.a.get(), true), all_params(t.b.get(), true)), "");
+  struct Case {
+    int32_t first, count;
+    int64_t cols;
+    fp8_dtype_t dt;
+  };
+  for (const Case& c : {Case{0, 4, kIn, FP8_DTYPE_F32}, Case{1, 3, kIn, FP8_DTYPE_F32},
+                        Case{2, 2, kHidden, FP8_DTYPE_F32}, Case{0, 4, kIn, FP8_DTYPE_BF16}}) {
+    const std::vector<int64_t> in_shape = with_last(kXShape, c.cols);
+    const size_t n = static_cast<size_t>(numel_of(in_shape));
+    const std::vector<float> xv = randn(n, 68 + static_cast<uint32_t>(c.first), 1.0f), basev = randn(n, 67, 0.3f);
+    Tensor x = act_tensor(ctx, c.dt, in_shape, xv), dy = act_tensor(ctx, c.dt, kXShape, t.dyv);
+    Tensor base = act_tensor(ctx, c.dt, in_shape, basev);
+    Tensor ya = make_tensor(ctx, c.dt, kXShape), yb = make_tensor(ctx, c.dt, kXShape);
+    for (bool in_place : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "first layer " << c.first << ", " << fp8_dtype_name(c.dt)
+                                        << (in_place ? ", base = dx" : ", base apart from dx"));
+      Tensor dxa = in_place ? act_tensor(ctx, c.dt, in_shape, basev) : make_tensor(ctx, c.dt, in_shape);
+      Tensor dxb = act_tensor(ctx, c.dt, in_shape, basev);
+      fp8_saved_t *sa = nullptr, *sb = nullptr;
+      for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_begin(m));
+      FP8_ASSERT_OK(fp8_stack_forward_saved(t.a.get(), c.first, c.count, x.get(), ya.get(), &sa));
+      FP8_ASSERT_OK(fp8_stack_forward_saved(t.b.get(), c.first, c.count, x.get(), yb.get(), &sb));
+      FP8_ASSERT_OK(
+          fp8_stack_backward_saved_add(t.a.get(), sa, dy.get(), in_place ? dxa.get() : base.get(), dxa.get()));
+      FP8_ASSERT_OK(fp8_stack_backward_saved(t.b.get(), sb, dy.get(), dxb.get(), FP8_BACKWARD_ACCUMULATE_DX));
+      for (fp8_model_t* m : {t.a.get(), t.b.get()}) FP8_ASSERT_OK(fp8_autocast_end(m));
+      fp8_saved_destroy(sa);
+      fp8_saved_destroy(sb);
+      if (c.first == 1) EXPECT_EQ(report_of(t.a.get(), 1).dgrad, 1) << "fc1's dgrad must run in FP8 here";
+      const std::vector<float> da = read_act(dxa.get()), db = read_act(dxb.get());
+      for (size_t i = 0; i < da.size(); ++i) ASSERT_EQ(bits_of(da[i]), bits_of(db[i])) << i;
+      EXPECT_NE(da, read_act(base.get())) << "dx is base alone: the stack's gradient is missing";
+      EXPECT_EQ(first_bit_difference(all_params(t.a.get(), true), all_params(t.b.get(), true)), "");
+    }
+    EXPECT_EQ(read_act(base.get()), read_act(act_tensor(ctx, c.dt, in_shape, basev).get())) << "base is only read";
   }
-  EXPECT_EQ(download<float>(base.get()), basev) << "base is read, never written";
 
+  Tensor x = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.xv), dy = act_tensor(ctx, FP8_DTYPE_F32, kXShape, t.dyv);
+  Tensor base = act_tensor(ctx, FP8_DTYPE_F32, kXShape, randn(t.xv.size(), 67, 0.3f));
+  Tensor ya = make_tensor(ctx, FP8_DTYPE_F32, kXShape);
+  const std::vector<float> basev = download<float>(base.get());
   fp8_model_t* m = t.a.get();
   const char* fn = "fp8_stack_backward_saved_add";
   FP8_ASSERT_OK(fp8_model_zero_grad(m));
   fp8_saved_t* st = nullptr;
   FP8_ASSERT_OK(fp8_stack_forward_saved(m, 0, 4, x.get(), ya.get(), &st));
-  Tensor dx = make_tensor(ctx, FP8_DTYPE_F32, kXShape), base16 = act_tensor(ctx, FP8_DTYPE_BF16, kXShape, basev);
+  const std::vector<float> pattern(t.xv.size(), 0.25f);
+  Tensor dx = act_tensor(ctx, FP8_DTYPE_F32, kXShape, pattern),
+         base16 = act_tensor(ctx, FP8_DTYPE_BF16, kXShape, basev);
   Tensor wide = make_tensor(ctx, FP8_DTYPE_F32, with_last(kXShape, kHidden));
   std::vector<float> storage(static_cast<size_t>(numel_of(kXShape)) + 64, 0.0f);
   fp8_tensor_t *raw_base = nullptr, *raw_dx = nullptr;
@@ -1888,6 +1908,7 @@ TEST(ResidualStacks, BaseAddedInTheFirstLayersPass) {
   EXPECT_REFUSED_WORDS(fp8_stack_backward_saved_add(m, st, dy.get(), base_over.get(), dx_over.get()),
                        FP8_ERR_INVALID_ARGUMENT, fn, "base and dx overlap");
   for (const auto& g : all_params(m, true)) ASSERT_EQ(amax_of(g), 0.0f) << "a refused backward wrote a gradient";
+  ASSERT_EQ(download<float>(dx.get()), pattern) << "a refused backward wrote dx";
   FP8_ASSERT_OK(fp8_stack_backward_saved_add(m, st, dy.get(), base.get(), dx.get()));
   fp8_saved_destroy(st);
 }

@@ -748,15 +748,16 @@ class _StackRun:
         self.layers[0]._group.enter(training)
         return x
 
-    def call(self, x, r, training):
-        """r + the stack(x) (r None: the stack(x)), through autograd where a backward may follow."""
+    def call(self, x, r, training, offer_base=False):
+        """r + the stack(x) (r None: the stack(x)), through autograd where a backward may follow;
+        offer_base: the stack may take a residual's gradient (_BaseLink)."""
         if torch.is_grad_enabled() and training:
             params = [p for m in self.layers for p in m._autograd_params()]
             if x.requires_grad or (r is not None and r.requires_grad) or params:
                 handoff = _BaseLink.claim(r, x) if r is not None and r is not x else None
                 # (x passed once when it is the residual, so that autograd sees one input taking dx)
                 y = _StackFunction.apply(self, x, r, handoff, *params)
-                if r is None and x.requires_grad:
+                if offer_base and r is None and x.requires_grad:
                     _BaseLink.offer(x, y.grad_fn)
                 return y
         return self.forward(x, r, False)[0]
@@ -793,7 +794,13 @@ class _BaseLink:
     claims it (claim) only where its own input depends on that stack's output (found in the autograd
     graph), so that the stack's backward runs after its own and takes the gradient. Its backward
     then keeps the residual's gradient in the link (autograd gets None for it) unless the stack's
-    backward has already run."""
+    backward has already run. Where the stack's input is not the caller's tensor (a cast), another
+    stack took x later, or the dependency is not found, autograd sums as usual.
+    What this moves is visible to autograd hooks: a hook on the residual call's node sees None for
+    the residual's gradient, one on the stack's node sees it inside dx (a Sequential with backward
+    hooks, or with global ones, offers no link). A backward pass that raises between the two
+    backwards leaves the kept gradient in the link, where a later pass that runs the stack's backward
+    alone would add it: run the forward again after a failed backward."""
 
     _SEARCH_LIMIT = 64  # autograd nodes searched between the two calls
 
@@ -922,7 +929,9 @@ class Sequential(torch.nn.Sequential):
         if not self._is_the_stack():
             return super().forward(x)
         run = self._stack_run
-        return run.call(run.enter(x, self.training), None, self.training)
+        # (a backward hook on this module would see a residual's gradient handed to it: none then)
+        hooked = bool(self._backward_hooks or getattr(torch.nn.modules.module, "_global_backward_hooks", None))
+        return run.call(run.enter(x, self.training), None, self.training, offer_base=not hooked)
 
 
 def _residual_run(module):
@@ -948,7 +957,8 @@ def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
     layer's pass, so neither the sum nor its gradient takes a pass of its own (fp8.h,
     fp8_stack_forward_residual). When the residual is not x but went through a libfp8 stack whose
     output x was computed from (a pre-norm attention block: x + proj(attn(qkv(x)))), its gradient
-    is added in that stack's first layer's pass (fp8_stack_backward_saved_add; _BaseLink). Anything
+    is added, where the conditions of _BaseLink hold, in that stack's first layer's pass
+    (fp8_stack_backward_saved_add); else autograd sums it. Anything
     else (torch modules, a changed or hooked Sequential, shapes or dtypes libfp8's path does not
     take) is computed as residual + module(x) by torch."""
     r = x if residual is None else residual
