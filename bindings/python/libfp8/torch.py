@@ -854,7 +854,7 @@ class _StackFunction(torch.autograd.Function):
     """One stack call: fp8_stack_forward_saved / fp8_stack_backward_saved over its layers, the
     parameter gradients accumulated in libfp8's storage, as in _LayerFunction. With a residual r the
     last Linear's GEMM adds it; in the backward r's gradient is dy itself, added in the first layer's
-    pass (FP8_BACKWARD_ADD_DY) when r is x."""
+    pass (fp8_stack_backward_saved_add with base dy) when r is x."""
 
     @staticmethod
     def forward(ctx, run, x, r, handoff, *params):  # pylint: disable=arguments-differ
@@ -874,11 +874,13 @@ class _StackFunction(torch.autograd.Function):
         dy = dy.to(ctx.y_dtype).contiguous()
         need_dx = ctx.needs_input_grad[1] or not run.linear_first
         dx = torch.empty(ctx.x_shape, dtype=ctx.x_dtype, device=dy.device) if need_dx else None
-        add_dy = ctx.same and dx is not None
-        if add_dy and dy.data_ptr() % 16:  # (libfp8 reads dy beside dx: 16-byte aligned)
-            dy = dy.clone()
-        link = getattr(ctx, "base_link", None)  # (a residual's gradient handed to this stack: _BaseLink)
+        # What dx adds to in the first layer's pass: dy where the residual is x, or a residual's
+        # gradient handed to this stack (_BaseLink); libfp8 reads it 16-byte aligned.
+        link = getattr(ctx, "base_link", None)
         base = link.take() if link is not None else None
+        add_dy = ctx.same and dx is not None
+        if add_dy:
+            base = dy
         wrap = group.dev.wrap
         if base is not None and dx is not None:
             base = base.to(ctx.x_dtype).contiguous()
@@ -888,8 +890,7 @@ class _StackFunction(torch.autograd.Function):
                                                      wrap(dx)))
         else:
             _check(_lib.fp8_stack_backward_saved(group.model.handle, ctx.saved.handle, wrap(dy),
-                                                 wrap(dx) if dx is not None else None,
-                                                 _f.BACKWARD_ADD_DY if add_dy else 0))
+                                                 wrap(dx) if dx is not None else None, 0))
         ctx.saved = ctx.x = None
         dr = dy if ctx.needs_input_grad[2] and not add_dy else None
         if dr is not None and ctx.handoff is not None and ctx.handoff.keep(dr):
