@@ -190,6 +190,48 @@ class ConversionTest(unittest.TestCase):
             m(torch.randn(2, 31, device=DEVICE))
         self.assertIn("[..., 32]", str(ctx.exception))
 
+    def test_recipe_from_accelerate_kwargs_takes_every_field(self):
+        # Accelerate's FP8RecipeKwargs as an object with its fields, and as a dict with one more key.
+        fields = dict(backend="msamp", opt_level="O1", margin=1, interval=2, fp8_format="E4M3",
+                      amax_history_len=16, amax_compute_algo="most_recent",
+                      override_linear_precision=(False, False, True), use_autocast_during_eval=True)
+        kwargs = type("FP8RecipeKwargs", (), dict(fields))()
+        for r in (lt.Recipe.from_kwargs(kwargs), lt.Recipe.from_kwargs(dict(fields, not_a_field=1))):
+            for k, v in fields.items():
+                self.assertEqual(getattr(r, k), v, k)
+            self.assertEqual(r.text(), lt.Recipe(**fields).text())
+
+    @unittest.skipUnless(hasattr(torch.nn, "RMSNorm"), "torch.nn.RMSNorm needs torch >= 2.4")
+    def test_rmsnorm_converts_and_matches_torch(self):
+        def model():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.RMSNorm(32, eps=1e-5), torch.nn.Linear(32, 64),
+                                       torch.nn.RMSNorm(64, eps=1e-6)).to(DEVICE)
+        ref, m = model(), model()
+        with torch.no_grad():
+            for norm in (ref[0], ref[2]):
+                norm.weight.uniform_(0.5, 1.5)
+        m.load_state_dict(ref.state_dict())
+        rep = lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        self.assertEqual(rep.converted, [("0", "RMSNorm"), ("1", "Linear"), ("2", "RMSNorm")])
+        self.assertIsInstance(m[0], lt.RMSNorm)
+        self.assertEqual(list(m.state_dict()), list(ref.state_dict()))
+        expect_high_precision_match(self, ref, m, torch.randn(24, 32, device=DEVICE))
+        # eps=None (torch's float32 epsilon) converts too; no weight stays torch's, with the reason.
+        torch.manual_seed(1)
+        ref2 = torch.nn.Sequential(torch.nn.RMSNorm(32), torch.nn.Linear(32, 32)).to(DEVICE)
+        m2 = copy.deepcopy(ref2)
+        lt.convert_model(m2, recipe=lt.Recipe(backend="te"), **ALL)
+        self.assertIsInstance(m2[0], lt.RMSNorm)
+        expect_high_precision_match(self, ref2, m2, torch.randn(8, 32, device=DEVICE))
+        odd = torch.nn.Sequential(torch.nn.RMSNorm(32, elementwise_affine=False), torch.nn.Linear(32, 32)).to(DEVICE)
+        rep = lt.convert_model(odd, recipe=lt.Recipe(backend="te"), **ALL)
+        self.assertIs(type(odd[0]), torch.nn.RMSNorm)
+        self.assertIn("elementwise_affine=False", dict((n, r) for n, _, r in rep.skipped)["0"])
+        lt.convert_model(m, to_fp8=False)
+        self.assertIs(type(m[0]), torch.nn.RMSNorm)
+        self.assertEqual(m[2].eps, 1e-6)
+
     def test_a_parameter_moved_after_conversion_is_refused(self):
         m = mlp(norm=False)
         lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
