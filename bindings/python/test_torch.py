@@ -4,9 +4,12 @@ cases run on CUDA from tests/gpu/test_torch_gpu.py with LIBFP8_TEST_DEVICE=cuda)
 Exits 77 (CTest's skip code here) when torch is not installed."""
 import copy
 import ctypes
+import json
 import math
 import os
+import struct
 import sys
+import tempfile
 import time
 import unittest
 import warnings
@@ -881,6 +884,103 @@ class OptimizerTest(unittest.TestCase):
             mo.step()
             losses.append(loss.item())
         self.assertLess(losses[-1], 0.5 * losses[0])
+
+
+def write_safetensors(path, tensors):
+    """A safetensors file of `tensors` {name: CPU tensor} written by hand (the format: a little-endian
+    u64 header length, the JSON header, the data), as Hugging Face's writer lays it out."""
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        data = t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bfloat16 else \
+            t.view(torch.int16).numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+class SafetensorsTest(unittest.TestCase):
+    """lt.load_safetensors: a Hugging Face-style file of a whole model into a converted module."""
+
+    @staticmethod
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.ModuleDict(dict(wte=torch.nn.Embedding(16, 32), mlp=mlp(seed))).to(DEVICE)
+        m.register_buffer("position_ids", torch.arange(8, device=DEVICE).view(1, 8) * (seed + 1))
+        return m
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self.dir.name, "model.safetensors")
+        self.ref = self.model(1)
+        sd = dict(self.ref.state_dict())
+        sd["mlp.0.bias"] = sd["mlp.0.bias"].bfloat16()  # a BF16 tensor among the F32 ones
+        write_safetensors(self.path, sd)
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_a_whole_models_file_loads_into_a_converted_module(self):
+        for level in (dict(backend="te"), dict(backend="msamp", opt_level="O2")):
+            m = self.model(0)
+            lt.convert_model(m, recipe=lt.Recipe(**level), **ALL)
+            versions = [p._version for p in m.mlp.parameters()]
+            self.assertEqual(lt.load_safetensors(m, self.path), ([], []))
+            # libfp8 read its layers' parameters itself: torch wrote none of them.
+            self.assertEqual([p._version for p in m.mlp.parameters()], versions)
+            for k, want in self.ref.state_dict().items():
+                got = m.state_dict()[k]
+                if k == "mlp.0.bias":
+                    want = want.bfloat16()
+                self.assertTrue(torch.equal(got, want.to(got.dtype)), f"{level}: {k}")
+            x = torch.randn(4, 32, device=DEVICE)
+            if level["backend"] == "te":
+                self.assertLess(rel_err(m.mlp(x), self.ref.mlp(x)), 1e-2)  # (mlp.0.bias rounded to BF16)
+
+    def test_under_another_root_torch_copies_libfp8s_parameters(self):
+        m = self.model(0)
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        outer = torch.nn.ModuleDict(dict(inner=m))
+        write_safetensors(self.path, {f"inner.{k}": v for k, v in self.ref.state_dict().items()})
+        self.assertEqual(lt.load_safetensors(outer, self.path), ([], []))
+        for k, want in self.ref.state_dict().items():
+            self.assertTrue(torch.equal(m.state_dict()[k], want), k)
+        x = torch.randn(4, 32, device=DEVICE)
+        self.assertLess(rel_err(m.mlp(x), self.ref.mlp(x)), 1e-5)  # libfp8 noticed torch's writes
+
+    def test_mismatches_are_refused_before_anything_is_written(self):
+        m = self.model(0)
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        sd = dict(self.ref.state_dict())
+        cases = []
+        short = dict(sd)
+        del short["mlp.3.bias"]
+        cases.append((short, RuntimeError, "mlp.3.bias"))
+        cases.append((dict(sd, extra=torch.zeros(2)), RuntimeError, "extra"))
+        cases.append((dict(sd, **{"mlp.1.weight": torch.zeros(64, 31)}), ValueError, "mlp.1.weight"))
+        for tensors, exc, word in cases:
+            write_safetensors(self.path, tensors)
+            with self.assertRaises(exc) as ctx:
+                lt.load_safetensors(m, self.path)
+            self.assertIn(word, str(ctx.exception))
+            for k, v in m.state_dict().items():
+                self.assertTrue(torch.equal(v, before[k]), k)
+        with open(self.path, "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+        with self.assertRaises(ValueError) as ctx:
+            lt.load_safetensors(m, self.path)
+        self.assertIn("JSON", str(ctx.exception))
+        # Not strict: the missing key stays, the extra one is reported, the rest loads.
+        write_safetensors(self.path, dict(short, extra=torch.zeros(2)))
+        self.assertEqual(lt.load_safetensors(m, self.path, strict=False), (["mlp.3.bias"], ["extra"]))
+        self.assertTrue(torch.equal(m.state_dict()["mlp.3.bias"], before["mlp.3.bias"]))
+        self.assertTrue(torch.equal(m.state_dict()["mlp.3.weight"], sd["mlp.3.weight"]))
 
 
 class DlpackTest(unittest.TestCase):

@@ -118,13 +118,25 @@ FP8_API fp8_status_t fp8_model_export_safetensors(const fp8_model_t* model, cons
   });
 }
 
-FP8_API fp8_status_t fp8_model_import_safetensors(fp8_model_t* model, const char* path) {
-  return guard("fp8_model_import_safetensors", [&] {
+namespace {
+
+fp8_status_t import_safetensors(const char* api, fp8_model_t* model, const char* path, bool others_allowed) {
+  return guard(api, [&] {
     require_arg(model, "model");
     require_arg(path, "path");
     if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside fp8_autocast_begin/end; import between steps");
-    fp8::io::import_safetensors(*model, path);
+    fp8::io::import_safetensors(*model, path, others_allowed);
   });
+}
+
+}  // namespace
+
+FP8_API fp8_status_t fp8_model_import_safetensors(fp8_model_t* model, const char* path) {
+  return import_safetensors("fp8_model_import_safetensors", model, path, false);
+}
+
+FP8_API fp8_status_t fp8_model_import_safetensors_part(fp8_model_t* model, const char* path) {
+  return import_safetensors("fp8_model_import_safetensors_part", model, path, true);
 }
 
 }  // extern "C"

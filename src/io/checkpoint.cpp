@@ -375,12 +375,12 @@ void export_safetensors(const fp8_model& model, const std::string& path, const W
   write_file_atomic(path, encode_safetensors(tensors, {{"format", "pt"}, {"producer", version}}));
 }
 
-void import_safetensors(fp8_model& model, const std::string& path) {
+void import_safetensors(fp8_model& model, const std::string& path, bool others_allowed) {
   const std::vector<uint8_t> file = read_file(path);
   const SafetensorsFile st = decode_safetensors(file.data(), file.size());
   const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
   for (const SafeTensor& t : st.tensors)
-    if (std::none_of(targets.begin(), targets.end(),
+    if (!others_allowed && std::none_of(targets.begin(), targets.end(),
                      [&](const nn::Parameter* p) { return p->name == nn::current_parameter_name(t.name); }))
       fail(FP8_ERR_INVALID_STATE, "the file's tensor '", t.name, "' is no parameter of the model");
   std::vector<ParamState> params;

@@ -37,9 +37,10 @@ void load_checkpoint(fp8_model& model, fp8_optimizer* optimizer, const std::stri
 std::string checkpoint_recipe(const std::string& path);
 
 // Parameters as a Hugging Face safetensors file: FP32 parameters as F32, F16 weights as F16, O3
-// weights as their F16 master. Import takes F32, F16 or BF16 tensors named like the parameters.
+// weights as their F16 master. Import takes F32, F16 or BF16 tensors named like the parameters; with
+// `others_allowed` the file may hold tensors that are no parameter (a larger model's file), left alone.
 void export_safetensors(const fp8_model& model, const std::string& path, const WholeState* whole = nullptr);
-void import_safetensors(fp8_model& model, const std::string& path);
+void import_safetensors(fp8_model& model, const std::string& path, bool others_allowed);
 // n host values of `dtype` (F32, F16 or BF16) as floats.
 std::vector<float> widen_host(fp8_dtype_t dtype, const void* src, int64_t n);
 // Writes the parameter's element count of host values of `dtype` (F32, F16 or BF16) into parameter

@@ -1326,6 +1326,62 @@ TEST(Safetensors, MissingExtraMisshapenOrI32TensorsAreRefusedAllOrNothing) {
   EXPECT_NE(first_difference(snapshot(t), before), "");
 }
 
+// A framework's whole model in one file (embeddings, buffers of other dtypes, layers libfp8 does not
+// run) imports into the libfp8 model that runs part of it; a missing or misshapen parameter is
+// still refused, all or nothing, and the plain import still refuses the other tensors.
+TEST(Safetensors, APartImportsItsParametersFromALargerModelsFileAndLeavesTheRest) {
+  TempDir dir;
+  Net src(0, -1, 1);
+  const std::string exported = dir.path("part.safetensors");
+  FP8_ASSERT_OK(fp8_model_export_safetensors(src.m(), exported.c_str()));
+  const StFile part = parse_safetensors(read_bytes(exported));
+  ASSERT_EQ(part.error, "");
+  auto whole = [&] {
+    std::vector<StOut> v = {{"wte.weight", "F32", {3, 4}, Bytes(48, 0x3f)},
+                            {"position_ids", "I64", {1, 2}, Bytes(16, 0x01)},
+                            {"attention_mask", "BOOL", {2}, Bytes(2, 0x01)}};
+    for (const auto& [name, t] : part.tensors) v.push_back({name, t.dtype, t.shape, t.data});
+    v.push_back({"lm_head.weight", "BF16", {2, 2}, Bytes(8, 0x3f)});
+    return v;
+  };
+  const std::string good_path = dir.path("whole.safetensors");
+  write_bytes(good_path, make_safetensors(whole()));
+  for (int level : {0, 2}) {
+    SCOPED_TRACE(level_name(level));
+    Net t(level, level ? FP8_OPTIMIZER_ADAM : -1, 6);
+    const Snapshot before = snapshot(t);
+    EXPECT_REFUSED(fp8_model_import_safetensors(t.m(), good_path.c_str()), FP8_ERR_INVALID_STATE,
+                   "fp8_model_import_safetensors", "wte.weight");
+    EXPECT_EQ(first_difference(snapshot(t), before), "");
+    FP8_ASSERT_OK(fp8_model_import_safetensors_part(t.m(), good_path.c_str()));
+    // The same values as importing the libfp8 model's own file.
+    Net own(level, level ? FP8_OPTIMIZER_ADAM : -1, 6);
+    FP8_ASSERT_OK(fp8_model_import_safetensors(own.m(), exported.c_str()));
+    EXPECT_EQ(first_difference(snapshot(t), snapshot(own)), "");
+    EXPECT_NE(first_difference(snapshot(t), before), "");
+    // A parameter missing or misshapen: refused naming it, nothing changed.
+    for (const char* what : {"missing", "misshapen"}) {
+      SCOPED_TRACE(what);
+      std::vector<StOut> v = whole();
+      auto bias = std::find_if(v.begin(), v.end(), [](const StOut& o) { return o.name == "fc2.bias"; });
+      ASSERT_NE(bias, v.end());
+      if (std::string(what) == "missing")
+        v.erase(bias);
+      else
+        bias->shape = {static_cast<int64_t>(bias->data.size() / 4), 1};
+      const std::string p = dir.path("bad_whole.safetensors");
+      write_bytes(p, make_safetensors(v));
+      const Snapshot kept = snapshot(t);
+      EXPECT_REFUSED(fp8_model_import_safetensors_part(t.m(), p.c_str()),
+                     std::string(what) == "missing" ? FP8_ERR_INVALID_STATE : FP8_ERR_SHAPE,
+                     "fp8_model_import_safetensors_part", "fc2.bias");
+      EXPECT_EQ(first_difference(snapshot(t), kept), "");
+    }
+  }
+  EXPECT_REFUSED(fp8_model_import_safetensors_part(nullptr, good_path.c_str()), FP8_ERR_INVALID_ARGUMENT,
+                 "fp8_model_import_safetensors_part", "model");
+}
+
 // =================================================================================================
 // 7. fp8_checkpoint_read_recipe
 // =================================================================================================

@@ -173,6 +173,7 @@ for _name, _args in {
     "fp8_checkpoint_read_recipe": (ctypes.c_char_p, _p),
     "fp8_model_export_safetensors": (_p, ctypes.c_char_p),
     "fp8_model_import_safetensors": (_p, ctypes.c_char_p),
+    "fp8_model_import_safetensors_part": (_p, ctypes.c_char_p),
     "fp8_comm_create_local": (ctypes.POINTER(_p), ctypes.POINTER(_p), _i32),
     "fp8_comm_rank": (_p, ctypes.POINTER(_i32)),
     "fp8_comm_size": (_p, ctypes.POINTER(_i32)),
@@ -615,8 +616,11 @@ class Model(_Handle):
     def export_safetensors(self, path):
         _check(_lib.fp8_model_export_safetensors(self.handle, path.encode()))
 
-    def import_safetensors(self, path):
-        _check(_lib.fp8_model_import_safetensors(self.handle, path.encode()))
+    def import_safetensors(self, path, part=False):
+        """Every parameter from a safetensors file; part=True: a file that may hold other tensors
+        too (fp8_model_import_safetensors_part). All or nothing."""
+        f = _lib.fp8_model_import_safetensors_part if part else _lib.fp8_model_import_safetensors
+        _check(f(self.handle, path.encode()))
 
     def run(self, x, y):
         """The whole model, layers in order (fp8_model_forward). x is kept (the backward reads it)."""

@@ -15,7 +15,8 @@ step, load_state_dict, copy_) are noticed through the tensors' version counters.
 (recipe backend="te") weights and gradients are FP32 and each Parameter's .grad is libfp8's gradient
 memory, so torch optimizers and clip_grad_norm_ work on them. At MS-AMP levels (O1, O2) a Linear's
 weight is stored in F16 and its gradient in FP8: the weight is a Parameter that does not require
-grad, and libfp8.torch.Optimizer trains it (O3 is not offered here).
+grad, and libfp8.torch.Optimizer trains it (O3 is not offered here). load_safetensors(model, path)
+loads a Hugging Face-style file of the whole model, libfp8's layers read by libfp8 itself.
 
 FP8 runs where libfp8 says (fp8.h, "Models and layers"): in a converted layer, inside fp8_autocast
 (or a forward wrapped by contextual_fp8_autocast / apply_fp8_autowrap), in training mode unless the
@@ -34,7 +35,9 @@ no host synchronisation, and libfp8's device memory comes from torch's caching a
 import collections
 import contextlib
 import ctypes
+import json
 import math
+import struct
 import threading
 import types
 import weakref
@@ -48,7 +51,7 @@ from libfp8 import _check, _i32, _i64, _lib, _p
 
 __all__ = ["Recipe", "convert_model", "ConversionReport", "has_fp8_layers", "fp8_autocast", "checkpoint",
            "contextual_fp8_autocast", "apply_fp8_autowrap", "Optimizer", "Linear", "LayerNorm", "RMSNorm",
-           "Sequential", "Activation", "residual",
+           "Sequential", "Activation", "residual", "load_safetensors",
            "report", "to_torch", "from_torch"]
 
 _TORCH_DTYPES = {torch.float32: _f.DTYPE_F32, torch.float16: _f.DTYPE_F16, torch.bfloat16: _f.DTYPE_BF16}
@@ -1291,6 +1294,93 @@ def report(module):
     """libfp8's table of every converted layer (kind, shape, precision of the latest calls, FP8 and
     fallback counts, the latest fallback's reason), per libfp8 model in `module`."""
     return "\n".join(g.model.report() for g in _groups(module))
+
+
+# ------------------------------------------------------------------------------------------------
+# load_safetensors
+# ------------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _safetensors_header(path):
+    """{name: (dtype, shape, begin, end)} of a safetensors file (offsets from the file's start)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"load_safetensors: {path} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        size = f.seek(0, 2)
+        if n > size - 8:
+            raise ValueError(f"load_safetensors: {path}: header length {n} runs past the file's {size} bytes")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"load_safetensors: {path}: the header is not JSON ({e})") from None
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (8 + n + o for o in t["data_offsets"])
+        if not 8 + n <= begin <= end <= size:
+            raise ValueError(f"load_safetensors: {path}: tensor '{name}' has data_offsets outside the file")
+        out[name] = (t["dtype"], tuple(t["shape"]), begin, end)
+    return out
+
+
+def load_safetensors(module, path, strict=True):
+    """Loads a safetensors file (a Hugging Face checkpoint, torch's dotted names) into `module`,
+    converted or not, and returns (missing_keys, unexpected_keys) as load_state_dict does.
+
+    The parameters of each libfp8 model (the layers one convert_model call swapped in) are read by
+    libfp8 straight into its storage (fp8_model_import_safetensors_part: rounded to F16 at O1/O2, as
+    converting does) where its layers' names in `module` are the names they were converted under and
+    the file holds all of them; every other parameter and buffer of the state dict is copied by torch.
+    strict: the file and module.state_dict() hold the same names (else RuntimeError naming them).
+    Names, shapes and dtypes are checked before anything is written."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"load_safetensors: module is {type(module).__name__}; expected a torch.nn.Module")
+    path = str(path)
+    header = _safetensors_header(path)
+    state = module.state_dict(keep_vars=True)
+    missing = [k for k in state if k not in header]
+    unexpected = [k for k in header if k not in state]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"load_safetensors: {path} does not match the module: missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+    for k, t in state.items():
+        if k not in header:
+            continue
+        dtype, shape, begin, end = header[k]
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"load_safetensors: tensor '{k}' is {dtype}; expected one of {sorted(_ST_DTYPES)}")
+        if shape != tuple(t.shape):
+            raise ValueError(f"load_safetensors: tensor '{k}' has shape {list(shape)} in the file, "
+                             f"{list(t.shape)} in the module")
+        if end - begin != math.prod(shape) * torch.empty(0, dtype=_ST_DTYPES[dtype]).element_size():
+            raise ValueError(f"load_safetensors: tensor '{k}' ({dtype} {list(shape)}) has {end - begin} bytes")
+    # libfp8's models whose layers all keep their converted names and are all in the file.
+    qualified = {id(m): name for name, m in module.named_modules()}
+    by_libfp8 = set()
+    for g in _groups(module):
+        keys = [f"{qualified.get(id(m))}.{n}" for m in g.modules for n, *_ in m._lent]
+        if (all(qualified.get(id(m)) == m._fp8_name for m in g.modules) and
+                all(k in header and header[k][0] in ("F32", "F16", "BF16") for k in keys)):
+            g.model.import_safetensors(path, part=True)
+            by_libfp8.update(keys)
+    with open(path, "rb") as f, torch.no_grad():
+        for k, t in state.items():
+            if k in by_libfp8 or k not in header:
+                continue
+            dtype, shape, begin, end = header[k]
+            f.seek(begin)
+            data = bytearray(f.read(end - begin))
+            src = torch.frombuffer(data, dtype=_ST_DTYPES[dtype]) if data else torch.empty(0, dtype=_ST_DTYPES[dtype])
+            t.copy_(src.reshape(shape))
+    return missing, unexpected
 
 
 # ------------------------------------------------------------------------------------------------

@@ -762,4 +762,5 @@ extern "C" {
     pub fn fp8_checkpoint_read_recipe(path: *const c_char, recipe: *mut fp8_recipe_t) -> fp8_status_t;
     pub fn fp8_model_export_safetensors(model: *const fp8_model_t, path: *const c_char) -> fp8_status_t;
     pub fn fp8_model_import_safetensors(model: *mut fp8_model_t, path: *const c_char) -> fp8_status_t;
+    pub fn fp8_model_import_safetensors_part(model: *mut fp8_model_t, path: *const c_char) -> fp8_status_t;
 }

@@ -490,6 +490,13 @@ impl<'c> Model<'c> {
         check(unsafe { sys::fp8_model_import_safetensors(self.ptr(), path.as_ptr()) })
     }
 
+    /// As `import_safetensors`, from a file that may hold other tensors too (a framework's whole
+    /// model of which this one runs a part): every parameter must be there, the rest is left alone.
+    pub fn import_safetensors_part(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = c_path(path.as_ref())?;
+        check(unsafe { sys::fp8_model_import_safetensors_part(self.ptr(), path.as_ptr()) })
+    }
+
     /* ---- data parallelism ---- */
 
     /// Makes the model data-parallel over `comm` (collective), or single-rank again with None.

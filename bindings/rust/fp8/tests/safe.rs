@@ -335,6 +335,10 @@ fn checkpoints_resume_exactly() {
     c.convert(&saved_recipe).unwrap();
     c.import_safetensors(&st).unwrap();
     assert_eq!(bytes(&c), bytes(&b));
+    let d = small_model(&ctx);
+    d.convert(&saved_recipe).unwrap();
+    d.import_safetensors_part(&st).unwrap();
+    assert_eq!(bytes(&d), bytes(&b));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
