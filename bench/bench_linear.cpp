@@ -6,7 +6,8 @@
 // headline shapes also FP8 forced under the other recipes: "fp8 current" (scaling=current: every cast
 // scaled by its own tensor's amax, no FP8 hand-offs; the recipe torch.compile's FP8 peer follows),
 // "fp8 rowwise" and "fp8 block" (grids of scales per row, or per 1x128 / 128x128 block).
-// Before timing, each FP8 result is checked against the bf16 path of the same layer.
+// Before timing, each FP8 result is checked against the bf16 path of the same layer. The "gemm
+// floor" rows time the FP8 GEMMs of the Linear and the MLP block alone (issue 17's floor).
 // Timing: median of 20 CUDA-event-timed steps after 3 warm-ups, as the torch peer (peer_linear.py).
 // Usage: bench_linear [out.json]
 #include <cuda_runtime_api.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -194,6 +196,76 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
   return out;
 }
 
+// A random operand: FP8 codes (E4M3 or E5M2) or bf16 values of normal(0, 1), a block of 2^20 drawn
+// values tiled over the tensor (drawing 10^8 values one by one takes seconds).
+fp8_tensor_t* random_operand(fp8_dtype_t dt, int64_t rows, int64_t cols, uint32_t seed) {
+  fp8_tensor_t* t = fp8bench::matrix(ctx, dt, rows, cols);
+  const size_t n = static_cast<size_t>(rows * cols), block = std::min<size_t>(n, size_t{1} << 20);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const size_t elem = dt == FP8_DTYPE_BF16 ? 2 : 1;
+  std::vector<uint8_t> bytes(n * elem);
+  for (size_t i = 0; i < block; ++i) {
+    if (elem == 2) {
+      const uint16_t h = fp8::float_to_bf16(normal(rng));
+      std::memcpy(&bytes[2 * i], &h, 2);
+    } else {
+      bytes[i] = fp8::encode_fp8(normal(rng), dt == FP8_DTYPE_E5M2);
+    }
+  }
+  for (size_t at = block * elem; at < bytes.size(); at += block * elem)
+    std::memcpy(&bytes[at], bytes.data(), std::min(block * elem, bytes.size() - at));
+  CHECK_FP8(fp8_tensor_copy_from_host(t, bytes.data(), bytes.size()));
+  return t;
+}
+
+// The GEMM floor of a step: the FP8 GEMMs the FP8 layers run, through fp8_gemm (cuBLASLt) alone on
+// operands of the same shapes and types, timed as one sequence like the step. Per Linear m x k -> n
+// (te): fprop x[m][k] E4M3 . W[n][k] E4M3 -> bf16 with bias and fast accumulation; dgrad
+// dy[m][n] E5M2 . W^T[k][n] E4M3 -> bf16; wgrad dy^T[n][m] E5M2 . x^T[k][m] E4M3 added into the F32
+// gradient.
+struct FloorGemm {
+  int64_t m, n, k;
+  fp8_dtype_t a, d;
+  bool fast, accumulate, bias;
+};
+std::vector<FloorGemm> linear_gemms(int64_t m, int64_t k, int64_t n) {
+  return {{m, n, k, FP8_DTYPE_E4M3, FP8_DTYPE_BF16, true, false, true},
+          {m, k, n, FP8_DTYPE_E5M2, FP8_DTYPE_BF16, false, false, false},
+          {n, k, m, FP8_DTYPE_E5M2, FP8_DTYPE_F32, false, true, false}};
+}
+void gemm_floor(const std::string& name, const std::vector<FloorGemm>& gemms) {
+  std::vector<fp8_tensor_t*> tensors;
+  std::vector<std::function<void()>> calls;
+  uint32_t seed = 100;
+  for (const FloorGemm& g : gemms) {
+    fp8_tensor_t* a = random_operand(g.a, g.m, g.k, seed++);
+    fp8_tensor_t* b = random_operand(FP8_DTYPE_E4M3, g.n, g.k, seed++);
+    fp8_tensor_t* d = fp8bench::matrix(ctx, g.d, g.m, g.n);
+    const std::vector<uint8_t> zeros(static_cast<size_t>(g.m * g.n) * (g.d == FP8_DTYPE_F32 ? 4 : 2), 0);
+    CHECK_FP8(fp8_tensor_copy_from_host(d, zeros.data(), zeros.size()));
+    fp8_tensor_t* bias = nullptr;
+    if (g.bias) {
+      const int64_t shape[1] = {g.n};
+      CHECK_FP8(fp8_tensor_create(&bias, ctx, FP8_DTYPE_BF16, 1, shape));
+      fp8bench::fill_normal(bias, 0.1f, seed++);
+    }
+    fp8_gemm_options_t opts;
+    fp8_gemm_options_init(&opts);
+    opts.fast_accumulation = g.fast;
+    opts.accumulate = g.accumulate;
+    calls.push_back([=] { CHECK_FP8(fp8_gemm(ctx, a, b, bias, d, nullptr, &opts)); });
+    tensors.insert(tensors.end(), {a, b, d, bias});
+  }
+  row(name, fp8bench::median_ms(
+                stream, [&](int) {
+                  for (const auto& call : calls) call();
+                },
+                1, 3, 20));
+  for (fp8_tensor_t* t : tensors)
+    if (t) fp8_tensor_destroy(t);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -223,6 +295,11 @@ int main(int argc, char** argv) {
     return 1;
   }
 
+  // Issue 17's floors: the Linear's three FP8 GEMMs and the MLP block's six, alone.
+  gemm_floor("gemm floor linear 16384x8192->8192", linear_gemms(16384, 8192, 8192));
+  std::vector<FloorGemm> mlp_gemms = linear_gemms(16384, 4096, 16384);
+  for (const FloorGemm& g : linear_gemms(16384, 16384, 4096)) mlp_gemms.push_back(g);
+  gemm_floor("gemm floor mlp 16384x4096x16384", mlp_gemms);
   bench_mlp(16384, 4096, 16384, Variant::Fp8);
   for (Variant v : {Variant::Fp8Current, Variant::Fp8Rowwise, Variant::Fp8Block}) {
     bench_mlp(16384, 4096, 16384, v);

@@ -29,6 +29,11 @@ for what, ours, peer, target in [
         (f"mlp {mlp}: libfp8 fp8 vs torch.compile fp8", f"libfp8 fp8 mlp {mlp}", f"torch compile fp8 mlp {mlp}", 1.4),
         (f"mlp {mlp}: libfp8 fp8 vs torch fp8 eager", f"libfp8 fp8 mlp {mlp}", f"torch fp8 eager mlp {mlp}", None),
         (f"mlp {mlp}: libfp8 fp8 vs torch.compile bf16", f"libfp8 fp8 mlp {mlp}", f"torch compile bf16 mlp {mlp}", None),
+        # Issue 17's floors: the step's FP8 GEMMs alone (same run) over the step, as a fraction.
+        (f"{big}: its FP8 GEMMs alone vs libfp8 fp8 (share of the floor)", f"libfp8 fp8 linear {big}",
+         f"gemm floor linear {big}", 0.9),
+        (f"mlp {mlp}: its FP8 GEMMs alone vs libfp8 fp8 (share of the floor)", f"libfp8 fp8 mlp {mlp}",
+         f"gemm floor mlp {mlp}", 0.8),
         # Issue 14: current scaling (each cast scaled by its own amax), the recipe of the compiled FP8 peer.
         (f"{big}: libfp8 fp8 current vs torch bf16", f"libfp8 fp8 current linear {big}", f"torch bf16 linear {big}", 1.7),
         (f"{big}: libfp8 fp8 current vs torch.compile fp8", f"libfp8 fp8 current linear {big}",
