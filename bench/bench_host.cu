@@ -191,14 +191,13 @@ void run_layer(fp8_context_t* ctx, cudaStream_t stream, const char* label, const
   fp8_model_destroy(model);
 }
 
-
-#define CHECK_CUBLAS(call)                                                         \
-  do {                                                                             \
-    cublasStatus_t s_ = (call);                                                    \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                             \
-      std::fprintf(stderr, "%s: %s\n", #call, cublasLtGetStatusString(s_));        \
-      std::exit(1);                                                                \
-    }                                                                              \
+#define CHECK_CUBLAS(call)                                                  \
+  do {                                                                      \
+    cublasStatus_t s_ = (call);                                             \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                      \
+      std::fprintf(stderr, "%s: %s\n", #call, cublasLtGetStatusString(s_)); \
+      std::exit(1);                                                         \
+    }                                                                       \
   } while (0)
 
 __global__ void empty_kernel() {}
@@ -257,8 +256,8 @@ Stats cublaslt_floor(cudaStream_t stream, bool fp8_in) {
   CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, kDim, kRows, kDim));
   cublasLtMatmulPreference_t pref = nullptr;
   CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
-  CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                    sizeof ws_bytes));
+  CHECK_CUBLAS(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, ld, ld, pref, 1, &result, &found));
@@ -267,8 +266,8 @@ Stats cublaslt_floor(cudaStream_t stream, bool fp8_in) {
     std::exit(1);
   }
   const Stats s = time_host(stream, [&] {
-    CHECK_CUBLAS(cublasLtMatmul(handle, desc, &alpha, b, la, a, lb, &beta, d, ld, d, ld, &result.algo, ws, ws_bytes,
-                                stream));
+    CHECK_CUBLAS(
+        cublasLtMatmul(handle, desc, &alpha, b, la, a, lb, &beta, d, ld, d, ld, &result.algo, ws, ws_bytes, stream));
   });
   check_values(d, static_cast<size_t>(kRows * kDim), "the floor GEMM's y");
   cublasLtMatmulPreferenceDestroy(pref);

@@ -258,7 +258,8 @@ void gemm_floor(const std::string& name, const std::vector<FloorGemm>& gemms) {
     tensors.insert(tensors.end(), {a, b, d, bias});
   }
   row(name, fp8bench::median_ms(
-                stream, [&](int) {
+                stream,
+                [&](int) {
                   for (const auto& call : calls) call();
                 },
                 1, 3, 20));

@@ -380,8 +380,9 @@ void import_safetensors(fp8_model& model, const std::string& path, bool others_a
   const SafetensorsFile st = decode_safetensors(file.data(), file.size());
   const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
   for (const SafeTensor& t : st.tensors)
-    if (!others_allowed && std::none_of(targets.begin(), targets.end(),
-                     [&](const nn::Parameter* p) { return p->name == nn::current_parameter_name(t.name); }))
+    if (!others_allowed && std::none_of(targets.begin(), targets.end(), [&](const nn::Parameter* p) {
+          return p->name == nn::current_parameter_name(t.name);
+        }))
       fail(FP8_ERR_INVALID_STATE, "the file's tensor '", t.name, "' is no parameter of the model");
   std::vector<ParamState> params;
   for (size_t i = 0; i < targets.size(); ++i) {
