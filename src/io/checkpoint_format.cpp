@@ -140,7 +140,9 @@ std::vector<ParamState> decode_params(const std::vector<uint8_t>& data) {
            ", which stores ", dtype_name(stored));
     p.n = r.get_i64("parameter size");
     p.value = get_blob(r, "parameter value");
-    if (p.n < 0 || p.value.size() != bytes_of(p.n, dtype_size(p.value_dtype)))
+    // (n is bounded by the blob first: n * element could wrap around to the blob's size)
+    if (p.n < 0 || static_cast<uint64_t>(p.n) > p.value.size() ||
+        p.value.size() != bytes_of(p.n, dtype_size(p.value_dtype)))
       fail(FP8_ERR_CORRUPT, "parameter '", p.name, "' holds ", p.value.size(), " bytes for ", p.n, " ",
            dtype_name(p.value_dtype), " elements");
     p.value_scale_inv = r.get_f32("parameter scale_inv");

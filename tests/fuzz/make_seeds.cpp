@@ -87,6 +87,15 @@ int main(int argc, char** argv) {
                                                  {"optimizer", fp8::io::encode_optimizer(opt, params)}}));
   }
 
+  // A params section whose parameter's byte count wraps around (2^62 F32 elements in 0 bytes): it
+  // must be refused as corrupt, not allocated (the fuzzer found it; replayed at every run).
+  {
+    fp8::io::ParamState huge;
+    huge.name = "w";
+    huge.n = int64_t{1} << 62;
+    put("checkpoint", fp8::io::encode_params({huge}));
+  }
+
   put("safetensors", fp8::io::encode_safetensors({}, {}));
   put("safetensors", fp8::io::encode_safetensors({{"w", "F32", {2, 2}, counting(16)}}, {{"format", "pt"}}));
   const char* dtypes[] = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL"};
