@@ -242,8 +242,9 @@ void gemm_floor(const std::string& name, const std::vector<FloorGemm>& gemms) {
     fp8_tensor_t* a = random_operand(g.a, g.m, g.k, seed++);
     fp8_tensor_t* b = random_operand(FP8_DTYPE_E4M3, g.n, g.k, seed++);
     fp8_tensor_t* d = fp8bench::matrix(ctx, g.d, g.m, g.n);
-    const std::vector<uint8_t> zeros(static_cast<size_t>(g.m * g.n) * (g.d == FP8_DTYPE_F32 ? 4 : 2), 0);
-    CHECK_FP8(fp8_tensor_copy_from_host(d, zeros.data(), zeros.size()));
+    void* d_data = nullptr;  // (zeroed: the wgrad adds into it)
+    CHECK_FP8(fp8_tensor_data(d, &d_data));
+    CHECK_CUDA(cudaMemset(d_data, 0, static_cast<size_t>(g.m * g.n) * (g.d == FP8_DTYPE_F32 ? 4 : 2)));
     fp8_tensor_t* bias = nullptr;
     if (g.bias) {
       const int64_t shape[1] = {g.n};
