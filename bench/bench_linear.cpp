@@ -9,7 +9,11 @@
 // Before timing, each FP8 result is checked against the bf16 path of the same layer. The "gemm
 // floor" rows time the FP8 GEMMs of the Linear and the MLP block alone (issue 17's floor).
 // Timing: median of 20 CUDA-event-timed steps after 3 warm-ups, as the torch peer (peer_linear.py).
-// Usage: bench_linear [out.json]
+// `--profile-mlp` runs only the FP8 MLP step and its GEMM floor, three warm-ups each, then one step
+// of each between cudaProfilerStart and Stop, for `ncu --profile-from-start off` (issue 17's
+// kernel-by-kernel table).
+// Usage: bench_linear [out.json] | bench_linear --profile-mlp
+#include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -101,6 +105,20 @@ struct Chain {
 
 FILE* json = nullptr;
 bool first_row = true;
+bool profile = false;  // --profile-mlp
+
+// Times fn as a step (median_ms); under --profile-mlp, runs it three times, then once between
+// cudaProfilerStart and Stop, and returns 0.
+double time_step(const std::function<void()>& fn) {
+  if (!profile) return fp8bench::median_ms(stream, [&](int) { fn(); }, 1, 3, 20);
+  for (int i = 0; i < 3; ++i) fn();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaProfilerStart());
+  fn();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaProfilerStop());
+  return 0.0;
+}
 // path: what the automatic rule chose ("fp8" or "bf16"), for the auto rows.
 void row(const std::string& name, double ms, const char* path = nullptr) {
   std::printf("%-44s %9.4f ms  %s\n", name.c_str(), ms, path ? path : "");
@@ -138,8 +156,7 @@ std::vector<float> bench_linear(int64_t m, int64_t k, int64_t n, Variant v, bool
                   static_cast<long long>(k), static_cast<long long>(n));
     fp8_layer_report_t rep;
     fp8_layer_report_init(&rep);
-    const double ms = fp8bench::median_ms(
-        stream, [&](int) { chain.step(); }, 1, 3, 20);
+    const double ms = time_step([&] { chain.step(); });
     CHECK_FP8(fp8_layer_get_report(model, 0, &rep));
     row(name, ms, v == Variant::Auto ? (rep.fprop == 1 ? "fp8" : "bf16") : nullptr);
   }
@@ -187,8 +204,7 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
     char name[96];
     std::snprintf(name, sizeof name, "libfp8 %s mlp %lldx%lldx%lld", variant_name(v), static_cast<long long>(t),
                   static_cast<long long>(d), static_cast<long long>(f));
-    row(name, fp8bench::median_ms(
-                  stream, [&](int) { chain.step(); }, 1, 3, 20));
+    row(name, time_step([&] { chain.step(); }));
   }
   for (fp8_tensor_t* p : acts) fp8_tensor_destroy(p);
   for (size_t i = 0; i < grads.size(); ++i) fp8_tensor_destroy(grads[i]);
@@ -234,6 +250,12 @@ std::vector<FloorGemm> linear_gemms(int64_t m, int64_t k, int64_t n) {
           {m, k, n, FP8_DTYPE_E5M2, FP8_DTYPE_BF16, false, false, false},
           {n, k, m, FP8_DTYPE_E5M2, FP8_DTYPE_F32, false, true, false}};
 }
+// The MLP block's: fc1 t x d -> f, then fc2 t x f -> d.
+std::vector<FloorGemm> mlp_gemms(int64_t t, int64_t d, int64_t f) {
+  std::vector<FloorGemm> gemms = linear_gemms(t, d, f);
+  for (const FloorGemm& g : linear_gemms(t, f, d)) gemms.push_back(g);
+  return gemms;
+}
 void gemm_floor(const std::string& name, const std::vector<FloorGemm>& gemms) {
   std::vector<fp8_tensor_t*> tensors;
   std::vector<std::function<void()>> calls;
@@ -258,12 +280,9 @@ void gemm_floor(const std::string& name, const std::vector<FloorGemm>& gemms) {
     calls.push_back([=] { CHECK_FP8(fp8_gemm(ctx, a, b, bias, d, nullptr, &opts)); });
     tensors.insert(tensors.end(), {a, b, d, bias});
   }
-  row(name, fp8bench::median_ms(
-                stream,
-                [&](int) {
-                  for (const auto& call : calls) call();
-                },
-                1, 3, 20));
+  row(name, time_step([&] {
+        for (const auto& call : calls) call();
+      }));
   for (fp8_tensor_t* t : tensors)
     if (t) fp8_tensor_destroy(t);
 }
@@ -271,11 +290,20 @@ void gemm_floor(const std::string& name, const std::vector<FloorGemm>& gemms) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  json = std::fopen(argc > 1 ? argv[1] : "bench_linear.json", "w");
+  profile = argc > 1 && std::strcmp(argv[1], "--profile-mlp") == 0;
+  json = std::fopen(argc > 1 && !profile ? argv[1] : "bench_linear.json", "w");
   CHECK_FP8(fp8_context_create(&ctx, 0));
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CHECK_FP8(fp8_context_set_stream(ctx, stream));
   std::fprintf(json, "[\n");
+  if (profile) {
+    gemm_floor("gemm floor mlp 16384x4096x16384", mlp_gemms(16384, 4096, 16384));
+    bench_mlp(16384, 4096, 16384, Variant::Fp8);
+    std::fprintf(json, "\n]\n");
+    std::fclose(json);
+    fp8_context_destroy(ctx);
+    return 0;
+  }
 
   // Correctness first: FP8 against the bf16 path of the same layer (both checked against the CPU
   // reference by tests/gpu/gpu_layers); FP8 rounding of x, W (E4M3) bounds the difference.
@@ -299,9 +327,7 @@ int main(int argc, char** argv) {
 
   // Issue 17's floors: the Linear's three FP8 GEMMs and the MLP block's six, alone.
   gemm_floor("gemm floor linear 16384x8192->8192", linear_gemms(16384, 8192, 8192));
-  std::vector<FloorGemm> mlp_gemms = linear_gemms(16384, 4096, 16384);
-  for (const FloorGemm& g : linear_gemms(16384, 16384, 4096)) mlp_gemms.push_back(g);
-  gemm_floor("gemm floor mlp 16384x4096x16384", mlp_gemms);
+  gemm_floor("gemm floor mlp 16384x4096x16384", mlp_gemms(16384, 4096, 16384));
   bench_mlp(16384, 4096, 16384, Variant::Fp8);
   for (Variant v : {Variant::Fp8Current, Variant::Fp8Rowwise, Variant::Fp8Block}) {
     bench_mlp(16384, 4096, 16384, v);
