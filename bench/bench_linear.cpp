@@ -87,19 +87,31 @@ fp8_model_t* convert(fp8_model_t* m, Variant v) {
 }
 
 // Layers run in order forward and in reverse backward; acts[i] is layer i's input, acts[n] the
-// output; grads[i] the gradient of acts[i] (grads[0] may be NULL: no input gradient).
+// output; grads[i] the gradient of acts[i] (grads[0] may be NULL: no input gradient). Layer by
+// layer (fp8_layer_forward/backward, as a framework that owns the graph calls them), or the whole
+// model as one run (fp8_model_forward/backward: the model keeps the activations between layers,
+// and folds a GELU into the casts of the Linears around it).
 struct Chain {
   fp8_model_t* model;
   std::vector<fp8_tensor_t*> acts, grads;
   bool fp8;
+  bool whole_model = false;
   void step() const {
     CHECK_FP8(fp8_model_weights_changed(model));
     if (fp8) CHECK_FP8(fp8_autocast_begin(model));
-    for (size_t i = 0; i + 1 < acts.size(); ++i)
-      CHECK_FP8(fp8_layer_forward(model, static_cast<int32_t>(i), acts[i], acts[i + 1]));
+    if (whole_model) {
+      CHECK_FP8(fp8_model_forward(model, acts.front(), acts.back()));
+    } else {
+      for (size_t i = 0; i + 1 < acts.size(); ++i)
+        CHECK_FP8(fp8_layer_forward(model, static_cast<int32_t>(i), acts[i], acts[i + 1]));
+    }
     if (fp8) CHECK_FP8(fp8_autocast_end(model));
-    for (size_t i = acts.size() - 1; i-- > 0;)
-      CHECK_FP8(fp8_layer_backward(model, static_cast<int32_t>(i), grads[i + 1], grads[i]));
+    if (whole_model) {
+      CHECK_FP8(fp8_model_backward(model, grads.back(), grads.front()));
+    } else {
+      for (size_t i = acts.size() - 1; i-- > 0;)
+        CHECK_FP8(fp8_layer_backward(model, static_cast<int32_t>(i), grads[i + 1], grads[i]));
+    }
   }
 };
 
@@ -165,9 +177,12 @@ std::vector<float> bench_linear(int64_t m, int64_t k, int64_t n, Variant v, bool
   return out;
 }
 
-// LayerNorm -> Linear d->f -> GELU -> Linear f->d, t tokens, bf16; FP8 with E4M3 hand-offs (none
-// under current scaling: the Linears cast the bf16 outputs of the norm and the GELU themselves).
-std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool check_only = false) {
+// LayerNorm -> Linear d->f -> GELU -> Linear f->d, t tokens, bf16, run as one model (the "mlp"
+// rows) or layer by layer ("mlp layer by layer"); FP8 with E4M3 hand-offs and the GELU folded into
+// the Linears' casts in the model run (neither under current scaling: the Linears cast the bf16
+// outputs of the norm and the GELU themselves).
+std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool check_only = false,
+                             bool layer_by_layer = false) {
   fp8_model_t* model = nullptr;
   CHECK_FP8(fp8_model_create(&model, ctx));
   CHECK_FP8(fp8_model_add_layernorm(model, "ln", d, 1e-5f, nullptr));
@@ -194,7 +209,7 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
       fp8bench::matrix(ctx, FP8_DTYPE_BF16, t, d)};
   fp8bench::fill_normal(x, 1.0f, 5);
   fp8bench::fill_normal(grads[4], 1e-3f, 6);
-  const Chain chain{model, acts, grads, fp8};
+  const Chain chain{model, acts, grads, fp8, !layer_by_layer};
   std::vector<float> out;
   if (check_only) {
     chain.step();
@@ -202,8 +217,9 @@ std::vector<float> bench_mlp(int64_t t, int64_t d, int64_t f, Variant v, bool ch
     out = read_bf16(acts[4]);
   } else {
     char name[96];
-    std::snprintf(name, sizeof name, "libfp8 %s mlp %lldx%lldx%lld", variant_name(v), static_cast<long long>(t),
-                  static_cast<long long>(d), static_cast<long long>(f));
+    std::snprintf(name, sizeof name, "libfp8 %s mlp%s %lldx%lldx%lld", variant_name(v),
+                  layer_by_layer ? " layer by layer" : "", static_cast<long long>(t), static_cast<long long>(d),
+                  static_cast<long long>(f));
     row(name, time_step([&] { chain.step(); }));
   }
   for (fp8_tensor_t* p : acts) fp8_tensor_destroy(p);
@@ -299,6 +315,7 @@ int main(int argc, char** argv) {
   if (profile) {
     gemm_floor("gemm floor mlp 16384x4096x16384", mlp_gemms(16384, 4096, 16384));
     bench_mlp(16384, 4096, 16384, Variant::Fp8);
+    bench_mlp(16384, 4096, 16384, Variant::Fp8, false, true);
     std::fprintf(json, "\n]\n");
     std::fclose(json);
     fp8_context_destroy(ctx);
@@ -329,6 +346,7 @@ int main(int argc, char** argv) {
   gemm_floor("gemm floor linear 16384x8192->8192", linear_gemms(16384, 8192, 8192));
   gemm_floor("gemm floor mlp 16384x4096x16384", mlp_gemms(16384, 4096, 16384));
   bench_mlp(16384, 4096, 16384, Variant::Fp8);
+  bench_mlp(16384, 4096, 16384, Variant::Fp8, false, true);
   for (Variant v : {Variant::Fp8Current, Variant::Fp8Rowwise, Variant::Fp8Block}) {
     bench_mlp(16384, 4096, 16384, v);
     bench_linear(16384, 8192, 8192, v);

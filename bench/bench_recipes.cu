@@ -2,8 +2,8 @@
 // - the fused amax + quantize (kernels/cast/recipe_quantize.cu) at the issue-14 shapes (8192x8192
 //   and 16384x8192, bf16 in): each scale mode with and without the transposed copy, against a
 //   device-to-device copy measured in the same run ("of copy" counts the bytes the operation must
-//   move: 2 read + 1 or 2 written per element; the per-row and per-tensor modes read the input
-//   twice, which the figure does not credit);
+//   move: 2 read + 1 or 2 written per element; the per-tensor mode, and the per-row mode with the
+//   transposed copy, read the input twice, which the figure does not credit);
 // - cuBLASLt's FP8 GEMM (bf16 out) at the issue-3 shapes with per-tensor scales (with and without
 //   fast accumulation), per-row scales, and 1x128 x 128x128 (the Linear's fprop and dgrad) and
 //   1x128 x 1x128 (its wgrad) block scales.

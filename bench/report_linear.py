@@ -27,6 +27,8 @@ for what, ours, peer, target in [
         (f"{few}: libfp8 auto vs torch.compile bf16", f"libfp8 auto linear {few}", f"torch compile bf16 linear {few}", None),
         (f"mlp {mlp}: libfp8 fp8 vs torch bf16 (issue 17)", f"libfp8 fp8 mlp {mlp}", f"torch bf16 mlp {mlp}", 1.85),
         (f"mlp {mlp}: libfp8 fp8 vs torch.compile fp8", f"libfp8 fp8 mlp {mlp}", f"torch compile fp8 mlp {mlp}", 1.4),
+        (f"mlp {mlp}: libfp8 fp8 layer by layer vs torch bf16", f"libfp8 fp8 mlp layer by layer {mlp}",
+         f"torch bf16 mlp {mlp}", None),
         (f"mlp {mlp}: libfp8 fp8 vs torch fp8 eager", f"libfp8 fp8 mlp {mlp}", f"torch fp8 eager mlp {mlp}", None),
         (f"mlp {mlp}: libfp8 fp8 vs torch.compile bf16", f"libfp8 fp8 mlp {mlp}", f"torch compile bf16 mlp {mlp}", None),
         # Issue 17's floors: the step's FP8 GEMMs alone (same run) over the step, as a fraction.

@@ -10,7 +10,9 @@
 // into `out_t` (the transposed copy, quantised along its own K). The per-row and per-tensor modes
 // need amaxes that span tiles: a first pass (line_amax_kernel, or the amax kernel) puts them into
 // the job's workspace, so those modes read the input twice. Edge tiles load element by element
-// (missing elements count as 0, which changes no amax) and store only what exists.
+// (missing elements count as 0, which changes no amax) and store only what exists. The per-row
+// mode without the transposed copy reads the input once where a row fits a block's registers
+// (row_quantize_kernel: one row per block at a time, its amax reduced in the block).
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -138,6 +140,54 @@ __global__ void empty_operand_kernel(const Params p, bool per_tensor) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (per_tensor || i < p.rows) put_cell(p, i, 0, s, 0u);
     if (p.out_t && (per_tensor || i < p.cols)) put_cell_t(p, i, 0, s);
+  }
+}
+
+// The per-row mode without the transposed copy in one read: one row per block at a time (the next
+// row's loads issued before this one is reduced), thread t holding its 8-column groups t, t + 256,
+// ... (NV of them: cols <= NV * 8 * kThreads, cols % 8 == 0, 16-byte aligned input, 8-byte
+// aligned output); the row's amax reduced over the block, then its codes and its grid cell written.
+constexpr int kRowGroups = 8;  // at most: rows of up to 16384 columns
+template <fp8_dtype_t DT, bool E5M2, int NV>
+__global__ void __launch_bounds__(kThreads) row_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in,
+                                                               const Params p) {
+  __shared__ uint32_t warp_max[kThreads / 32];
+  const int t = threadIdx.x;
+  const auto has = [&](int k) { return (static_cast<int64_t>(k) * kThreads + t) * 8 < p.cols; };
+  Vec8<DT> next[NV];
+  const auto issue = [&](int64_t r) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+      if (has(k)) next[k].load(in + r * p.cols + (static_cast<int64_t>(k) * kThreads + t) * 8);
+  };
+  if (blockIdx.x < p.rows) issue(blockIdx.x);
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    Vec8<DT> cur[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) cur[k] = next[k];
+    if (r + gridDim.x < p.rows) issue(r + gridDim.x);
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+      if (has(k))
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = max(m, abs_bits(cur[k].get(i)));
+    m = __reduce_max_sync(0xFFFFFFFFu, m);
+    if ((t & 31) == 0) warp_max[t >> 5] = m;
+    __syncthreads();
+    uint32_t amax = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) amax = max(amax, warp_max[w]);
+    const float scale = recipe_scale(bits_float(amax), p.fp8_max, p.pow2);
+    if (t == 0) put_cell(p, r, 0, scale, amax);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (!has(k)) continue;
+      const auto v = [&](int i) { return cur[k].get(i) * scale; };
+      *reinterpret_cast<uint2*>(p.out + r * p.cols + (static_cast<int64_t>(k) * kThreads + t) * 8) =
+          make_uint2(cast4<E5M2>(v(0), v(1), v(2), v(3)), cast4<E5M2>(v(4), v(5), v(6), v(7)));
+    }
+    __syncthreads();  // warp_max is written again for the next row
   }
 }
 
@@ -327,9 +377,28 @@ void recipe_quantize(const RecipeQuantizeJob& j, const LaunchLimits& lim, cudaSt
     }
     return;
   }
+  const bool one_read_rows = mode == ScaleMode::kRow && !p.out_t && j.cols % 8 == 0 &&
+                             j.cols <= int64_t{kThreads} * 8 * kRowGroups && aligned16(j.in) && aligned16(j.out);
   dispatch_wide(j.in_dtype, [&](auto dt) {
     using Raw = typename Wide<decltype(dt)::value>::Raw;
     const Raw* in = static_cast<const Raw*>(j.in);
+    if (one_read_rows) {
+      const auto launch_rows = [&](auto e5m2, auto groups) {
+        auto* kernel = row_quantize_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(groups)::value>;
+        const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
+        kernel<<<grid, kThreads, 0, stream>>>(in, p);
+      };
+      const auto by_width = [&](auto e5m2) {
+        const int64_t groups = (j.cols / 8 + kThreads - 1) / kThreads;
+        if (groups <= 1) launch_rows(e5m2, std::integral_constant<int, 1>{});
+        else if (groups <= 2) launch_rows(e5m2, std::integral_constant<int, 2>{});
+        else if (groups <= 4) launch_rows(e5m2, std::integral_constant<int, 4>{});
+        else launch_rows(e5m2, std::integral_constant<int, kRowGroups>{});
+      };
+      if (j.e5m2) by_width(std::true_type{});
+      else by_width(std::false_type{});
+      return;
+    }
     if (mode == ScaleMode::kTensor) {
       amax({j.in, j.in_dtype, n, reinterpret_cast<float*>(j.workspace), nullptr}, lim, stream);
     } else if (mode == ScaleMode::kRow) {

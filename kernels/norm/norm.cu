@@ -5,6 +5,10 @@
 // one partial row of each into the context's scratch, and a second kernel adds the G partials in a
 // fixed order. Wider rows take two kernels: dx, then the partial sums over rows rc, rc + R, ... (R
 // partial rows). G and R depend on the shape alone: deterministic on every device, no atomics.
+// Rows of a multiple of 8 columns with 16-byte aligned buffers take the vector kernels (thread t
+// holds the 8-column groups t, t + 256, ..., loaded and stored 16 bytes at a time; the forward
+// holds the row in registers up to kVecMaxCols and loads the block's next row while it reduces this
+// one); the others the element kernels (thread t: columns t, t + 256, ...).
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -20,6 +24,105 @@ constexpr int kThreads = 256;
 constexpr int kHoldPerThread = 8, kFusedPerThread = 32;
 constexpr int64_t kFusedMaxCols = int64_t{kThreads} * kFusedPerThread;
 constexpr int64_t kFusedPartials = 512;  // the fused backward's blocks, at most
+// The vector kernels: 8-column groups per thread, at most kVecGroups (a row of up to kVecMaxCols).
+constexpr int kVecGroups = 4;
+constexpr int64_t kVecMaxCols = int64_t{kThreads} * 8 * kVecGroups;
+
+// Eight consecutive outputs at element i (a multiple of 8, 16-byte aligned buffer): wide (rounded)
+// or FP8 (scaled, cast, amax tracked), in one or two stores.
+template <fp8_dtype_t OUT>
+__device__ __forceinline__ void store8(void* out, int64_t i, const float (&v)[8], float scale, uint32_t& amax) {
+  if constexpr (OUT == FP8_DTYPE_E4M3 || OUT == FP8_DTYPE_E5M2) {
+    constexpr bool e5m2 = OUT == FP8_DTYPE_E5M2;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax = max(amax, abs_bits(v[k]));
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) =
+        make_uint2(cast4<e5m2>(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale),
+                   cast4<e5m2>(v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale));
+  } else if constexpr (OUT == FP8_DTYPE_F32) {
+    float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + i);
+    p[0] = make_float4(v[0], v[1], v[2], v[3]);
+    p[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      w[k] = static_cast<uint32_t>(Wide<OUT>::from_float(v[2 * k])) |
+             (static_cast<uint32_t>(Wide<OUT>::from_float(v[2 * k + 1])) << 16);
+    *reinterpret_cast<uint4*>(static_cast<typename Wide<OUT>::Raw*>(out) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Eight consecutive floats of a 16-byte aligned array (gamma, beta).
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// The forward with the row in registers, NV groups of 8 columns per thread (d <= NV * 8 * kThreads).
+// The block's next row is loaded before this one's reductions, so its loads are in flight meanwhile.
+template <fp8_dtype_t DT, fp8_dtype_t OUT, int NV>
+__global__ void __launch_bounds__(kThreads)
+    norm_forward_vec_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x, int64_t rows, int64_t d,
+                            const float* __restrict__ gamma, const float* __restrict__ beta, float eps,
+                            void* __restrict__ y, ScalingHeader* state, float* y_scale_inv, float* mean_out,
+                            float* rstd_out) {
+  __shared__ float scratch[32];
+  const float scale = state ? state->scale : 1.0f;
+  const int t = threadIdx.x;
+  uint32_t amax = 0;
+  Vec8<DT> next[NV];
+  const auto issue = [&](int64_t r) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t c = (static_cast<int64_t>(k) * kThreads + t) * 8;
+      if (c < d) next[k].load(x + r * d + c);
+    }
+  };
+  if (blockIdx.x < rows) issue(blockIdx.x);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float v[NV][8];
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[k][i] = next[k].get(i);
+    if (r + gridDim.x < rows) issue(r + gridDim.x);
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+      if ((static_cast<int64_t>(k) * kThreads + t) * 8 < d)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s += v[k][i];
+    const float mean = rms ? 0.0f : block_sum(s, scratch) / static_cast<float>(d);
+    float sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+      if ((static_cast<int64_t>(k) * kThreads + t) * 8 < d)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sq += (v[k][i] - mean) * (v[k][i] - mean);
+    const float rstd = 1.0f / sqrtf(block_sum(sq, scratch) / static_cast<float>(d) + eps);
+    if (t == 0) {
+      if (mean_out) mean_out[r] = mean;
+      if (rstd_out) rstd_out[r] = rstd;
+    }
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t c = (static_cast<int64_t>(k) * kThreads + t) * 8;
+      if (c >= d) continue;
+      float g[8], b[8] = {};
+      load8(gamma + c, g);
+      if (beta) load8(beta + c, b);
+      float o[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = (v[k][i] - mean) * rstd * g[i] + b[i];
+      store8<OUT>(y, r * d + c, o, scale, amax);
+    }
+  }
+  if (state) {
+    if (blockIdx.x == 0 && t == 0) *y_scale_inv = state->scale_inv;
+    block_amax_accumulate(amax, scaling_history(state), nullptr);
+  }
+}
 
 // PT > 0: each thread holds its PT columns (t + j * kThreads) of the row in registers, so x is read
 // once (d <= PT * kThreads); PT = 0: any d, the row read three times (RMSNorm: twice).
@@ -189,6 +292,84 @@ __global__ void __launch_bounds__(kThreads, PT <= kHoldPerThread ? 4 : 2)
   }
 }
 
+// The fused backward of the vector layout (d <= NV * 8 * kThreads): per row, x and dy loaded 16
+// bytes at a time for the two sums, then again (from L1: the row was just read) for dx, so that
+// only the column sums stay in registers; partial rows as norm_backward_fused_kernel writes them.
+// (Four blocks per SM, as kFusedPartials assumes, up to 2 groups per thread; wider rows' column
+// sums need two.)
+template <fp8_dtype_t DT, fp8_dtype_t DY, fp8_dtype_t DX, int NV>
+__global__ void __launch_bounds__(kThreads, NV <= 2 ? 4 : 2)
+    norm_backward_vec_kernel(bool rms, const typename Wide<DT>::Raw* __restrict__ x,
+                             const typename Wide<DY>::Raw* __restrict__ dy, int64_t rows, int64_t d,
+                             const float* __restrict__ gamma, const float* __restrict__ mean_in,
+                             const float* __restrict__ rstd_in, const typename Wide<DX>::Raw* base,
+                             typename Wide<DX>::Raw* dx, float* __restrict__ partial) {
+  __shared__ float scratch[32];
+  const int t = threadIdx.x;
+  float dg[NV][8], db[NV][8];
+#pragma unroll
+  for (int k = 0; k < NV; ++k)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dg[k][i] = db[k][i] = 0.0f;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t c = (static_cast<int64_t>(k) * kThreads + t) * 8;
+      if (c >= d) continue;
+      Vec8<DT> xv;
+      Vec8<DY> dyv;
+      xv.load(x + r * d + c);
+      dyv.load(dy + r * d + c);
+      float g[8];
+      load8(gamma + c, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float xhat = (xv.get(i) - mean) * rstd, dyi = dyv.get(i), gv = dyi * g[i];
+        sg += gv;
+        sgx += gv * xhat;
+        dg[k][i] += dyi * xhat;
+        db[k][i] += dyi;
+      }
+    }
+    const float mean_g = rms ? 0.0f : block_sum(sg, scratch) / static_cast<float>(d);
+    const float mean_gx = block_sum(sgx, scratch) / static_cast<float>(d);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t c = (static_cast<int64_t>(k) * kThreads + t) * 8;
+      if (c >= d) continue;
+      Vec8<DT> xv;
+      Vec8<DY> dyv;
+      xv.load(x + r * d + c);
+      dyv.load(dy + r * d + c);
+      float g[8], o[8];
+      load8(gamma + c, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float xhat = (xv.get(i) - mean) * rstd, gv = dyv.get(i) * g[i];
+        o[i] = rstd * (gv - mean_g - xhat * mean_gx);
+      }
+      if (base) {  // (__fadd_rn: one rounding of the sum, as put_dx)
+        Vec8<DX> bv;
+        bv.load(base + r * d + c);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = __fadd_rn(bv.get(i), o[i]);
+      }
+      uint32_t unused = 0;
+      store8<DX>(dx, r * d + c, o, 1.0f, unused);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t c = (static_cast<int64_t>(k) * kThreads + t) * 8;
+    if (c >= d) continue;
+    uint32_t unused = 0;
+    store8<FP8_DTYPE_F32>(partial + static_cast<int64_t>(blockIdx.x) * d, c, dg[k], 1.0f, unused);
+    store8<FP8_DTYPE_F32>(partial + static_cast<int64_t>(gridDim.x + blockIdx.x) * d, c, db[k], 1.0f, unused);
+  }
+}
+
 // partial[rc][c] = sum over rows r = rc (mod R) of dy * xhat (and of dy, after R*d floats).
 template <fp8_dtype_t DT, fp8_dtype_t DY>
 __global__ void __launch_bounds__(kThreads)
@@ -239,6 +420,13 @@ __global__ void __launch_bounds__(kThreads) norm_backward_reduce_kernel(const fl
   if (dbeta) dbeta[c] = accumulate ? dbeta[c] + b : b;
 }
 
+// Whether a job takes the vector kernels: rows of a multiple of 8 columns, at most kVecMaxCols, and
+// x, gamma, beta and `other` (y forward, dy backward) 16-byte aligned.
+bool vector_rows(const NormJob& j, const void* other) {
+  return j.cols % 8 == 0 && j.cols <= kVecMaxCols && aligned16(j.x) && aligned16(j.gamma) &&
+         (!j.beta || aligned16(j.beta)) && aligned16(other);
+}
+
 }  // namespace
 
 void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scratch_floats, cudaStream_t stream) {
@@ -252,10 +440,21 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
           kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta,
                                                 j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
         };
-        if (j.cols <= kThreads * kHoldPerThread)
+        auto launch_vec = [&](auto groups) {
+          auto* kernel = norm_forward_vec_kernel<decltype(dt)::value, decltype(out)::value, decltype(groups)::value>;
+          const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
+          kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta,
+                                                j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
+        };
+        if (vector_rows(j, j.y)) {
+          if (j.cols <= kThreads * 8) launch_vec(std::integral_constant<int, 1>{});
+          else if (j.cols <= kThreads * 16) launch_vec(std::integral_constant<int, 2>{});
+          else launch_vec(std::integral_constant<int, kVecGroups>{});
+        } else if (j.cols <= kThreads * kHoldPerThread) {
           launch(std::integral_constant<int, kHoldPerThread>{});
-        else
+        } else {
           launch(std::integral_constant<int, 0>{});
+        }
       };
       dispatch_any(j.y_dtype, go);
     });
@@ -282,6 +481,17 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
               j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.gamma, j.mean,
               j.rstd, static_cast<const RawDx*>(j.dx_base), static_cast<RawDx*>(j.dx), scratch);
         };
+        auto launch_vec = [&](auto groups) {
+          norm_backward_vec_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
+                                   decltype(groups)::value><<<R, kThreads, 0, stream>>>(
+              j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.gamma, j.mean,
+              j.rstd, static_cast<const RawDx*>(j.dx_base), static_cast<RawDx*>(j.dx), scratch);
+        };
+        if (vector_rows(j, j.dy) && aligned16(j.dx) && (!j.dx_base || aligned16(j.dx_base))) {
+          if (j.cols <= kThreads * 8) return launch_vec(std::integral_constant<int, 1>{});
+          if (j.cols <= kThreads * 16) return launch_vec(std::integral_constant<int, 2>{});
+          return launch_vec(std::integral_constant<int, kVecGroups>{});
+        }
         if (j.cols <= kThreads * kHoldPerThread) return launch_fused(std::integral_constant<int, kHoldPerThread>{});
         if (fused) return launch_fused(std::integral_constant<int, kFusedPerThread>{});
         auto* kernel = norm_backward_dx_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value>;

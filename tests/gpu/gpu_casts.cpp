@@ -26,21 +26,6 @@ std::vector<uint8_t> random_bytes(fp8_dtype_t dt, size_t n, uint32_t seed, bool 
   return to_wide_bytes(dt, v);
 }
 
-// A device buffer of its own, optionally offset so the data is not 16-byte aligned.
-struct DeviceBuffer {
-  void* base = nullptr;
-  explicit DeviceBuffer(size_t bytes) { EXPECT_EQ(cudaMalloc(&base, bytes + 64), cudaSuccess); }
-  ~DeviceBuffer() { cudaFree(base); }
-  void* at(size_t offset) const { return static_cast<char*>(base) + offset; }
-};
-
-Tensor wrap(fp8_context_t* ctx, fp8_dtype_t dt, const std::vector<int64_t>& shape, void* data) {
-  fp8_tensor_t* t = nullptr;
-  EXPECT_EQ(fp8_tensor_wrap(&t, ctx, dt, static_cast<int32_t>(shape.size()), shape.data(), data), FP8_OK)
-      << fp8_last_error_message();
-  return Tensor(t);
-}
-
 void* data_of(const fp8_tensor_t* t) {
   void* p = nullptr;
   EXPECT_EQ(fp8_tensor_data(t, &p), FP8_OK);

@@ -1,6 +1,9 @@
-// What the GPU tests share: random inputs in any dtype, results read back as values, and the
-// normwise relative error used to compare GPU and CPU results that are not bit-exact.
+// What the GPU tests share: random inputs in any dtype, results read back as values, the normwise
+// relative error used to compare GPU and CPU results that are not bit-exact, and device buffers
+// that tensors wrap at an offset (misaligned data).
 #pragma once
+
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
@@ -71,6 +74,24 @@ inline double relative_error(const std::vector<double>& got, const std::vector<d
   }
   den = std::max(std::sqrt(den), floor);
   return den > 0 ? std::sqrt(num) / den : std::sqrt(num);
+}
+
+// A device buffer of its own, optionally offset so the data is not 16-byte aligned.
+struct DeviceBuffer {
+  void* base = nullptr;
+  explicit DeviceBuffer(size_t bytes) { EXPECT_EQ(cudaMalloc(&base, bytes + 64), cudaSuccess); }
+  ~DeviceBuffer() { cudaFree(base); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* at(size_t offset) const { return static_cast<char*>(base) + offset; }
+};
+
+// A tensor over `data` (not owned).
+inline Tensor wrap(fp8_context_t* ctx, fp8_dtype_t dt, const std::vector<int64_t>& shape, void* data) {
+  fp8_tensor_t* t = nullptr;
+  EXPECT_EQ(fp8_tensor_wrap(&t, ctx, dt, static_cast<int32_t>(shape.size()), shape.data(), data), FP8_OK)
+      << fp8_last_error_message();
+  return Tensor(t);
 }
 
 }  // namespace fp8test

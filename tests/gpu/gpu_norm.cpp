@@ -1,7 +1,9 @@
 // LayerNorm / RMSNorm on the GPU against the CPU reference (float statistics against double):
 // forward outputs in every dtype (FP8 included) with the saved statistics, and the backward's dx,
-// dgamma and dbeta, on awkward shapes: rows held in registers (d <= 2048), re-read (d <= 8192), and
-// the two-kernel backward of wider rows (d > 8192), each side of both limits.
+// dgamma and dbeta, on awkward shapes: the vector kernels (d a multiple of 8 up to 8192, aligned
+// buffers: 1, 2 and 4 groups of 8 columns per thread), the element kernels (rows held in registers
+// up to d = 2048, re-read up to 8192), and the two-kernel backward of wider rows (d > 8192), each
+// side of every limit; and misaligned buffers, which take the element kernels.
 #include <cmath>
 #include <random>
 
@@ -17,7 +19,8 @@ TEST(GpuNorm, ForwardAndBackwardMatchTheCpuReference) {
   Recipe recipe = make_recipe();
   const std::vector<std::vector<int64_t>> shapes = {{1, 1},      {3, 1000},    {257, 64},    {2, 3, 40},
                                                     {128, 4096}, {2048, 1024}, {1000, 3000}, {3, 9000},
-                                                    {5, 2048},   {7, 2049},    {4, 8192},    {3, 8193}};
+                                                    {5, 2048},   {7, 2049},    {4, 8192},    {3, 8193},
+                                                    {9, 2056},   {6, 4104},    {33, 8},      {2, 7}};
   uint32_t seed = 1;
   for (fp8_norm_t kind : {FP8_NORM_LAYERNORM, FP8_NORM_RMSNORM}) {
     const bool rms = kind == FP8_NORM_RMSNORM;
@@ -85,6 +88,56 @@ TEST(GpuNorm, ForwardAndBackwardMatchTheCpuReference) {
         }
       }
     }
+  }
+}
+
+// x, y, dy and dx each 2 bytes off 16-byte alignment in turn (bf16, d = 4096, a shape the vector
+// kernels take when aligned): each result as close to the CPU's as when aligned.
+TEST(GpuNorm, MisalignedBuffersMatchTheCpuReference) {
+  Context cpu = make_context(FP8_DEVICE_CPU), gpu = make_context(0);
+  const int64_t rows = 64, d = 4096, n = rows * d;
+  const std::vector<int64_t> shape = {rows, d};
+  const auto xb = to_wide_bytes(FP8_DTYPE_BF16, normal_floats(n, 11, 2.0f, 1.5f));
+  const auto dyb = to_wide_bytes(FP8_DTYPE_BF16, normal_floats(n, 12, 0.0f, 1.5f));
+  const auto gb = to_wide_bytes(FP8_DTYPE_F32, normal_floats(d, 14, 1.0f, 1.5f));
+  const auto bb = to_wide_bytes(FP8_DTYPE_F32, normal_floats(d, 15, 0.0f, 1.5f));
+  auto made = [&](fp8_context_t* ctx, fp8_dtype_t dt, const std::vector<int64_t>& s, const std::vector<uint8_t>* bytes) {
+    Tensor t = make_tensor(ctx, dt, s);
+    if (bytes) upload(t.get(), *bytes);
+    return t;
+  };
+  Tensor x_c = made(cpu.get(), FP8_DTYPE_BF16, shape, &xb), dy_c = made(cpu.get(), FP8_DTYPE_BF16, shape, &dyb);
+  Tensor g_c = made(cpu.get(), FP8_DTYPE_F32, {d}, &gb), b_c = made(cpu.get(), FP8_DTYPE_F32, {d}, &bb);
+  Tensor m_c = made(cpu.get(), FP8_DTYPE_F32, {rows}, nullptr), s_c = made(cpu.get(), FP8_DTYPE_F32, {rows}, nullptr);
+  Tensor y_c = made(cpu.get(), FP8_DTYPE_BF16, shape, nullptr), dx_c = made(cpu.get(), FP8_DTYPE_BF16, shape, nullptr);
+  Tensor dg_c = made(cpu.get(), FP8_DTYPE_F32, {d}, nullptr), db_c = made(cpu.get(), FP8_DTYPE_F32, {d}, nullptr);
+  FP8_ASSERT_OK(fp8_norm_forward(cpu.get(), FP8_NORM_LAYERNORM, x_c.get(), g_c.get(), b_c.get(), 1e-5f, y_c.get(),
+                                 nullptr, m_c.get(), s_c.get()));
+  FP8_ASSERT_OK(fp8_norm_backward(cpu.get(), FP8_NORM_LAYERNORM, x_c.get(), g_c.get(), m_c.get(), s_c.get(),
+                                  dy_c.get(), dx_c.get(), dg_c.get(), db_c.get()));
+  const size_t bytes = static_cast<size_t>(n) * 2;
+  for (int off = 0; off < 5; ++off) {  // which buffer is off: none, x, y, dy, dx
+    SCOPED_TRACE(::testing::Message() << "misaligned buffer " << off);
+    const auto at = [&](int which) { return which == off ? size_t{2} : size_t{0}; };
+    DeviceBuffer xbuf(bytes), ybuf(bytes), dybuf(bytes), dxbuf(bytes);
+    Tensor x_g = wrap(gpu.get(), FP8_DTYPE_BF16, shape, xbuf.at(at(1)));
+    Tensor y_g = wrap(gpu.get(), FP8_DTYPE_BF16, shape, ybuf.at(at(2)));
+    Tensor dy_g = wrap(gpu.get(), FP8_DTYPE_BF16, shape, dybuf.at(at(3)));
+    Tensor dx_g = wrap(gpu.get(), FP8_DTYPE_BF16, shape, dxbuf.at(at(4)));
+    upload(x_g.get(), xb);
+    upload(dy_g.get(), dyb);
+    Tensor g_g = made(gpu.get(), FP8_DTYPE_F32, {d}, &gb), b_g = made(gpu.get(), FP8_DTYPE_F32, {d}, &bb);
+    Tensor m_g = made(gpu.get(), FP8_DTYPE_F32, {rows}, nullptr), s_g = made(gpu.get(), FP8_DTYPE_F32, {rows}, nullptr);
+    Tensor dg_g = made(gpu.get(), FP8_DTYPE_F32, {d}, nullptr), db_g = made(gpu.get(), FP8_DTYPE_F32, {d}, nullptr);
+    FP8_ASSERT_OK(fp8_norm_forward(gpu.get(), FP8_NORM_LAYERNORM, x_g.get(), g_g.get(), b_g.get(), 1e-5f, y_g.get(),
+                                   nullptr, m_g.get(), s_g.get()));
+    FP8_ASSERT_OK(fp8_norm_backward(gpu.get(), FP8_NORM_LAYERNORM, x_g.get(), g_g.get(), m_g.get(), s_g.get(),
+                                    dy_g.get(), dx_g.get(), dg_g.get(), db_g.get()));
+    EXPECT_LT(relative_error(values(y_g.get()), values(y_c.get())), 4e-3) << "y";
+    EXPECT_LT(relative_error(values(s_g.get()), values(s_c.get())), 1e-5) << "rstd";
+    EXPECT_LT(relative_error(values(dx_g.get()), values(dx_c.get())), 4e-3) << "dx";
+    EXPECT_LT(relative_error(values(dg_g.get()), values(dg_c.get())), 1e-4) << "dgamma";
+    EXPECT_LT(relative_error(values(db_g.get()), values(db_c.get())), 1e-4) << "dbeta";
   }
 }
 
