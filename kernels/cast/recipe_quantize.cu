@@ -295,15 +295,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     }
     if (with_t) __syncthreads();  // col_scale
 
-    // The column scales of this thread's 16 columns, read once (4 x 16 bytes) for its four rows.
-    float cs[16];
-    if (per_column && with_t) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 v4 = *reinterpret_cast<const float4*>(col_scale + c0 + 4 * q);
-        cs[4 * q] = v4.x, cs[4 * q + 1] = v4.y, cs[4 * q + 2] = v4.z, cs[4 * q + 3] = v4.w;
-      }
-    }
     // The codes: out row-major; the transposed copy's codes into the shared tile.
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
@@ -321,11 +312,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
         for (int i = 0; i < 16 && C0 + c0 + i < p.cols; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
       }
       if (with_t) {
-        if constexpr (per_column) {
+        if constexpr (per_column) {  // (the column scales read from shared memory per chunk: held
+                                     // across the chunks, they pushed the bf16 kernel into spills)
 #pragma unroll
-          for (int q = 0; q < 4; ++q)
-            w[q] = cast4<E5M2>(cur.get(k, 4 * q) * cs[4 * q], cur.get(k, 4 * q + 1) * cs[4 * q + 1],
-                               cur.get(k, 4 * q + 2) * cs[4 * q + 2], cur.get(k, 4 * q + 3) * cs[4 * q + 3]);
+          for (int q = 0; q < 4; ++q) {
+            const float4 cs = *reinterpret_cast<const float4*>(col_scale + c0 + 4 * q);
+            w[q] = cast4<E5M2>(cur.get(k, 4 * q) * cs.x, cur.get(k, 4 * q + 1) * cs.y, cur.get(k, 4 * q + 2) * cs.z,
+                               cur.get(k, 4 * q + 3) * cs.w);
+          }
         }
         *reinterpret_cast<uint4*>(tile + tile_at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
       }
