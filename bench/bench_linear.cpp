@@ -122,7 +122,9 @@ bool profile = false;  // --profile-mlp
 // Times fn as a step (median_ms); under --profile-mlp, runs it three times, then once between
 // cudaProfilerStart and Stop, and returns 0.
 double time_step(const std::function<void()>& fn) {
-  if (!profile) return fp8bench::median_ms(stream, [&](int) { fn(); }, 1, 3, 20);
+  if (!profile)
+    return fp8bench::median_ms(
+        stream, [&](int) { fn(); }, 1, 3, 20);
   for (int i = 0; i < 3; ++i) fn();
   CHECK_CUDA(cudaStreamSynchronize(stream));
   CHECK_CUDA(cudaProfilerStart());

@@ -1592,14 +1592,17 @@ FP8_API fp8_status_t fp8_model_export_safetensors(const fp8_model_t *model, cons
 /** Reads every parameter from a safetensors file (F32, F16 or BF16 tensors of the parameters' names
  *  and shapes; a missing or extra tensor is refused) into the model's storage, rounding where it is
  *  narrower (at O3 into the model's F16 master and the E4M3 copy). Gradients and optimizer
- *  moments are kept. All or nothing. */
+ *  moments are kept. The header is checked whole, and every name, shape and dtype, before any
+ *  tensor's bytes are read; then only the parameters' bytes are read (host memory: the parameters
+ *  as F32, not the file). FP8_ERR_IO when the path is no regular file or cannot be read;
+ *  FP8_ERR_CORRUPT when the file is malformed or gets shorter while it is read. All or nothing. */
 FP8_API fp8_status_t fp8_model_import_safetensors(fp8_model_t *model, const char *path);
 /** As fp8_model_import_safetensors, from a file that may hold other tensors too: a framework's whole
  *  model (a Hugging Face checkpoint) of which this libfp8 model runs the Linears and norms, its
  *  layers named as the framework names the modules (layer "h.0.mlp.c_fc" reads
  *  "h.0.mlp.c_fc.weight"). Every parameter must be in the file (FP8_ERR_INVALID_STATE naming the
- *  first missing one); the file's other tensors, of any safetensors dtype, are left alone. The
- *  whole file is read into host memory. All or nothing. */
+ *  first missing one); the file's other tensors, of any safetensors dtype, are left alone and
+ *  unread. All or nothing. */
 FP8_API fp8_status_t fp8_model_import_safetensors_part(fp8_model_t *model, const char *path);
 
 #ifdef __cplusplus

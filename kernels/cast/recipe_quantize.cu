@@ -149,8 +149,8 @@ __global__ void empty_operand_kernel(const Params p, bool per_tensor) {
 // aligned output); the row's amax reduced over the block, then its codes and its grid cell written.
 constexpr int kRowGroups = 8;  // at most: rows of up to 16384 columns
 template <fp8_dtype_t DT, bool E5M2, int NV>
-__global__ void __launch_bounds__(kThreads) row_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in,
-                                                               const Params p) {
+__global__ void __launch_bounds__(kThreads)
+    row_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
   __shared__ uint32_t warp_max[kThreads / 32];
   const int t = threadIdx.x;
   const auto has = [&](int k) { return (static_cast<int64_t>(k) * kThreads + t) * 8 < p.cols; };
@@ -384,13 +384,19 @@ void recipe_quantize(const RecipeQuantizeJob& j, const LaunchLimits& lim, cudaSt
       };
       const auto by_width = [&](auto e5m2) {
         const int64_t groups = (j.cols / 8 + kThreads - 1) / kThreads;
-        if (groups <= 1) launch_rows(e5m2, std::integral_constant<int, 1>{});
-        else if (groups <= 2) launch_rows(e5m2, std::integral_constant<int, 2>{});
-        else if (groups <= 4) launch_rows(e5m2, std::integral_constant<int, 4>{});
-        else launch_rows(e5m2, std::integral_constant<int, kRowGroups>{});
+        if (groups <= 1)
+          launch_rows(e5m2, std::integral_constant<int, 1>{});
+        else if (groups <= 2)
+          launch_rows(e5m2, std::integral_constant<int, 2>{});
+        else if (groups <= 4)
+          launch_rows(e5m2, std::integral_constant<int, 4>{});
+        else
+          launch_rows(e5m2, std::integral_constant<int, kRowGroups>{});
       };
-      if (j.e5m2) by_width(std::true_type{});
-      else by_width(std::false_type{});
+      if (j.e5m2)
+        by_width(std::true_type{});
+      else
+        by_width(std::false_type{});
       return;
     }
     if (mode == ScaleMode::kTensor) {

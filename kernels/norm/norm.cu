@@ -447,9 +447,12 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
                                                 j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
         };
         if (vector_rows(j, j.y)) {
-          if (j.cols <= kThreads * 8) launch_vec(std::integral_constant<int, 1>{});
-          else if (j.cols <= kThreads * 16) launch_vec(std::integral_constant<int, 2>{});
-          else launch_vec(std::integral_constant<int, kVecGroups>{});
+          if (j.cols <= kThreads * 8)
+            launch_vec(std::integral_constant<int, 1>{});
+          else if (j.cols <= kThreads * 16)
+            launch_vec(std::integral_constant<int, 2>{});
+          else
+            launch_vec(std::integral_constant<int, kVecGroups>{});
         } else if (j.cols <= kThreads * kHoldPerThread) {
           launch(std::integral_constant<int, kHoldPerThread>{});
         } else {

@@ -376,28 +376,28 @@ void export_safetensors(const fp8_model& model, const std::string& path, const W
 }
 
 void import_safetensors(fp8_model& model, const std::string& path, bool others_allowed) {
-  const std::vector<uint8_t> file = read_file(path);
-  const SafetensorsFile st = decode_safetensors(file.data(), file.size());
+  // The header first, then only the parameters' bytes, one tensor at a time: a part of a large
+  // checkpoint costs the memory of that part, not of the file.
+  const FileReader file(path);
+  const SafetensorsIndex st = read_safetensors_index(file);
   const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
-  for (const SafeTensor& t : st.tensors)
+  for (const SafeTensorPlace& t : st.tensors)
     if (!others_allowed && std::none_of(targets.begin(), targets.end(), [&](const nn::Parameter* p) {
           return p->name == nn::current_parameter_name(t.name);
         }))
       fail(FP8_ERR_INVALID_STATE, "the file's tensor '", t.name, "' is no parameter of the model");
-  std::vector<ParamState> params;
-  for (size_t i = 0; i < targets.size(); ++i) {
-    const nn::Parameter& t = *targets[i];
+  // Every name, shape and dtype is checked before any tensor is read.
+  std::vector<std::pair<const SafeTensorPlace*, fp8_dtype_t>> sources;
+  for (const nn::Parameter* target : targets) {
+    const nn::Parameter& t = *target;
     auto it = std::find_if(st.tensors.begin(), st.tensors.end(),
-                           [&](const SafeTensor& s) { return nn::current_parameter_name(s.name) == t.name; });
+                           [&](const SafeTensorPlace& s) { return nn::current_parameter_name(s.name) == t.name; });
     if (it == st.tensors.end()) fail(FP8_ERR_INVALID_STATE, "the file has no tensor '", t.name, "'");
     const std::vector<int64_t> shape(t.value->shape, t.value->shape + t.value->ndim);
     if (it->shape != shape)
       fail(FP8_ERR_SHAPE, "tensor '", t.name, "' has shape ",
            shape_string(static_cast<int32_t>(it->shape.size()), it->shape.data()), " in the file, ",
            shape_string(t.value->ndim, t.value->shape), " in the model");
-    ParamState p;
-    p.name = t.name;
-    p.n = t.value->numel;
     fp8_dtype_t dtype = FP8_DTYPE_F32;
     if (it->dtype == "F16")
       dtype = FP8_DTYPE_F16;
@@ -405,7 +405,17 @@ void import_safetensors(fp8_model& model, const std::string& path, bool others_a
       dtype = FP8_DTYPE_BF16;
     else if (it->dtype != "F32")
       fail(FP8_ERR_UNSUPPORTED, "tensor '", t.name, "' is ", it->dtype, "; libfp8 imports F32, F16 and BF16");
-    p.value = floats_bytes(widen_host(dtype, it->data.data(), p.n));
+    sources.emplace_back(&*it, dtype);
+  }
+  std::vector<ParamState> params;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const nn::Parameter& t = *targets[i];
+    const auto [place, dtype] = sources[i];
+    ParamState p;
+    p.name = t.name;
+    p.n = t.value->numel;
+    p.value = floats_bytes(
+        widen_host(dtype, file.read_at(place->offset, place->bytes, "tensor '" + place->name + "'").data(), p.n));
     convert_for(p, model, t, optim_tensor(model.weight_owner, i), true);
     params.push_back(std::move(p));
   }

@@ -393,4 +393,50 @@ std::vector<uint8_t> read_file(const std::string& path) {
   return out;
 }
 
+FileReader::FileReader(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) fail_io("open", path, errno);
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fail_io("stat", path, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fail_io("read parts of", path, S_ISDIR(st.st_mode) ? EISDIR : ESPIPE);
+  }
+  size_ = static_cast<uint64_t>(st.st_size);
+}
+
+FileReader::~FileReader() {
+  ::close(fd_);
+}
+
+std::vector<uint8_t> FileReader::read_at(uint64_t offset, uint64_t bytes, const std::string& what) const {
+  if (offset > size_ || bytes > size_ - offset)
+    fail(FP8_ERR_CORRUPT, what, " (bytes [", offset, ", ", offset + bytes, ")) run past the end of '", path_, "' (",
+         size_, " bytes)");
+  std::vector<uint8_t> out;
+  try {
+    out.resize(static_cast<size_t>(bytes));
+  } catch (const std::bad_alloc&) {
+    fail(FP8_ERR_OUT_OF_MEMORY, "cannot hold ", what, " of '", path_, "' in memory (", bytes, " bytes)");
+  }
+  uint64_t used = 0;
+  while (used < bytes) {
+    const ssize_t n =
+        ::pread(fd_, out.data() + used, static_cast<size_t>(bytes - used), static_cast<off_t>(offset + used));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail_io("read", path_, errno);
+    }
+    if (n == 0)
+      fail(FP8_ERR_CORRUPT, "'", path_, "' ended at byte ", offset + used, " in ", what, " (bytes [", offset, ", ",
+           offset + bytes, ")): the file got shorter after it was opened");
+    used += static_cast<uint64_t>(n);
+  }
+  return out;
+}
+
 }  // namespace fp8::io

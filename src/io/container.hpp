@@ -61,6 +61,28 @@ void write_file_atomic(const std::string& path, const std::vector<uint8_t>& byte
 // The whole file; FP8_ERR_IO naming the path and the reason (a directory included).
 std::vector<uint8_t> read_file(const std::string& path);
 
+// A regular file opened for reading parts of it, for readers that need a few ranges of a large file
+// (a part of a Hugging Face checkpoint) without holding all of it. FP8_ERR_IO naming the path and
+// the reason when it cannot be opened or read, or is no regular file; FP8_ERR_CORRUPT when a range
+// runs past the end (the file got shorter after it was opened).
+class FileReader {
+ public:
+  explicit FileReader(const std::string& path);
+  ~FileReader();
+  FileReader(const FileReader&) = delete;
+  FileReader& operator=(const FileReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_; }  // at open
+  // `bytes` bytes from `offset` on; `what` names them in the errors.
+  std::vector<uint8_t> read_at(uint64_t offset, uint64_t bytes, const std::string& what) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
 // zlib's CRC-32 (the one of gzip and PNG), for any size.
 uint32_t crc32_of(const uint8_t* data, size_t size);
 

@@ -7,6 +7,7 @@
 
 #include "core/error.hpp"
 #include "io/bytes.hpp"
+#include "io/container.hpp"
 
 namespace fp8::io {
 
@@ -484,33 +485,35 @@ std::vector<uint8_t> encode_safetensors(const std::vector<SafeTensor>& tensors, 
   return out;
 }
 
-SafetensorsFile decode_safetensors(const uint8_t* data, size_t size) {
-  if (data == nullptr && size != 0) fail(FP8_ERR_INVALID_ARGUMENT, "decode_safetensors: NULL data with size ", size);
-  ByteReader r(data, size);
+SafetensorsIndex decode_safetensors_index(const uint8_t* head, size_t head_size, uint64_t file_size) {
+  if (head == nullptr && head_size != 0)
+    fail(FP8_ERR_INVALID_ARGUMENT, "decode_safetensors_index: NULL head with size ", head_size);
+  if (head_size > file_size)
+    fail(FP8_ERR_INVALID_ARGUMENT, "decode_safetensors_index: ", head_size, " bytes of a file of ", file_size);
+  ByteReader r(head, head_size);
   const uint64_t header_size = r.get_u64("safetensors header length");
   if (header_size > kMaxSafetensorsHeader) {
     fail(FP8_ERR_CORRUPT, "safetensors header length ", header_size, " is above the limit of ", kMaxSafetensorsHeader,
          " bytes (not a safetensors file?)");
   }
-  if (header_size > r.remaining()) {
-    fail(FP8_ERR_CORRUPT, "safetensors header length ", header_size, " runs past the end of the file (", size,
+  if (header_size > file_size - 8) {
+    fail(FP8_ERR_CORRUPT, "safetensors header length ", header_size, " runs past the end of the file (", file_size,
          " bytes)");
   }
   const uint8_t* header = r.get_span(header_size, "safetensors header");
-  const uint64_t buffer_size = r.remaining();
-  const uint8_t* buffer = r.get_span(buffer_size, "safetensors data");
+  const uint64_t data_start = 8 + header_size, buffer_size = file_size - data_start;
 
   if (header_size == 0 || header[0] != '{') {
     fail(FP8_ERR_CORRUPT, "safetensors header does not start with '{' (not a safetensors file?)");
   }
   HeaderParser json(header, header_size);
-  SafetensorsFile file;
+  SafetensorsIndex index;
   std::vector<Entry> entries;
   json.object("in the header", [&](const std::string& key) {
     if (key == kMetadataKey) {
       json.object("in __metadata__", [&](const std::string& meta_key) {
         const std::string ctx = "for __metadata__ key '" + printable(meta_key) + "'";
-        file.metadata.emplace_back(meta_key, json.string(ctx.c_str()));
+        index.metadata.emplace_back(meta_key, json.string(ctx.c_str()));
       });
     } else {
       entries.push_back(parse_entry(json, key));
@@ -558,7 +561,7 @@ SafetensorsFile decode_safetensors(const uint8_t* data, size_t size) {
            "', which libfp8 does not read (it reads ", kDtypeList, ")");
     }
   }
-  file.tensors.reserve(entries.size());
+  index.tensors.reserve(entries.size());
   for (Entry& e : entries) {
     uint64_t bytes = 0;
     if (!tensor_bytes(e.shape, safetensors_dtype_size(e.dtype), &bytes)) {
@@ -569,14 +572,46 @@ SafetensorsFile decode_safetensors(const uint8_t* data, size_t size) {
       fail(FP8_ERR_CORRUPT, "safetensors tensor '", printable(e.name), "' (", e.dtype, " ", shape_text(e.shape),
            ") needs ", bytes, " bytes, its data_offsets [", e.begin, ", ", e.end, "] hold ", e.end - e.begin);
     }
-    SafeTensor t;
+    SafeTensorPlace t;
     t.name = std::move(e.name);
     t.dtype = std::move(e.dtype);
     t.shape = std::move(e.shape);
-    t.data.assign(buffer + e.begin, buffer + e.end);
+    t.offset = data_start + e.begin;
+    t.bytes = bytes;
+    index.tensors.push_back(std::move(t));
+  }
+  return index;
+}
+
+SafetensorsFile decode_safetensors(const uint8_t* data, size_t size) {
+  if (data == nullptr && size != 0) fail(FP8_ERR_INVALID_ARGUMENT, "decode_safetensors: NULL data with size ", size);
+  SafetensorsIndex index = decode_safetensors_index(data, size, size);
+  SafetensorsFile file;
+  file.metadata = std::move(index.metadata);
+  file.tensors.reserve(index.tensors.size());
+  for (SafeTensorPlace& place : index.tensors) {
+    SafeTensor t;
+    t.name = std::move(place.name);
+    t.dtype = std::move(place.dtype);
+    t.shape = std::move(place.shape);
+    t.data.assign(data + place.offset, data + place.offset + place.bytes);
     file.tensors.push_back(std::move(t));
   }
   return file;
+}
+
+SafetensorsIndex read_safetensors_index(const FileReader& file) {
+  // The length field (or what there is of it), then the header it announces (or what there is):
+  // the decoder reports a short file or an absurd length as it does for a file in memory.
+  std::vector<uint8_t> head = file.read_at(0, std::min<uint64_t>(8, file.size()), "the safetensors header length");
+  if (head.size() == 8) {
+    uint64_t header_size = 0;
+    for (int i = 7; i >= 0; --i) header_size = header_size << 8 | head[static_cast<size_t>(i)];
+    const uint64_t available = header_size > kMaxSafetensorsHeader ? 0 : std::min(header_size, file.size() - 8);
+    const std::vector<uint8_t> header = file.read_at(8, available, "the safetensors header");
+    head.insert(head.end(), header.begin(), header.end());
+  }
+  return decode_safetensors_index(head.data(), head.size(), file.size());
 }
 
 }  // namespace fp8::io

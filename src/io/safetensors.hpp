@@ -23,6 +23,23 @@ struct SafeTensor {
 
 using SafetensorsMetadata = std::vector<std::pair<std::string, std::string>>;
 
+// A tensor's header entry and where its bytes lie in the file (offset from the file's start).
+struct SafeTensorPlace {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+// A file's header: its tensors in the order of their bytes, its metadata in the header's order.
+struct SafetensorsIndex {
+  std::vector<SafeTensorPlace> tensors;
+  SafetensorsMetadata metadata;
+};
+
+class FileReader;
+
 struct SafetensorsFile {
   std::vector<SafeTensor> tensors;  // in the order of their bytes in the file
   SafetensorsMetadata metadata;     // in the order of the header
@@ -49,6 +66,15 @@ std::vector<uint8_t> encode_safetensors(const std::vector<SafeTensor>& tensors, 
 // or run past the buffer. FP8_ERR_UNSUPPORTED naming the tensor for a well-formed entry with a dtype
 // this library does not know, or with more than kMaxSafetensorsRank dimensions.
 SafetensorsFile decode_safetensors(const uint8_t* data, size_t size);
+
+// The same checks on the header alone, for a file of file_size bytes whose first head_size bytes
+// are `head` (the length field and the header, or more): where each tensor's bytes lie, which the
+// caller reads itself.
+SafetensorsIndex decode_safetensors_index(const uint8_t* head, size_t head_size, uint64_t file_size);
+
+// decode_safetensors_index on a file read through `file`: the length field and the header are read,
+// none of the tensors' bytes.
+SafetensorsIndex read_safetensors_index(const FileReader& file);
 
 inline bool operator==(const SafeTensor& a, const SafeTensor& b) {
   return a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.data == b.data;

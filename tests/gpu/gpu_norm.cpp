@@ -17,10 +17,9 @@ namespace {
 TEST(GpuNorm, ForwardAndBackwardMatchTheCpuReference) {
   Context cpu = make_context(FP8_DEVICE_CPU), gpu = make_context(0);
   Recipe recipe = make_recipe();
-  const std::vector<std::vector<int64_t>> shapes = {{1, 1},      {3, 1000},    {257, 64},    {2, 3, 40},
-                                                    {128, 4096}, {2048, 1024}, {1000, 3000}, {3, 9000},
-                                                    {5, 2048},   {7, 2049},    {4, 8192},    {3, 8193},
-                                                    {9, 2056},   {6, 4104},    {33, 8},      {2, 7}};
+  const std::vector<std::vector<int64_t>> shapes = {
+      {1, 1},    {3, 1000}, {257, 64}, {2, 3, 40}, {128, 4096}, {2048, 1024}, {1000, 3000}, {3, 9000},
+      {5, 2048}, {7, 2049}, {4, 8192}, {3, 8193},  {9, 2056},   {6, 4104},    {33, 8},      {2, 7}};
   uint32_t seed = 1;
   for (fp8_norm_t kind : {FP8_NORM_LAYERNORM, FP8_NORM_RMSNORM}) {
     const bool rms = kind == FP8_NORM_RMSNORM;
@@ -101,7 +100,8 @@ TEST(GpuNorm, MisalignedBuffersMatchTheCpuReference) {
   const auto dyb = to_wide_bytes(FP8_DTYPE_BF16, normal_floats(n, 12, 0.0f, 1.5f));
   const auto gb = to_wide_bytes(FP8_DTYPE_F32, normal_floats(d, 14, 1.0f, 1.5f));
   const auto bb = to_wide_bytes(FP8_DTYPE_F32, normal_floats(d, 15, 0.0f, 1.5f));
-  auto made = [&](fp8_context_t* ctx, fp8_dtype_t dt, const std::vector<int64_t>& s, const std::vector<uint8_t>* bytes) {
+  auto made = [&](fp8_context_t* ctx, fp8_dtype_t dt, const std::vector<int64_t>& s,
+                  const std::vector<uint8_t>* bytes) {
     Tensor t = make_tensor(ctx, dt, s);
     if (bytes) upload(t.get(), *bytes);
     return t;
@@ -113,8 +113,8 @@ TEST(GpuNorm, MisalignedBuffersMatchTheCpuReference) {
   Tensor dg_c = made(cpu.get(), FP8_DTYPE_F32, {d}, nullptr), db_c = made(cpu.get(), FP8_DTYPE_F32, {d}, nullptr);
   FP8_ASSERT_OK(fp8_norm_forward(cpu.get(), FP8_NORM_LAYERNORM, x_c.get(), g_c.get(), b_c.get(), 1e-5f, y_c.get(),
                                  nullptr, m_c.get(), s_c.get()));
-  FP8_ASSERT_OK(fp8_norm_backward(cpu.get(), FP8_NORM_LAYERNORM, x_c.get(), g_c.get(), m_c.get(), s_c.get(),
-                                  dy_c.get(), dx_c.get(), dg_c.get(), db_c.get()));
+  FP8_ASSERT_OK(fp8_norm_backward(cpu.get(), FP8_NORM_LAYERNORM, x_c.get(), g_c.get(), m_c.get(), s_c.get(), dy_c.get(),
+                                  dx_c.get(), dg_c.get(), db_c.get()));
   const size_t bytes = static_cast<size_t>(n) * 2;
   for (int off = 0; off < 5; ++off) {  // which buffer is off: none, x, y, dy, dx
     SCOPED_TRACE(::testing::Message() << "misaligned buffer " << off);

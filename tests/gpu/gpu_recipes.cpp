@@ -226,7 +226,7 @@ TEST(GpuRecipeQuantize, WithoutTheTransposedCopyMisalignedAndWithPaddedGrids) {
 // of its limit and of its alignment rule, every dtype and format, padded and column-major grids,
 // special values and zero rows.
 TEST(GpuRecipeQuantize, PerRowWithoutTheTransposedCopyAtEveryWidth) {
-  const std::pair<int64_t, int64_t> shapes[] = {{3, 8},    {5, 2048},  {7, 2056},  {9, 4096},   {4, 8192},
+  const std::pair<int64_t, int64_t> shapes[] = {{3, 8},    {5, 2048},  {7, 2056},  {9, 4096},  {4, 8192},
                                                 {3, 8200}, {2, 16384}, {2, 16392}, {33, 1000}, {17, 4100}};
   uint32_t seed = 450;
   for (fp8_dtype_t dt : {FP8_DTYPE_F32, FP8_DTYPE_BF16, FP8_DTYPE_F16})
@@ -235,7 +235,8 @@ TEST(GpuRecipeQuantize, PerRowWithoutTheTransposedCopyAtEveryWidth) {
         const bool odd = seed % 2 == 1;
         check({ScaleMode::kRow, dt, e5m2, odd, false, odd ? 2 : 0, rows, cols, 0, odd ? 3 : 0, 0, seed++});
       }
-  for (int specials : {1, 2}) check({ScaleMode::kRow, FP8_DTYPE_F32, false, false, false, 0, 64, 4096, 0, 0, specials, seed++});
+  for (int specials : {1, 2})
+    check({ScaleMode::kRow, FP8_DTYPE_F32, false, false, false, 0, 64, 4096, 0, 0, specials, seed++});
   check({ScaleMode::kRow, FP8_DTYPE_BF16, true, false, false, 0, 300, 2048, 2, 0, 0, seed++});  // misaligned
   Case c{ScaleMode::kRow, FP8_DTYPE_BF16, false, false, false, 0, 40, 8192, 0, 1, 0, seed++};
   c.col_major = true;

@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -939,24 +940,29 @@ StFile parse_safetensors(const Bytes& file) {
   return out;
 }
 
-// Writes a safetensors file: tensors in the given order, contiguous, metadata format=pt.
+// Writes a safetensors file: tensors in the given order, contiguous, metadata format=pt. A tensor
+// with `unwritten` bytes (the last one) has offsets for that many bytes and none in the result: the
+// caller extends the file to its full size (a hole).
 struct StOut {
   std::string name, dtype;
   std::vector<int64_t> shape;
   Bytes data;
+  uint64_t unwritten = 0;
 };
 Bytes make_safetensors(const std::vector<StOut>& tensors) {
   std::string h = "{\"__metadata__\":{\"format\":\"pt\"}";
-  size_t off = 0;
+  uint64_t off = 0, written = 0;
   for (const StOut& t : tensors) {
+    const uint64_t size = t.unwritten ? t.unwritten : t.data.size();
     h += ",\"" + t.name + "\":{\"dtype\":\"" + t.dtype + "\",\"shape\":[";
     for (size_t k = 0; k < t.shape.size(); ++k) h += (k ? "," : "") + std::to_string(t.shape[k]);
-    h += "],\"data_offsets\":[" + std::to_string(off) + "," + std::to_string(off + t.data.size()) + "]}";
-    off += t.data.size();
+    h += "],\"data_offsets\":[" + std::to_string(off) + "," + std::to_string(off + size) + "]}";
+    off += size;
+    written += t.data.size();
   }
   h += "}";
   while (h.size() % 8) h += ' ';
-  Bytes out(8 + h.size() + off);
+  Bytes out(8 + h.size() + written);
   for (int k = 0; k < 8; ++k)
     out[static_cast<size_t>(k)] = static_cast<uint8_t>(static_cast<uint64_t>(h.size()) >> (8 * k));
   std::memcpy(out.data() + 8, h.data(), h.size());
@@ -1380,6 +1386,38 @@ TEST(Safetensors, APartImportsItsParametersFromALargerModelsFileAndLeavesTheRest
   }
   EXPECT_REFUSED(fp8_model_import_safetensors_part(nullptr, good_path.c_str()), FP8_ERR_INVALID_ARGUMENT,
                  "fp8_model_import_safetensors_part", "model");
+}
+
+// The import reads the header and its parameters' bytes, not the file: a part import from a file
+// with a 64 GiB tensor besides the parameters (a hole in a sparse file, larger than this machine's
+// memory) takes the parameters and leaves the rest unread. A file shorter than its header says is
+// refused before anything is read.
+TEST(Safetensors, AnImportReadsOnlyItsParametersBytes) {
+  TempDir dir;
+  Net src(0, -1, 1);
+  const std::string exported = dir.path("part.safetensors");
+  FP8_ASSERT_OK(fp8_model_export_safetensors(src.m(), exported.c_str()));
+  const StFile part = parse_safetensors(read_bytes(exported));
+  ASSERT_EQ(part.error, "");
+  constexpr uint64_t kHuge = uint64_t{1} << 36;
+  std::vector<StOut> v;
+  for (const auto& [name, t] : part.tensors) v.push_back({name, t.dtype, t.shape, t.data});
+  v.push_back({"wte.weight", "U8", {static_cast<int64_t>(kHuge)}, {}, kHuge});
+  const Bytes head = make_safetensors(v);
+  const std::string p = dir.path("huge.safetensors");
+  write_bytes(p, head);
+  if (::truncate(p.c_str(), static_cast<off_t>(head.size() + kHuge)) != 0)
+    GTEST_SKIP() << "this file system cannot hold a sparse file of 64 GiB: " << std::strerror(errno);
+  Net t(2, FP8_OPTIMIZER_ADAM, 6), own(2, FP8_OPTIMIZER_ADAM, 6);
+  FP8_ASSERT_OK(fp8_model_import_safetensors_part(t.m(), p.c_str()));
+  FP8_ASSERT_OK(fp8_model_import_safetensors(own.m(), exported.c_str()));
+  EXPECT_EQ(first_difference(snapshot(t), snapshot(own)), "");
+  // The same file cut short inside the big tensor: its header runs past the end, refused as corrupt.
+  ASSERT_EQ(::truncate(p.c_str(), static_cast<off_t>(head.size() + 4096)), 0);
+  const Snapshot kept = snapshot(t);
+  EXPECT_REFUSED(fp8_model_import_safetensors_part(t.m(), p.c_str()), FP8_ERR_CORRUPT,
+                 "fp8_model_import_safetensors_part", "wte.weight");
+  EXPECT_EQ(first_difference(snapshot(t), kept), "");
 }
 
 // =================================================================================================
