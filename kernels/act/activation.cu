@@ -12,28 +12,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Elements i .. i+7 of an output that is wide (rounded, 16-byte stores) or FP8 (one 8-byte store).
-template <fp8_dtype_t OUT>
-__device__ __forceinline__ void store8(void* out, int64_t i, const float (&v)[8], float scale, uint32_t& amax) {
-  if constexpr (OUT == FP8_DTYPE_E4M3 || OUT == FP8_DTYPE_E5M2) {
-    constexpr bool e5m2 = OUT == FP8_DTYPE_E5M2;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) amax = max(amax, abs_bits(v[k]));
-    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) =
-        make_uint2(cast4<e5m2>(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale),
-                   cast4<e5m2>(v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale));
-  } else {
-    using Raw = typename Wide<OUT>::Raw;
-    constexpr int kStores = sizeof(Raw) * 8 / 16;
-    uint4 o[kStores];
-    Raw* r = reinterpret_cast<Raw*>(o);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) r[k] = Wide<OUT>::from_float(v[k]);
-#pragma unroll
-    for (int k = 0; k < kStores; ++k) reinterpret_cast<uint4*>(static_cast<Raw*>(out) + i)[k] = o[k];
-  }
-}
-
 constexpr bool is_fp8(fp8_dtype_t t) {
   return t == FP8_DTYPE_E4M3 || t == FP8_DTYPE_E5M2;
 }

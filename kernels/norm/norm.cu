@@ -28,31 +28,6 @@ constexpr int64_t kFusedPartials = 512;  // the fused backward's blocks, at most
 constexpr int kVecGroups = 4;
 constexpr int64_t kVecMaxCols = int64_t{kThreads} * 8 * kVecGroups;
 
-// Eight consecutive outputs at element i (a multiple of 8, 16-byte aligned buffer): wide (rounded)
-// or FP8 (scaled, cast, amax tracked), in one or two stores.
-template <fp8_dtype_t OUT>
-__device__ __forceinline__ void store8(void* out, int64_t i, const float (&v)[8], float scale, uint32_t& amax) {
-  if constexpr (OUT == FP8_DTYPE_E4M3 || OUT == FP8_DTYPE_E5M2) {
-    constexpr bool e5m2 = OUT == FP8_DTYPE_E5M2;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) amax = max(amax, abs_bits(v[k]));
-    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(out) + i) =
-        make_uint2(cast4<e5m2>(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale),
-                   cast4<e5m2>(v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale));
-  } else if constexpr (OUT == FP8_DTYPE_F32) {
-    float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + i);
-    p[0] = make_float4(v[0], v[1], v[2], v[3]);
-    p[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      w[k] = static_cast<uint32_t>(Wide<OUT>::from_float(v[2 * k])) |
-             (static_cast<uint32_t>(Wide<OUT>::from_float(v[2 * k + 1])) << 16);
-    *reinterpret_cast<uint4*>(static_cast<typename Wide<OUT>::Raw*>(out) + i) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
 // Eight consecutive floats of a 16-byte aligned array (gamma, beta).
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
@@ -313,23 +288,29 @@ __global__ void __launch_bounds__(kThreads, NV <= 2 ? 4 : 2)
     for (int i = 0; i < 8; ++i) dg[k][i] = db[k][i] = 0.0f;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
+    // x-hat, dy and gamma of the 8 columns from c of row r.
+    const auto load_group = [&](int64_t row, int64_t c, float(&xhat)[8], float(&dyv)[8], float(&g)[8]) {
+      Vec8<DT> xv;
+      Vec8<DY> yv;
+      xv.load(x + row * d + c);
+      yv.load(dy + row * d + c);
+      load8(gamma + c, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xhat[i] = (xv.get(i) - mean) * rstd, dyv[i] = yv.get(i);
+    };
     float sg = 0.0f, sgx = 0.0f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int64_t c = (static_cast<int64_t>(k) * kThreads + t) * 8;
       if (c >= d) continue;
-      Vec8<DT> xv;
-      Vec8<DY> dyv;
-      xv.load(x + r * d + c);
-      dyv.load(dy + r * d + c);
-      float g[8];
-      load8(gamma + c, g);
+      float xhat[8], dyv[8], g[8];
+      load_group(r, c, xhat, dyv, g);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float xhat = (xv.get(i) - mean) * rstd, dyi = dyv.get(i), gv = dyi * g[i];
+        const float dyi = dyv[i], gv = dyi * g[i];
         sg += gv;
-        sgx += gv * xhat;
-        dg[k][i] += dyi * xhat;
+        sgx += gv * xhat[i];
+        dg[k][i] += dyi * xhat[i];
         db[k][i] += dyi;
       }
     }
@@ -339,17 +320,10 @@ __global__ void __launch_bounds__(kThreads, NV <= 2 ? 4 : 2)
     for (int k = 0; k < NV; ++k) {
       const int64_t c = (static_cast<int64_t>(k) * kThreads + t) * 8;
       if (c >= d) continue;
-      Vec8<DT> xv;
-      Vec8<DY> dyv;
-      xv.load(x + r * d + c);
-      dyv.load(dy + r * d + c);
-      float g[8], o[8];
-      load8(gamma + c, g);
+      float xhat[8], dyv[8], g[8], o[8];
+      load_group(r, c, xhat, dyv, g);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float xhat = (xv.get(i) - mean) * rstd, gv = dyv.get(i) * g[i];
-        o[i] = rstd * (gv - mean_g - xhat * mean_gx);
-      }
+      for (int i = 0; i < 8; ++i) o[i] = rstd * (dyv[i] * g[i] - mean_g - xhat[i] * mean_gx);
       if (base) {  // (__fadd_rn: one rounding of the sum, as put_dx)
         Vec8<DX> bv;
         bv.load(base + r * d + c);
