@@ -667,9 +667,11 @@ FP8_API fp8_status_t fp8_scale_grid_shape(fp8_scale_mode_t mode, int64_t rows, i
  * the operand transposed, quantised along its own rows from `in` (not transposed codes, except for
  * BLOCK_128X128, where the two are the same), with out_t_scales of fp8_scale_grid_shape(mode, cols,
  * rows) (NULL exactly when out_transposed is). A cell whose amax is NaN or infinite gets scale 1.
- * Bit-identical on the CPU and the GPU. The per-row mode reads `in` twice (its amaxes span tiles);
- * its first call on a context of a given rows + cols allocates the context's workspace for them
- * (synchronous, not during graph capture). Asynchronous. Outputs must not overlap `in` or each
+ * Bit-identical on the CPU and the GPU. The per-row mode reads `in` once on the GPU where there is
+ * no transposed copy and rows fit a block (cols a multiple of 8, at most 16384; `in` and `out`
+ * 16-byte aligned), else twice (the column amaxes span every row); its first call on a context of a
+ * given rows + cols allocates the context's workspace for the amaxes (synchronous, not during
+ * graph capture). Asynchronous. Outputs must not overlap `in` or each
  * other.
  */
 FP8_API fp8_status_t fp8_quantize_scaled(fp8_context_t *ctx, const fp8_tensor_t *in, fp8_scale_mode_t mode,

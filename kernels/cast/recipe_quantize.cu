@@ -145,8 +145,8 @@ __global__ void empty_operand_kernel(const Params p, bool per_tensor) {
 
 // The per-row mode without the transposed copy in one read: one row per block at a time (the next
 // row's loads issued before this one is reduced), thread t holding its 8-column groups t, t + 256,
-// ... (NV of them: cols <= NV * 8 * kThreads, cols % 8 == 0, 16-byte aligned input, 8-byte
-// aligned output); the row's amax reduced over the block, then its codes and its grid cell written.
+// ... (NV of them: cols <= NV * 8 * kThreads, cols % 8 == 0, 16-byte aligned input and output);
+// the row's amax reduced over the block, then its codes and its grid cell written.
 constexpr int kRowGroups = 8;  // at most: rows of up to 16384 columns
 template <fp8_dtype_t DT, bool E5M2, int NV>
 __global__ void __launch_bounds__(kThreads)
