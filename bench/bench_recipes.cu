@@ -3,7 +3,9 @@
 //   and 16384x8192, bf16 in): each scale mode with and without the transposed copy, against a
 //   device-to-device copy measured in the same run ("of copy" counts the bytes the operation must
 //   move: 2 read + 1 or 2 written per element; the per-tensor mode, and the per-row mode with the
-//   transposed copy, read the input twice, which the figure does not credit);
+//   transposed copy, read the input twice, which the figure does not credit), one call per timed
+//   region and 20 in a row (per call: each call's launch and last wave overlap the next one's, as
+//   in a training step);
 // - cuBLASLt's FP8 GEMM (bf16 out) at the issue-3 shapes with per-tensor scales (with and without
 //   fast accumulation), per-row scales, and 1x128 x 128x128 (the Linear's fprop and dgrad) and
 //   1x128 x 1x128 (its wgrad) block scales.
@@ -63,9 +65,13 @@ int main(int argc, char** argv) {
           j.out_t_scale_inv = {mode, grid_t, gt.rows, gt.cols, std::max<int64_t>(gt.cols, 1)};
         }
         j.workspace = ws;
-        const double ms = median_ms(stream, [&](int) { fp8::kernels::recipe_quantize(j, {0, sms}, stream); });
-        rows.push_back({std::string("recipe quantize ") + fp8::scale_mode_name(mode) + (with_t ? " +T " : " ") + tag,
-                        ms, (with_t ? 4.0 : 3.0) * n / ms / 1e6});
+        const std::string name = std::string("recipe quantize ") + fp8::scale_mode_name(mode) + (with_t ? " +T " : " ") + tag;
+        const double bytes = (with_t ? 4.0 : 3.0) * static_cast<double>(n);
+        for (int batch : {1, 20}) {
+          const double ms = median_ms(
+              stream, [&](int) { fp8::kernels::recipe_quantize(j, {0, sms}, stream); }, batch);
+          rows.push_back({batch == 1 ? name : name + " (20 in a row)", ms, bytes / ms / 1e6});
+        }
       }
     for (void* p : {in, static_cast<void*>(out), static_cast<void*>(out_t), static_cast<void*>(grid),
                     static_cast<void*>(grid_t), static_cast<void*>(ws)})
