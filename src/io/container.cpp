@@ -394,7 +394,8 @@ std::vector<uint8_t> read_file(const std::string& path) {
 }
 
 FileReader::FileReader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // (O_NONBLOCK: opening a FIFO would otherwise wait for a writer; regular files ignore it.)
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd_ < 0) fail_io("open", path, errno);
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {

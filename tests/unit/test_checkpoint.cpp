@@ -1391,7 +1391,7 @@ TEST(Safetensors, APartImportsItsParametersFromALargerModelsFileAndLeavesTheRest
 // The import reads the header and its parameters' bytes, not the file: a part import from a file
 // with a 64 GiB tensor besides the parameters (a hole in a sparse file, larger than this machine's
 // memory) takes the parameters and leaves the rest unread. A file shorter than its header says is
-// refused before anything is read.
+// refused before anything is read; so is a path that is no regular file.
 TEST(Safetensors, AnImportReadsOnlyItsParametersBytes) {
   TempDir dir;
   Net src(0, -1, 1);
@@ -1418,6 +1418,14 @@ TEST(Safetensors, AnImportReadsOnlyItsParametersBytes) {
   EXPECT_REFUSED(fp8_model_import_safetensors_part(t.m(), p.c_str()), FP8_ERR_CORRUPT,
                  "fp8_model_import_safetensors_part", "wte.weight");
   EXPECT_EQ(first_difference(snapshot(t), kept), "");
+  // No file, a directory, a FIFO without a writer (refused at once, not waited on): FP8_ERR_IO
+  // naming the path.
+  const std::string fifo = dir.path("pipe.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  for (const std::string& bad : {dir.path("none.safetensors"), dir.dir(), fifo}) {
+    EXPECT_REFUSED(fp8_model_import_safetensors(t.m(), bad.c_str()), FP8_ERR_IO, "fp8_model_import_safetensors", bad);
+    EXPECT_EQ(first_difference(snapshot(t), kept), "");
+  }
 }
 
 // =================================================================================================
