@@ -134,37 +134,36 @@ void run_layer(fp8_context_t* ctx, cudaStream_t stream, const char* label, const
   std::vector<double> t_begin, t_fwd, t_end, t_bwd;
   for (int it = 0; it < kWarm + kSteps; ++it) {
     if (it % kSyncEvery == 0) CHECK_CUDA(cudaStreamSynchronize(stream));
-    // (An unconverted model has no regions: fp8_autocast_begin refuses it.)
     const bool last = it == kWarm + kSteps - 1;
-    mark(last, label, "autocast_begin");
-    Clock::time_point t0 = Clock::now();
-    if (recipe_text) CHECK_FP8(fp8_autocast_begin(model));
-    const double begin = us_since(t0);
-
-    mark(last, label, "forward");
-    t0 = Clock::now();
-    fp8_tensor_t* tx = wrap(ctx, x, kRows, kDim);
-    fp8_tensor_t* ty = wrap(ctx, y, kRows, kDim);
+    // The host time of one call, with the marker that --trace prints before it.
+    const auto timed = [&](const char* call, auto&& fn) {
+      mark(last, label, call);
+      const Clock::time_point t0 = Clock::now();
+      fn();
+      return us_since(t0);
+    };
     fp8_saved_t* saved = nullptr;
-    CHECK_FP8(fp8_layer_forward_saved(model, id, tx, ty, &saved));
-    fp8_tensor_destroy(ty);
-    fp8_tensor_destroy(tx);
-    const double fwd = us_since(t0);
-
-    mark(last, label, "autocast_end");
-    t0 = Clock::now();
-    if (recipe_text) CHECK_FP8(fp8_autocast_end(model));
-    const double end = us_since(t0);
-
-    mark(last, label, "backward");
-    t0 = Clock::now();
-    fp8_tensor_t* tdy = wrap(ctx, dy, kRows, kDim);
-    fp8_tensor_t* tdx = wrap(ctx, dx, kRows, kDim);
-    CHECK_FP8(fp8_layer_backward_saved(model, id, saved, tdy, tdx, 0));
-    fp8_saved_destroy(saved);
-    fp8_tensor_destroy(tdx);
-    fp8_tensor_destroy(tdy);
-    const double bwd = us_since(t0);
+    const double begin = timed("autocast_begin", [&] {  // (an unconverted model has no regions)
+      if (recipe_text) CHECK_FP8(fp8_autocast_begin(model));
+    });
+    const double fwd = timed("forward", [&] {
+      fp8_tensor_t* tx = wrap(ctx, x, kRows, kDim);
+      fp8_tensor_t* ty = wrap(ctx, y, kRows, kDim);
+      CHECK_FP8(fp8_layer_forward_saved(model, id, tx, ty, &saved));
+      fp8_tensor_destroy(ty);
+      fp8_tensor_destroy(tx);
+    });
+    const double end = timed("autocast_end", [&] {
+      if (recipe_text) CHECK_FP8(fp8_autocast_end(model));
+    });
+    const double bwd = timed("backward", [&] {
+      fp8_tensor_t* tdy = wrap(ctx, dy, kRows, kDim);
+      fp8_tensor_t* tdx = wrap(ctx, dx, kRows, kDim);
+      CHECK_FP8(fp8_layer_backward_saved(model, id, saved, tdy, tdx, 0));
+      fp8_saved_destroy(saved);
+      fp8_tensor_destroy(tdx);
+      fp8_tensor_destroy(tdy);
+    });
 
     if (it == 0) {  // (the outputs of a real call: timing a call that does nothing would say nothing)
       CHECK_CUDA(cudaStreamSynchronize(stream));

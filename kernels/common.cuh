@@ -231,6 +231,18 @@ void dispatch(fp8_dtype_t dt, bool e5m2, F&& f) {
   });
 }
 
+// f(G) for the smallest G of 1, 2, 4, ..., MAX with G >= groups (groups <= MAX), G a constant: the
+// kernels that keep a row's 8-column groups in registers are instantiated for a few widths.
+template <int MAX, typename F>
+void dispatch_groups(int64_t groups, F&& f) {
+  if constexpr (MAX > 1) {
+    if (groups > MAX / 2) return f(std::integral_constant<int, MAX>{});
+    return dispatch_groups<MAX / 2>(groups, f);
+  } else {
+    return f(std::integral_constant<int, 1>{});
+  }
+}
+
 // Stores element i of an output that is wide (rounded) or FP8 (scaled, cast, its amax tracked).
 template <fp8_dtype_t OUT>
 __device__ __forceinline__ void store_output(void* out, int64_t i, float v, float scale, uint32_t& amax) {

@@ -383,15 +383,7 @@ void recipe_quantize(const RecipeQuantizeJob& j, const LaunchLimits& lim, cudaSt
         kernel<<<grid, kThreads, 0, stream>>>(in, p);
       };
       const auto by_width = [&](auto e5m2) {
-        const int64_t groups = (j.cols / 8 + kThreads - 1) / kThreads;
-        if (groups <= 1)
-          launch_rows(e5m2, std::integral_constant<int, 1>{});
-        else if (groups <= 2)
-          launch_rows(e5m2, std::integral_constant<int, 2>{});
-        else if (groups <= 4)
-          launch_rows(e5m2, std::integral_constant<int, 4>{});
-        else
-          launch_rows(e5m2, std::integral_constant<int, kRowGroups>{});
+        dispatch_groups<kRowGroups>((j.cols / 8 + kThreads - 1) / kThreads, [&](auto g) { launch_rows(e5m2, g); });
       };
       if (j.e5m2)
         by_width(std::true_type{});

@@ -394,6 +394,11 @@ __global__ void __launch_bounds__(kThreads) norm_backward_reduce_kernel(const fl
   if (dbeta) dbeta[c] = accumulate ? dbeta[c] + b : b;
 }
 
+// The 8-column groups per thread a row of `cols` columns takes in the vector kernels.
+int64_t row_groups(int64_t cols) {
+  return (cols / 8 + kThreads - 1) / kThreads;
+}
+
 // Whether a job takes the vector kernels: rows of a multiple of 8 columns, at most kVecMaxCols, and
 // x, gamma, beta and `other` (y forward, dy backward) 16-byte aligned.
 bool vector_rows(const NormJob& j, const void* other) {
@@ -408,30 +413,19 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
     dispatch_wide(j.x_dtype, [&](auto dt) {
       auto go = [&](auto out) {
         using Raw = typename Wide<decltype(dt)::value>::Raw;
-        auto launch = [&](auto per_thread) {
-          auto* kernel = norm_forward_kernel<decltype(dt)::value, decltype(out)::value, decltype(per_thread)::value>;
+        constexpr fp8_dtype_t DT = decltype(dt)::value, OUT = decltype(out)::value;
+        auto launch = [&](auto* kernel) {  // (the vector and element kernels take the same arguments)
           const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
           kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta,
                                                 j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
         };
-        auto launch_vec = [&](auto groups) {
-          auto* kernel = norm_forward_vec_kernel<decltype(dt)::value, decltype(out)::value, decltype(groups)::value>;
-          const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
-          kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const Raw*>(j.x), j.rows, j.cols, j.gamma, j.beta,
-                                                j.eps, j.y, j.y_state, j.y_scale_inv.ptr, j.mean, j.rstd);
-        };
-        if (vector_rows(j, j.y)) {
-          if (j.cols <= kThreads * 8)
-            launch_vec(std::integral_constant<int, 1>{});
-          else if (j.cols <= kThreads * 16)
-            launch_vec(std::integral_constant<int, 2>{});
-          else
-            launch_vec(std::integral_constant<int, kVecGroups>{});
-        } else if (j.cols <= kThreads * kHoldPerThread) {
-          launch(std::integral_constant<int, kHoldPerThread>{});
-        } else {
-          launch(std::integral_constant<int, 0>{});
-        }
+        if (vector_rows(j, j.y))
+          dispatch_groups<kVecGroups>(row_groups(j.cols),
+                                      [&](auto g) { launch(norm_forward_vec_kernel<DT, OUT, decltype(g)::value>); });
+        else if (j.cols <= kThreads * kHoldPerThread)
+          launch(norm_forward_kernel<DT, OUT, kHoldPerThread>);
+        else
+          launch(norm_forward_kernel<DT, OUT, 0>);
       };
       dispatch_any(j.y_dtype, go);
     });
@@ -452,25 +446,19 @@ void norm(const NormJob& j, const LaunchLimits& lim, float* scratch, size_t scra
           static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({j.rows, fit, fused ? kFusedPartials : 256})));
       dispatch_wide(j.dx_dtype, [&](auto dxt) {
         using RawDx = typename Wide<decltype(dxt)::value>::Raw;
-        auto launch_fused = [&](auto per_thread) {
-          norm_backward_fused_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
-                                     decltype(per_thread)::value><<<R, kThreads, 0, stream>>>(
-              j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.gamma, j.mean,
-              j.rstd, static_cast<const RawDx*>(j.dx_base), static_cast<RawDx*>(j.dx), scratch);
+        constexpr fp8_dtype_t DT = decltype(dt)::value, DY = decltype(dyt)::value, DX = decltype(dxt)::value;
+        auto launch_fused = [&](auto* kernel) {  // one block per partial row (vector or element kernel)
+          kernel<<<R, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),
+                                             j.rows, j.cols, j.gamma, j.mean, j.rstd,
+                                             static_cast<const RawDx*>(j.dx_base), static_cast<RawDx*>(j.dx), scratch);
         };
-        auto launch_vec = [&](auto groups) {
-          norm_backward_vec_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value,
-                                   decltype(groups)::value><<<R, kThreads, 0, stream>>>(
-              j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy), j.rows, j.cols, j.gamma, j.mean,
-              j.rstd, static_cast<const RawDx*>(j.dx_base), static_cast<RawDx*>(j.dx), scratch);
-        };
-        if (vector_rows(j, j.dy) && aligned16(j.dx) && (!j.dx_base || aligned16(j.dx_base))) {
-          if (j.cols <= kThreads * 8) return launch_vec(std::integral_constant<int, 1>{});
-          if (j.cols <= kThreads * 16) return launch_vec(std::integral_constant<int, 2>{});
-          return launch_vec(std::integral_constant<int, kVecGroups>{});
-        }
-        if (j.cols <= kThreads * kHoldPerThread) return launch_fused(std::integral_constant<int, kHoldPerThread>{});
-        if (fused) return launch_fused(std::integral_constant<int, kFusedPerThread>{});
+        if (vector_rows(j, j.dy) && aligned16(j.dx) && (!j.dx_base || aligned16(j.dx_base)))
+          return dispatch_groups<kVecGroups>(row_groups(j.cols), [&](auto g) {
+            launch_fused(norm_backward_vec_kernel<DT, DY, DX, decltype(g)::value>);
+          });
+        if (j.cols <= kThreads * kHoldPerThread)
+          return launch_fused(norm_backward_fused_kernel<DT, DY, DX, kHoldPerThread>);
+        if (fused) return launch_fused(norm_backward_fused_kernel<DT, DY, DX, kFusedPerThread>);
         auto* kernel = norm_backward_dx_kernel<decltype(dt)::value, decltype(dyt)::value, decltype(dxt)::value>;
         const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, j.rows, lim.sm_count);
         kernel<<<grid, kThreads, 0, stream>>>(j.rms, static_cast<const RawX*>(j.x), static_cast<const RawDy*>(j.dy),

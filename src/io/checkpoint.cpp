@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "core/dtype.hpp"
@@ -381,31 +383,37 @@ void import_safetensors(fp8_model& model, const std::string& path, bool others_a
   const FileReader file(path);
   const SafetensorsIndex st = read_safetensors_index(file);
   const std::vector<nn::Parameter*> targets = nn::all_parameters(model);
-  for (const SafeTensorPlace& t : st.tensors)
-    if (!others_allowed && std::none_of(targets.begin(), targets.end(), [&](const nn::Parameter* p) {
-          return p->name == nn::current_parameter_name(t.name);
-        }))
-      fail(FP8_ERR_INVALID_STATE, "the file's tensor '", t.name, "' is no parameter of the model");
+  // The file's tensors under the parameter names they stand for (earlier releases' names included);
+  // the first in file order where two stand for one.
+  std::unordered_map<std::string, const SafeTensorPlace*> by_name;
+  for (const SafeTensorPlace& t : st.tensors) by_name.emplace(nn::current_parameter_name(t.name), &t);
+  if (!others_allowed) {
+    std::unordered_set<std::string> names;
+    for (const nn::Parameter* p : targets) names.insert(p->name);
+    for (const SafeTensorPlace& t : st.tensors)
+      if (names.count(nn::current_parameter_name(t.name)) == 0)
+        fail(FP8_ERR_INVALID_STATE, "the file's tensor '", t.name, "' is no parameter of the model");
+  }
   // Every name, shape and dtype is checked before any tensor is read.
   std::vector<std::pair<const SafeTensorPlace*, fp8_dtype_t>> sources;
   for (const nn::Parameter* target : targets) {
     const nn::Parameter& t = *target;
-    auto it = std::find_if(st.tensors.begin(), st.tensors.end(),
-                           [&](const SafeTensorPlace& s) { return nn::current_parameter_name(s.name) == t.name; });
-    if (it == st.tensors.end()) fail(FP8_ERR_INVALID_STATE, "the file has no tensor '", t.name, "'");
+    const auto found = by_name.find(t.name);
+    if (found == by_name.end()) fail(FP8_ERR_INVALID_STATE, "the file has no tensor '", t.name, "'");
+    const SafeTensorPlace& place = *found->second;
     const std::vector<int64_t> shape(t.value->shape, t.value->shape + t.value->ndim);
-    if (it->shape != shape)
+    if (place.shape != shape)
       fail(FP8_ERR_SHAPE, "tensor '", t.name, "' has shape ",
-           shape_string(static_cast<int32_t>(it->shape.size()), it->shape.data()), " in the file, ",
+           shape_string(static_cast<int32_t>(place.shape.size()), place.shape.data()), " in the file, ",
            shape_string(t.value->ndim, t.value->shape), " in the model");
     fp8_dtype_t dtype = FP8_DTYPE_F32;
-    if (it->dtype == "F16")
+    if (place.dtype == "F16")
       dtype = FP8_DTYPE_F16;
-    else if (it->dtype == "BF16")
+    else if (place.dtype == "BF16")
       dtype = FP8_DTYPE_BF16;
-    else if (it->dtype != "F32")
-      fail(FP8_ERR_UNSUPPORTED, "tensor '", t.name, "' is ", it->dtype, "; libfp8 imports F32, F16 and BF16");
-    sources.emplace_back(&*it, dtype);
+    else if (place.dtype != "F32")
+      fail(FP8_ERR_UNSUPPORTED, "tensor '", t.name, "' is ", place.dtype, "; libfp8 imports F32, F16 and BF16");
+    sources.emplace_back(&place, dtype);
   }
   std::vector<ParamState> params;
   for (size_t i = 0; i < targets.size(); ++i) {
@@ -414,8 +422,9 @@ void import_safetensors(fp8_model& model, const std::string& path, bool others_a
     ParamState p;
     p.name = t.name;
     p.n = t.value->numel;
-    p.value = floats_bytes(
-        widen_host(dtype, file.read_at(place->offset, place->bytes, "tensor '" + place->name + "'").data(), p.n));
+    const std::vector<uint8_t> bytes =
+        file.read_at(st.data_start + place->begin, place->end - place->begin, "tensor '" + place->name + "'");
+    p.value = floats_bytes(widen_host(dtype, bytes.data(), p.n));
     convert_for(p, model, t, optim_tensor(model.weight_owner, i), true);
     params.push_back(std::move(p));
   }

@@ -170,6 +170,18 @@ int write_all(int fd, const uint8_t* data, size_t size) {
   return 0;
 }
 
+// The path opened read-only with `flags` added, and its status; FP8_ERR_IO naming the path.
+int open_for_reading(const std::string& path, int flags, struct stat* st) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | flags);
+  if (fd < 0) fail_io("open", path, errno);
+  if (::fstat(fd, st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail_io("stat", path, err);
+  }
+  return fd;
+}
+
 }  // namespace
 
 uint32_t crc32_of(const uint8_t* data, size_t size) {
@@ -354,14 +366,8 @@ void write_file_atomic(const std::string& path, const std::vector<uint8_t>& byte
 }
 
 std::vector<uint8_t> read_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail_io("open", path, errno);
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail_io("stat", path, err);
-  }
+  const int fd = open_for_reading(path, 0, &st);
   if (S_ISDIR(st.st_mode)) {
     ::close(fd);
     fail_io("read", path, EISDIR);
@@ -395,14 +401,8 @@ std::vector<uint8_t> read_file(const std::string& path) {
 
 FileReader::FileReader(const std::string& path) : path_(path) {
   // (O_NONBLOCK: opening a FIFO would otherwise wait for a writer; regular files ignore it.)
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd_ < 0) fail_io("open", path, errno);
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) {
-    const int err = errno;
-    ::close(fd_);
-    fail_io("stat", path, err);
-  }
+  fd_ = open_for_reading(path, O_NONBLOCK, &st);
   if (!S_ISREG(st.st_mode)) {
     ::close(fd_);
     fail_io("read parts of", path, S_ISDIR(st.st_mode) ? EISDIR : ESPIPE);

@@ -352,16 +352,8 @@ class HeaderParser {
   size_t pos_ = 0;
 };
 
-struct Entry {
-  std::string name;
-  std::string dtype;
-  std::vector<int64_t> shape;
-  uint64_t begin = 0;
-  uint64_t end = 0;
-};
-
-Entry parse_entry(HeaderParser& json, std::string name) {
-  Entry e;
+SafeTensorPlace parse_entry(HeaderParser& json, std::string name) {
+  SafeTensorPlace e;
   e.name = std::move(name);
   const std::string ctx = "in tensor '" + printable(e.name) + "'";
   bool has_dtype = false, has_shape = false, has_offsets = false;
@@ -501,14 +493,15 @@ SafetensorsIndex decode_safetensors_index(const uint8_t* head, size_t head_size,
          " bytes)");
   }
   const uint8_t* header = r.get_span(header_size, "safetensors header");
-  const uint64_t data_start = 8 + header_size, buffer_size = file_size - data_start;
+  SafetensorsIndex index;
+  index.data_start = 8 + header_size;
+  const uint64_t buffer_size = file_size - index.data_start;
 
   if (header_size == 0 || header[0] != '{') {
     fail(FP8_ERR_CORRUPT, "safetensors header does not start with '{' (not a safetensors file?)");
   }
   HeaderParser json(header, header_size);
-  SafetensorsIndex index;
-  std::vector<Entry> entries;
+  std::vector<SafeTensorPlace>& entries = index.tensors;
   json.object("in the header", [&](const std::string& key) {
     if (key == kMetadataKey) {
       json.object("in __metadata__", [&](const std::string& meta_key) {
@@ -523,7 +516,7 @@ SafetensorsIndex decode_safetensors_index(const uint8_t* head, size_t head_size,
 
   // The tensors must tile the buffer: sorted by offsets (stable, so zero-sized tensors at one offset
   // keep the header's order), each starts where the previous ends, the last ends at the buffer's end.
-  for (const Entry& e : entries) {
+  for (const SafeTensorPlace& e : entries) {
     if (e.begin > e.end) {
       fail(FP8_ERR_CORRUPT, "safetensors tensor '", printable(e.name), "': data_offsets [", e.begin, ", ", e.end,
            "] end before they begin");
@@ -533,12 +526,12 @@ SafetensorsIndex decode_safetensors_index(const uint8_t* head, size_t head_size,
            "] run past the data buffer of ", buffer_size, " bytes");
     }
   }
-  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+  std::stable_sort(entries.begin(), entries.end(), [](const SafeTensorPlace& a, const SafeTensorPlace& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   uint64_t expected = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
-    const Entry& e = entries[i];
+    const SafeTensorPlace& e = entries[i];
     if (e.begin > expected) {
       fail(FP8_ERR_CORRUPT, "safetensors data bytes [", expected, ", ", e.begin,
            ") belong to no tensor (a hole before '", printable(e.name), "')");
@@ -554,15 +547,14 @@ SafetensorsIndex decode_safetensors_index(const uint8_t* head, size_t head_size,
          ") after the last tensor belong to no tensor");
   }
 
-  for (const Entry& e : entries) {
+  for (const SafeTensorPlace& e : entries) {
     const size_t elem = safetensors_dtype_size(e.dtype);
     if (elem == 0) {
       fail(FP8_ERR_UNSUPPORTED, "safetensors tensor '", printable(e.name), "' has dtype '", printable(e.dtype),
            "', which libfp8 does not read (it reads ", kDtypeList, ")");
     }
   }
-  index.tensors.reserve(entries.size());
-  for (Entry& e : entries) {
+  for (const SafeTensorPlace& e : entries) {
     uint64_t bytes = 0;
     if (!tensor_bytes(e.shape, safetensors_dtype_size(e.dtype), &bytes)) {
       fail(FP8_ERR_CORRUPT, "safetensors tensor '", printable(e.name), "': shape ", shape_text(e.shape),
@@ -572,13 +564,6 @@ SafetensorsIndex decode_safetensors_index(const uint8_t* head, size_t head_size,
       fail(FP8_ERR_CORRUPT, "safetensors tensor '", printable(e.name), "' (", e.dtype, " ", shape_text(e.shape),
            ") needs ", bytes, " bytes, its data_offsets [", e.begin, ", ", e.end, "] hold ", e.end - e.begin);
     }
-    SafeTensorPlace t;
-    t.name = std::move(e.name);
-    t.dtype = std::move(e.dtype);
-    t.shape = std::move(e.shape);
-    t.offset = data_start + e.begin;
-    t.bytes = bytes;
-    index.tensors.push_back(std::move(t));
   }
   return index;
 }
@@ -594,7 +579,7 @@ SafetensorsFile decode_safetensors(const uint8_t* data, size_t size) {
     t.name = std::move(place.name);
     t.dtype = std::move(place.dtype);
     t.shape = std::move(place.shape);
-    t.data.assign(data + place.offset, data + place.offset + place.bytes);
+    t.data.assign(data + index.data_start + place.begin, data + index.data_start + place.end);
     file.tensors.push_back(std::move(t));
   }
   return file;
@@ -605,8 +590,7 @@ SafetensorsIndex read_safetensors_index(const FileReader& file) {
   // the decoder reports a short file or an absurd length as it does for a file in memory.
   std::vector<uint8_t> head = file.read_at(0, std::min<uint64_t>(8, file.size()), "the safetensors header length");
   if (head.size() == 8) {
-    uint64_t header_size = 0;
-    for (int i = 7; i >= 0; --i) header_size = header_size << 8 | head[static_cast<size_t>(i)];
+    const uint64_t header_size = ByteReader(head.data(), 8).get_u64("safetensors header length");
     const uint64_t available = header_size > kMaxSafetensorsHeader ? 0 : std::min(header_size, file.size() - 8);
     const std::vector<uint8_t> header = file.read_at(8, available, "the safetensors header");
     head.insert(head.end(), header.begin(), header.end());

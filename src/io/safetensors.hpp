@@ -23,19 +23,21 @@ struct SafeTensor {
 
 using SafetensorsMetadata = std::vector<std::pair<std::string, std::string>>;
 
-// A tensor's header entry and where its bytes lie in the file (offset from the file's start).
+// A tensor's header entry: its bytes are [begin, end) of the data buffer (its data_offsets).
 struct SafeTensorPlace {
   std::string name;
   std::string dtype;
   std::vector<int64_t> shape;
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
+  uint64_t begin = 0;
+  uint64_t end = 0;
 };
 
-// A file's header: its tensors in the order of their bytes, its metadata in the header's order.
+// A file's header: its tensors in the order of their bytes, its metadata in the header's order, and
+// where the data buffer starts in the file (a tensor's bytes are at data_start + begin).
 struct SafetensorsIndex {
   std::vector<SafeTensorPlace> tensors;
   SafetensorsMetadata metadata;
+  uint64_t data_start = 0;
 };
 
 class FileReader;
