@@ -149,6 +149,39 @@ struct TileLoads128 {
   }
   // Element i (0..15) of chunk k.
   __device__ __forceinline__ float get(int k, int i) const { return x[k][i >> 3].get(i & 7); }
+
+  // The same share staged through shared memory, for kernels whose occupancy cannot afford the
+  // registers a tile in flight holds: stage() copies this thread's chunks of the tile at (R0, C0)
+  // into its own slots of `staged` (kStagedBytes per block, [copy][thread]) with cp.async, and
+  // take() waits for them and reads them into x. A thread only ever reads the slots it staged, so
+  // no barrier is needed, and it may stage the next tile into the same slots as soon as take() has
+  // read them (its own later writes cannot reach its earlier reads).
+  static constexpr int kStagedCopies = kChunks * 2 * Vec8<DT>::kLoads;  // 16-byte copies per thread
+  static constexpr size_t kStagedBytes = size_t{kStagedCopies} * 16 * THREADS;
+  static __device__ __forceinline__ void stage(uint4* staged, const typename Wide<DT>::Raw* in, int64_t cols,
+                                               int64_t R0, int64_t C0) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int ch = threadIdx.x + k * THREADS, r = ch >> 3, c = (ch & 7) * 16;
+      const auto* p = reinterpret_cast<const uint4*>(in + (R0 + r) * cols + C0 + c);
+#pragma unroll
+      for (int q = 0; q < 2 * Vec8<DT>::kLoads; ++q) {
+        const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(&staged[(k * 2 * Vec8<DT>::kLoads + q) * THREADS + threadIdx.x]));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(p + q));
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  __device__ __forceinline__ void take(const uint4* staged) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int l = 0; l < Vec8<DT>::kLoads; ++l)
+          x[k][h].raw[l] = staged[((k * 2 + h) * Vec8<DT>::kLoads + l) * THREADS + threadIdx.x];
+  }
 };
 
 // The 128 x 128 tile of FP8 codes through which the transposing casts turn a tile around in shared
@@ -280,6 +313,12 @@ __device__ __forceinline__ void store8(void* out, int64_t i, const float (&v)[8]
 // Grid size for a grid-stride kernel over `work_blocks` items of one block each: at most one
 // resident wave; `balanced` sizes it so that every block loops over the same number of items,
 // otherwise it fills every resident slot (better for kernels that prefetch their next item).
-int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count, bool balanced = true);
+// `dynamic_smem`: the launch's dynamic shared memory per block, which may limit the blocks per SM.
+int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count, bool balanced = true,
+              size_t dynamic_smem = 0);
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (above the 48 KiB a block gets without
+// asking); the attribute is set once per device and kernel.
+void allow_dynamic_smem(const void* kernel, size_t bytes);
 
 }  // namespace fp8::kernels

@@ -1,8 +1,8 @@
 // Fused amax + quantize for the scaling recipes (core/recipe_scaling_rule.hpp), bit for bit the CPU
 // reference (backend/cpu_recipe_quantize.cpp). Blocks walk the 128 x 128 tiles of the input (a
-// tile holds every cell of the block modes whole), each tile loaded once into registers (16
-// columns of 4 rows per thread, 16-byte loads where the tile is whole and aligned, the next tile's
-// loads issued before this one is worked on), then reduced to
+// tile holds every cell of the block modes whole), each tile read once into registers (16 columns
+// of 4 rows per thread; where the tile is whole and aligned, from shared memory, into which
+// 16-byte cp.async copies staged it while the block worked on the tile before), then reduced to
 //   the amax of each 128-wide row segment (1x128 cells of `out`),
 //   the amax of each 128-high column segment (1x128 cells of the transposed copy), and
 //   the amax of the tile (128x128 cells, the same for both layouts),
@@ -50,19 +50,72 @@ __device__ __forceinline__ uint32_t row_max8(uint32_t m) {
   return max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
 }
 
-// The amax of each of the tile's 128 columns, from every thread's maxima of its 16 columns (cm):
-// thread c < 128 gets column c's (the others 0), read from every warp's entries in col_part after
-// a barrier. A caller needs another barrier before col_part is written again (the tile loop's last).
-__device__ __forceinline__ uint32_t tile_column_max(uint32_t (&cm)[16], uint32_t (*col_part)[kTile]) {
+// Per-half unsigned maximum of two words (one max.u16x2 on sm_90).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+
+// The amaxes compare magnitudes as raw bits, the sign bit cleared: a 16-bit input two values a
+// word (bf16 and f16 bits order like their magnitudes, NaN above infinity, as float bits do, and
+// widen monotonically, so the largest raw magnitude widens to the largest float one), F32 one a
+// word. Half the instructions of widening every value first, and half the registers for the tile's
+// 16 column maxima per thread.
+template <fp8_dtype_t DT>
+struct Magnitudes {
+  static constexpr bool kPacked = sizeof(typename Wide<DT>::Raw) == 2;
+  static constexpr int kWords = kPacked ? 8 : 16;  // per chunk of 16 values
+  // Word j of chunk k of a thread's share of the tile, signs cleared.
+  static __device__ __forceinline__ uint32_t word(const Tile<DT>& t, int k, int j) {
+    return reinterpret_cast<const uint32_t*>(t.x[k][j / (kWords / 2)].raw)[j % (kWords / 2)] &
+           (kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu);
+  }
+  static __device__ __forceinline__ uint32_t max(uint32_t a, uint32_t b) {
+    if constexpr (kPacked) return max_u16x2(a, b);
+    else return ::max(a, b);
+  }
+  // The float abs bits of value `half` (0 or 1) of word w.
+  static __device__ __forceinline__ uint32_t value_bits(uint32_t w, int half) {
+    if constexpr (kPacked)
+      return abs_bits(Wide<DT>::to_float(static_cast<typename Wide<DT>::Raw>(half ? w >> 16 : w & 0xFFFFu)));
+    else return w;
+  }
+  // The float abs bits of the larger of w's values.
+  static __device__ __forceinline__ uint32_t amax_bits(uint32_t w) {
+    if constexpr (kPacked) return value_bits(::max(w & 0xFFFFu, w >> 16), 0);
+    else return w;
+  }
+  // The amax of chunk k (its 16 values, one row).
+  static __device__ __forceinline__ uint32_t chunk_amax(const Tile<DT>& t, int k) {
+    uint32_t m = word(t, k, 0);
+#pragma unroll
+    for (int j = 1; j < kWords; ++j) m = max(m, word(t, k, j));
+    return amax_bits(m);
+  }
+};
+
+// The amax of each of the tile's 128 columns, from every thread's column maxima over its chunks
+// (cm: Magnitudes words of its 16 columns): thread c < 128 gets column c's (the others 0), read
+// from every warp's entries in col_part after a barrier. A caller needs another barrier before
+// col_part is written again (the tile loop's last).
+template <fp8_dtype_t DT>
+__device__ __forceinline__ uint32_t tile_column_max(uint32_t (&cm)[Magnitudes<DT>::kWords],
+                                                    uint32_t (*col_part)[kTile]) {
+  using M = Magnitudes<DT>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c0 = (tid & 7) * 16;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    cm[i] = max(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 8));
-    cm[i] = max(cm[i], __shfl_xor_sync(0xFFFFFFFFu, cm[i], 16));
+  for (int j = 0; j < M::kWords; ++j) {
+    cm[j] = M::max(cm[j], __shfl_xor_sync(0xFFFFFFFFu, cm[j], 8));
+    cm[j] = M::max(cm[j], __shfl_xor_sync(0xFFFFFFFFu, cm[j], 16));
   }
   if (lane < 8) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) col_part[warp][c0 + i] = cm[i];
+    for (int i = 0; i < 16; ++i) col_part[warp][c0 + i] = M::value_bits(cm[i * M::kWords / 16], i % (16 / M::kWords));
   }
   __syncthreads();
   uint32_t m = 0;
@@ -73,9 +126,22 @@ __device__ __forceinline__ uint32_t tile_column_max(uint32_t (&cm)[16], uint32_t
   return m;
 }
 
-// Row and column amaxes (abs bits) for the per-row mode: atomic maxima of each tile's.
+// A thread's column maxima (Magnitudes words) over its chunks of the tile.
 template <fp8_dtype_t DT>
-__global__ void __launch_bounds__(kThreads) line_amax_kernel(const typename Wide<DT>::Raw* __restrict__ in,
+__device__ __forceinline__ void column_maxima(const Tile<DT>& t, uint32_t (&cm)[Magnitudes<DT>::kWords]) {
+  using M = Magnitudes<DT>;
+#pragma unroll
+  for (int j = 0; j < M::kWords; ++j) {
+    cm[j] = M::word(t, 0, j);
+#pragma unroll
+    for (int k = 1; k < Tile<DT>::kChunks; ++k) cm[j] = M::max(cm[j], M::word(t, k, j));
+  }
+}
+
+// Row and column amaxes (abs bits) for the per-row mode: atomic maxima of each tile's.
+// (Three blocks per SM named: left to itself, ptxas picked 64 registers and spilled.)
+template <fp8_dtype_t DT>
+__global__ void __launch_bounds__(kThreads, 3) line_amax_kernel(const typename Wide<DT>::Raw* __restrict__ in,
                                                              int64_t rows, int64_t cols, bool vec_ok,
                                                              uint32_t* row_amax, uint32_t* col_amax) {
   __shared__ uint32_t col_part[kThreads / 32][kTile];
@@ -85,21 +151,15 @@ __global__ void __launch_bounds__(kThreads) line_amax_kernel(const typename Wide
   Tile<DT> v;
   if (vec_ok && R0 + kTile <= rows && C0 + kTile <= cols) v.issue(in, cols, R0, C0);
   else load_edge<DT>(v, in, rows, cols, R0, C0);
-  uint32_t cm[16] = {};
 #pragma unroll
   for (int k = 0; k < Tile<DT>::kChunks; ++k) {
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint32_t a = abs_bits(v.get(k, i));
-      m = max(m, a);
-      cm[i] = max(cm[i], a);
-    }
-    m = row_max8(m);
+    const uint32_t m = row_max8(Magnitudes<DT>::chunk_amax(v, k));
     const int64_t r = R0 + (tid >> 3) + 32 * k;
     if ((tid & 7) == 0 && r < rows && m != 0u) atomicMax(row_amax + r, m);
   }
-  const uint32_t m = tile_column_max(cm, col_part);
+  uint32_t cm[Magnitudes<DT>::kWords];
+  column_maxima(v, cm);
+  const uint32_t m = tile_column_max<DT>(cm, col_part);
   if (tid < kTile && C0 + tid < cols && m != 0u) atomicMax(col_amax + C0 + tid, m);
 }
 
@@ -191,17 +251,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Two blocks per SM where the registers allow it without spilling (bf16 inputs: 128 registers);
-// f16 and f32 tiles take more.
+// Blocks per SM: three for 16-bit inputs (80 registers; the tile in flight sits in shared memory),
+// two for F32 (whose staged tile is twice the size).
 template <fp8_dtype_t DT>
-constexpr int kMinBlocks = DT == FP8_DTYPE_BF16 ? 2 : 1;
+constexpr int kMinBlocks = DT == FP8_DTYPE_F32 ? 2 : 3;
 
-// Grid-stride over the tiles, the next whole tile's loads in flight while this one is reduced,
-// cast and stored (as cast_transpose does).
+// Grid-stride over the tiles, the next whole tile staged into shared memory with cp.async while
+// this one is reduced, cast and stored. (Held in registers in flight, as cast_transpose holds
+// its next tile, it left two blocks per SM at 128 registers with spills: 74-84% of copy with the
+// transposed copy; ncu put the kernel at 40% issue slots busy, latency-bound.)
 template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
   constexpr int kChunks = Tile<DT>::kChunks;
+  extern __shared__ uint4 staged[];  // the next tile, Tile<DT>::kStagedBytes
   __shared__ __align__(16) uint8_t tile[kCodeTileBytes];
   __shared__ uint32_t col_part[kThreads / 32][kTile];
   __shared__ __align__(16) float col_scale[kTile];
@@ -213,29 +276,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
   auto whole = [&](int64_t t) {
     return p.vec_ok && (t / tiles_c + 1) * kTile <= p.rows && (t % tiles_c + 1) * kTile <= p.cols;
   };
-  Tile<DT> next;
   if (blockIdx.x < tiles && whole(blockIdx.x))
-    next.issue(in, p.cols, (blockIdx.x / tiles_c) * kTile, (blockIdx.x % tiles_c) * kTile);
+    Tile<DT>::stage(staged, in, p.cols, (blockIdx.x / tiles_c) * kTile, (blockIdx.x % tiles_c) * kTile);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t tr = t / tiles_c, tc = t % tiles_c, R0 = tr * kTile, C0 = tc * kTile;
     const bool vector = whole(t);
     Tile<DT> cur;
-    if (vector) cur = next;
+    if (vector) cur.take(staged);
     else load_edge<DT>(cur, in, p.rows, p.cols, R0, C0);
     const int64_t t_next = t + gridDim.x;
-    if (t_next < tiles && whole(t_next)) next.issue(in, p.cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
+    if (t_next < tiles && whole(t_next))
+      Tile<DT>::stage(staged, in, p.cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
 
     // Scales of this thread's rows (the out layout) ...
     float row_scale[kChunks];
     uint32_t row_amax[kChunks] = {};
     if constexpr (MODE == ScaleMode::kBlock1x128) {
 #pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        uint32_t m = 0;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) m = max(m, abs_bits(cur.get(k, i)));
-        row_amax[k] = row_max8(m);
-      }
+      for (int k = 0; k < kChunks; ++k) row_amax[k] = row_max8(Magnitudes<DT>::chunk_amax(cur, k));
     } else if constexpr (MODE == ScaleMode::kRow) {
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) {
@@ -247,21 +305,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     // thread's maximum, then the warps', through shared memory).
     uint32_t col_max = 0;  // thread c < 128: column c's amax
     if (MODE == ScaleMode::kBlock1x128 && with_t) {
-      uint32_t cm[16] = {};
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) cm[i] = max(cm[i], abs_bits(cur.get(k, i)));
-      col_max = tile_column_max(cm, col_part);
+      uint32_t cm[Magnitudes<DT>::kWords];
+      column_maxima(cur, cm);
+      col_max = tile_column_max<DT>(cm, col_part);
     }
     uint32_t cell_amax = 0;  // per-tensor and 128x128: the one cell's
     if constexpr (MODE == ScaleMode::kTensor) cell_amax = p.ws[0];
     if constexpr (MODE == ScaleMode::kBlock128x128) {
       uint32_t m = 0;
 #pragma unroll
-      for (int k = 0; k < kChunks; ++k)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) m = max(m, abs_bits(cur.get(k, i)));
+      for (int k = 0; k < kChunks; ++k) m = max(m, Magnitudes<DT>::chunk_amax(cur, k));
       m = __reduce_max_sync(0xFFFFFFFFu, m);
       if (lane == 0) warp_max[warp] = m;
       __syncthreads();
@@ -401,9 +454,11 @@ void recipe_quantize(const RecipeQuantizeJob& j, const LaunchLimits& lim, cudaSt
     }
     const auto launch = [&](auto e5m2, auto m) {
       auto* kernel = recipe_quantize_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(m)::value>;
+      constexpr size_t staged = Tile<decltype(dt)::value>::kStagedBytes;
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), staged);
       // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
-      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
-      kernel<<<grid, kThreads, 0, stream>>>(in, p);
+      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false, staged);
+      kernel<<<grid, kThreads, staged, stream>>>(in, p);
     };
     const auto by_mode = [&](auto e5m2) {
       switch (mode) {
