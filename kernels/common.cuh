@@ -149,50 +149,6 @@ struct TileLoads128 {
   }
   // Element i (0..15) of chunk k.
   __device__ __forceinline__ float get(int k, int i) const { return x[k][i >> 3].get(i & 7); }
-
-  // The same share staged through shared memory, for kernels whose occupancy cannot afford the
-  // registers a tile in flight holds: stage() copies the tile at (R0, C0) into `staged`
-  // (kStagedBytes per block, [copy][thread]: each thread's own 16-byte pieces) with cp.async, and
-  // take() waits for them and reads this thread's into x. The copies are laid out by warp, not by
-  // owner: each cp.async instruction of a warp moves 512 contiguous bytes of the tile's rows (a
-  // thread's own two 16-byte halves of a 32-byte sector, copied by one instruction each, had the L2
-  // send every sector twice), so a warp's lanes fill each other's slots: take() synchronises the
-  // warp after the wait and after its reads, before any lane stages the next tile over them.
-  static constexpr int kCopies = 2 * Vec8<DT>::kLoads;  // 16-byte pieces per thread and chunk
-  static constexpr int kStagedCopies = kChunks * kCopies;
-  static constexpr size_t kStagedBytes = size_t{kStagedCopies} * 16 * THREADS;
-  static __device__ __forceinline__ void stage(uint4* staged, const typename Wide<DT>::Raw* in, int64_t cols,
-                                               int64_t R0, int64_t C0) {
-    static_assert(THREADS % 32 == 0 && 128 % kCopies == 0, "whole warps, whole rows per copy");
-    constexpr int kRowBytes = 128 * sizeof(typename Wide<DT>::Raw), kPieceElems = 16 / sizeof(typename Wide<DT>::Raw);
-    const int lane = threadIdx.x & 31, warp0 = threadIdx.x & ~31;
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-      for (int q = 0; q < kCopies; ++q) {
-        // Byte e of the warp's 4 rows of chunk k: row e / kRowBytes, owned by the lane that holds its 16 columns.
-        const int e = q * 512 + lane * 16, row = e / kRowBytes, byte = e % kRowBytes;
-        const int owner = warp0 + row * 8 + byte / (16 * kCopies), piece = (byte / 16) % kCopies;
-        const int r = (warp0 + k * THREADS) / 8 + row;
-        const auto* src = in + (R0 + r) * cols + C0 + (byte / 16) * kPieceElems;
-        const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(&staged[(k * kCopies + piece) * THREADS + owner]));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-      }
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
-  __device__ __forceinline__ void take(const uint4* staged) {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int l = 0; l < Vec8<DT>::kLoads; ++l)
-          x[k][h].raw[l] = staged[(k * kCopies + h * Vec8<DT>::kLoads + l) * THREADS + threadIdx.x];
-    __syncwarp();
-  }
 };
 
 // The 128 x 128 tile of FP8 codes through which the transposing casts turn a tile around in shared

@@ -10,7 +10,6 @@
 // With FOLD the values cast are an activation of the input, act(in) (the x cast of a Linear after
 // ReLU or GELU: the activation's output never written), or its gradient, act_grad(act_x, in) (the
 // dy cast of a Linear followed by one: the activation's dx never written).
-
 #include "core/activation.hpp"
 #include "kernels/common.cuh"
 #include "kernels/launch.hpp"
@@ -104,10 +103,19 @@ __device__ __forceinline__ float value(const typename Wide<DT>::Raw* in, const v
   return folded<FOLD>(Wide<DT>::to_float(in[i]), h);
 }
 
-// A folded gradient's activation input goes through shared memory (TileLoads128::stage): the next
-// tile's is copied in while the block works on the current one, and read into registers just
-// before. Holding it in registers in flight instead would cost the occupancy the prefetch of the
-// input lives on.
+// A folded gradient's activation input goes through shared memory: the next tile's is copied in
+// with cp.async (16 bytes a copy, this thread's chunks only, so no barrier) while the block works on
+// the current one, and read into registers just before. Holding it in registers in flight instead
+// would cost the occupancy the prefetch of the input lives on.
+template <fp8_dtype_t DT>
+constexpr int kStagedCopies = TileLoads<DT>::kChunks * 2 * Vec8<DT>::kLoads;  // per thread
+template <fp8_dtype_t DT>
+constexpr size_t kStagedBytes = size_t{kStagedCopies<DT>} * 16 * kThreads;
+
+__device__ __forceinline__ void cp_async16(uint4* smem, const void* gmem) {
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
 
 // Two blocks per SM for 16-bit inputs (128 registers: the prefetch needs the occupancy, and on the
 // H200 1 block per SM ran 14-20% slower); F32 tiles hold twice the registers in flight and spill at 128.
@@ -149,7 +157,17 @@ __global__ void __launch_bounds__(kThreads, DT != FP8_DTYPE_F32 ? 2 : 1)
     origin(it, lt, R0, C0);
     if (!full(it, lt)) return;
     next.issue(static_cast<const Raw*>(it.in), it.cols, R0, C0);
-    if constexpr (folds_grad(FOLD)) TileLoads<DT>::stage(staged, static_cast<const Raw*>(it.act_x), it.cols, R0, C0);
+    if constexpr (folds_grad(FOLD)) {
+#pragma unroll
+      for (int c8 = 0; c8 < TileLoads<DT>::kChunks; ++c8) {
+        const int ch = tid + c8 * kThreads, r = ch >> 3, c = (ch & 7) * 16;
+        const auto* p = reinterpret_cast<const uint4*>(static_cast<const Raw*>(it.act_x) + (R0 + r) * it.cols + C0 + c);
+#pragma unroll
+        for (int q = 0; q < 2 * Vec8<DT>::kLoads; ++q)
+          cp_async16(&staged[(c8 * 2 * Vec8<DT>::kLoads + q) * kThreads + tid], p + q);
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
   };
   prefetch(blockIdx.x, 0);
   for (int64_t t = blockIdx.x; t < g.tiles; t += gridDim.x) {
@@ -167,8 +185,17 @@ __global__ void __launch_bounds__(kThreads, DT != FP8_DTYPE_F32 ? 2 : 1)
     origin(it, lt, R0, C0);
     if (full(it, lt)) {
       // Phase 1: 128 rows x 8 chunks of 16 columns; codes to `out` and to the shared tile.
-      TileLoads<DT> ax;  // a folded gradient's activation input, from `staged`
-      if constexpr (folds_grad(FOLD)) ax.take(staged);
+      Vec8<DT> ax[TileLoads<DT>::kChunks][2];  // a folded gradient's activation input, from `staged`
+      if constexpr (folds_grad(FOLD)) {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#pragma unroll
+        for (int c8 = 0; c8 < TileLoads<DT>::kChunks; ++c8)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int l = 0; l < Vec8<DT>::kLoads; ++l)
+              ax[c8][h].raw[l] = staged[((c8 * 2 + h) * Vec8<DT>::kLoads + l) * kThreads + tid];
+      }
       const TileLoads<DT> cur = next;
       prefetch(t + gridDim.x, k);
       float sums[16] = {};
@@ -181,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, DT != FP8_DTYPE_F32 ? 2 : 1)
           float f[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            f[i] = folded<FOLD>(cur.x[c8][h].get(i), folds_grad(FOLD) ? ax.x[c8][h].get(i) : 0.0f);
+            f[i] = folded<FOLD>(cur.x[c8][h].get(i), folds_grad(FOLD) ? ax[c8][h].get(i) : 0.0f);
             amax = max(amax, abs_bits(f[i]));
             if constexpr (DBIAS) sums[8 * h + i] += f[i];
           }
@@ -269,7 +296,8 @@ void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbia
   auto launch = [&](auto dt, auto e5, auto db, auto fold) {
     auto* kernel =
         cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N, decltype(fold)::value>;
-    constexpr size_t staged = folds_grad(decltype(fold)::value) ? TileLoads<decltype(dt)::value>::kStagedBytes : 0;
+    constexpr size_t staged = folds_grad(decltype(fold)::value) ? kStagedBytes<decltype(dt)::value> : 0;
+    // (Above the 48 KiB a block gets without asking, with the static tile.)
     if constexpr (staged > 0) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), staged);
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid =

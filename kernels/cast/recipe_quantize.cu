@@ -1,8 +1,8 @@
 // Fused amax + quantize for the scaling recipes (core/recipe_scaling_rule.hpp), bit for bit the CPU
 // reference (backend/cpu_recipe_quantize.cpp). Blocks walk the 128 x 128 tiles of the input (a
-// tile holds every cell of the block modes whole), each tile read once into registers (16 columns
-// of 4 rows per thread; where the tile is whole and aligned, from shared memory, into which
-// 16-byte cp.async copies staged it while the block worked on the tile before), then reduced to
+// tile holds every cell of the block modes whole), each tile loaded once into registers (16
+// columns of 4 rows per thread, 16-byte loads where the tile is whole and aligned, the next tile's
+// loads issued before this one is worked on), then reduced to
 //   the amax of each 128-wide row segment (1x128 cells of `out`),
 //   the amax of each 128-high column segment (1x128 cells of the transposed copy), and
 //   the amax of the tile (128x128 cells, the same for both layouts),
@@ -251,20 +251,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Blocks per SM: three for 16-bit inputs (80 registers; the tile in flight sits in shared memory),
-// two for F32 (whose staged tile is twice the size).
+// Two blocks per SM where the registers allow it without spilling (16-bit inputs: 128 registers);
+// F32 tiles take more.
 template <fp8_dtype_t DT>
-constexpr int kMinBlocks = DT == FP8_DTYPE_F32 ? 2 : 3;
+constexpr int kMinBlocks = DT == FP8_DTYPE_F32 ? 1 : 2;
 
-// Grid-stride over the tiles, the next whole tile staged into shared memory with cp.async while
-// this one is reduced, cast and stored. (Held in registers in flight, as cast_transpose holds
-// its next tile, it left two blocks per SM at 128 registers with spills: 74-84% of copy with the
-// transposed copy; ncu put the kernel at 40% issue slots busy, latency-bound.)
+// Grid-stride over the tiles, the next whole tile's loads in flight while this one is reduced,
+// cast and stored (as cast_transpose does). (Staged into shared memory with cp.async instead, at
+// three blocks per SM and 80 registers, it ran at 60-70% of copy where this runs at 75-89%: the
+// L2's throughput, not the DRAM's, became the limit.)
 template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
   constexpr int kChunks = Tile<DT>::kChunks;
-  extern __shared__ uint4 staged[];  // the next tile, Tile<DT>::kStagedBytes
   __shared__ __align__(16) uint8_t tile[kCodeTileBytes];
   __shared__ uint32_t col_part[kThreads / 32][kTile];
   __shared__ __align__(16) float col_scale[kTile];
@@ -276,17 +275,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
   auto whole = [&](int64_t t) {
     return p.vec_ok && (t / tiles_c + 1) * kTile <= p.rows && (t % tiles_c + 1) * kTile <= p.cols;
   };
+  Tile<DT> next;
   if (blockIdx.x < tiles && whole(blockIdx.x))
-    Tile<DT>::stage(staged, in, p.cols, (blockIdx.x / tiles_c) * kTile, (blockIdx.x % tiles_c) * kTile);
+    next.issue(in, p.cols, (blockIdx.x / tiles_c) * kTile, (blockIdx.x % tiles_c) * kTile);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t tr = t / tiles_c, tc = t % tiles_c, R0 = tr * kTile, C0 = tc * kTile;
     const bool vector = whole(t);
     Tile<DT> cur;
-    if (vector) cur.take(staged);
+    if (vector) cur = next;
     else load_edge<DT>(cur, in, p.rows, p.cols, R0, C0);
     const int64_t t_next = t + gridDim.x;
-    if (t_next < tiles && whole(t_next))
-      Tile<DT>::stage(staged, in, p.cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
+    if (t_next < tiles && whole(t_next)) next.issue(in, p.cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
 
     // Scales of this thread's rows (the out layout) ...
     float row_scale[kChunks];
@@ -454,11 +453,9 @@ void recipe_quantize(const RecipeQuantizeJob& j, const LaunchLimits& lim, cudaSt
     }
     const auto launch = [&](auto e5m2, auto m) {
       auto* kernel = recipe_quantize_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(m)::value>;
-      constexpr size_t staged = Tile<decltype(dt)::value>::kStagedBytes;
-      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), staged);
       // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
-      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false, staged);
-      kernel<<<grid, kThreads, staged, stream>>>(in, p);
+      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
+      kernel<<<grid, kThreads, 0, stream>>>(in, p);
     };
     const auto by_mode = [&](auto e5m2) {
       switch (mode) {
