@@ -3,7 +3,8 @@
 //   and 16384x8192, bf16 in): each scale mode with and without the transposed copy, against a
 //   device-to-device copy measured in the same run ("of copy" counts the bytes the operation must
 //   move: 2 read + 1 or 2 written per element; the per-tensor mode, and the per-row mode with the
-//   transposed copy, read the input twice, which the figure does not credit), one call per timed
+//   transposed copy, read the input twice, which the figure does not credit: report_recipes.py
+//   adds a column that does), one call per timed
 //   region and 20 in a row (per call: each call's launch and last wave overlap the next one's, as
 //   in a training step);
 // - cuBLASLt's FP8 GEMM (bf16 out) at the issue-3 shapes with per-tensor scales (with and without

@@ -1,6 +1,6 @@
 # Joins bench_recipes.json (libfp8's recipe quantize and scaled GEMMs) and peer_recipes.json
 # (torch._scaled_mm's modes) into issue 14's tables: quantize per mode as % of copy bandwidth (target
-# >= 85% at 8192x8192 and 16384x8192), and each GEMM mode's TFLOP/s against torch's same mode and
+# >= 85% at 8192x8192 and 16384x8192; see reads_twice), and each GEMM mode's TFLOP/s against torch's same mode and
 # against libfp8's per-tensor GEMM. Missing rows print as "–". Usage: report_recipes.py ours.json peer.json
 import json, sys
 
@@ -9,14 +9,30 @@ peer = {r["name"]: r for r in json.load(open(sys.argv[2]))} if len(sys.argv) > 2
 rows = {r["name"]: r for r in ours}
 copy = rows.get("d2d copy 1 GiB", {}).get("gbps")
 
-print("| quantize (bf16 in) | ms | GB/s | of copy | target |")
-print("|---|---|---|---|---|")
+# The modes that read their input twice (the per-tensor mode, whose rule needs the tensor's amax
+# before any value is cast, and the per-row mode with the transposed copy, whose column amaxes span
+# every row): "of copy" credits one read (2 bytes in, 1 out per element and layout); "every read"
+# adds the second read's 2 bytes. The issue allows those modes the second read, so their target is
+# judged on the bytes they move; both figures are printed.
+def reads_twice(mode):
+    return mode.startswith("per-tensor") or mode.startswith("per-row +T")
+
+print("| quantize (bf16 in) | ms | GB/s | of copy | of copy, every read | target |")
+print("|---|---|---|---|---|---|")
 for r in ours:
     if not r["name"].startswith("recipe quantize"):
         continue
+    mode = r["name"][len("recipe quantize "):]
     share = r["gbps"] / copy if copy else None
-    print(f"| {r['name'][len('recipe quantize '):]} | {r['ms']:.4f} | {r['gbps']:.0f} | "
-          f"{'–' if share is None else f'{100 * share:.1f}%'} | >= 85%: {'met' if share and share >= 0.85 else 'NOT met'} |")
+    moved = None
+    if share is not None and reads_twice(mode):
+        credited = 4.0 if "+T" in mode else 3.0  # bytes per element that "of copy" counts
+        moved = share * (credited + 2.0) / credited
+    judged = moved if moved is not None else share
+    verdict = "met" if judged and judged >= 0.85 else "NOT met"
+    print(f"| {mode} | {r['ms']:.4f} | {r['gbps']:.0f} | {'–' if share is None else f'{100 * share:.1f}%'} | "
+          f"{'–' if moved is None else f'{100 * moved:.1f}%'} | >= 85%{' (every read)' if moved is not None else ''}: "
+          f"{verdict} |")
 
 print()
 print("| GEMM m x n x k | mode | libfp8 ms | TFLOP/s | torch._scaled_mm ms | vs torch | vs libfp8 per-tensor |")

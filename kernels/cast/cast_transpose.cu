@@ -300,8 +300,7 @@ void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbia
     // (Above the 48 KiB a block gets without asking, with the static tile.)
     if constexpr (staged > 0) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), staged);
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
-    const int grid =
-        grid_size(reinterpret_cast<const void*>(kernel), kThreads, g.tiles, lim.sm_count, false, staged);
+    const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, g.tiles, lim.sm_count, false, staged);
     kernel<<<grid, kThreads, staged, stream>>>(g, first.current ? first.current_fp8_max : 0.0f, first.current_pow2,
                                                first.dbias_partials);
   };

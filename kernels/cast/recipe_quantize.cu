@@ -76,19 +76,24 @@ struct Magnitudes {
            (kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu);
   }
   static __device__ __forceinline__ uint32_t max(uint32_t a, uint32_t b) {
-    if constexpr (kPacked) return max_u16x2(a, b);
-    else return ::max(a, b);
+    if constexpr (kPacked)
+      return max_u16x2(a, b);
+    else
+      return ::max(a, b);
   }
   // The float abs bits of value `half` (0 or 1) of word w.
   static __device__ __forceinline__ uint32_t value_bits(uint32_t w, int half) {
     if constexpr (kPacked)
       return abs_bits(Wide<DT>::to_float(static_cast<typename Wide<DT>::Raw>(half ? w >> 16 : w & 0xFFFFu)));
-    else return w;
+    else
+      return w;
   }
   // The float abs bits of the larger of w's values.
   static __device__ __forceinline__ uint32_t amax_bits(uint32_t w) {
-    if constexpr (kPacked) return value_bits(::max(w & 0xFFFFu, w >> 16), 0);
-    else return w;
+    if constexpr (kPacked)
+      return value_bits(::max(w & 0xFFFFu, w >> 16), 0);
+    else
+      return w;
   }
   // The amax of chunk k (its 16 values, one row).
   static __device__ __forceinline__ uint32_t chunk_amax(const Tile<DT>& t, int k) {
@@ -141,16 +146,17 @@ __device__ __forceinline__ void column_maxima(const Tile<DT>& t, uint32_t (&cm)[
 // Row and column amaxes (abs bits) for the per-row mode: atomic maxima of each tile's.
 // (Three blocks per SM named: left to itself, ptxas picked 64 registers and spilled.)
 template <fp8_dtype_t DT>
-__global__ void __launch_bounds__(kThreads, 3) line_amax_kernel(const typename Wide<DT>::Raw* __restrict__ in,
-                                                             int64_t rows, int64_t cols, bool vec_ok,
-                                                             uint32_t* row_amax, uint32_t* col_amax) {
+__global__ void __launch_bounds__(kThreads, 3)
+    line_amax_kernel(const typename Wide<DT>::Raw* __restrict__ in, int64_t rows, int64_t cols, bool vec_ok,
+                     uint32_t* row_amax, uint32_t* col_amax) {
   __shared__ uint32_t col_part[kThreads / 32][kTile];
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
   const int64_t R0 = (blockIdx.x / tiles_c) * kTile, C0 = (blockIdx.x % tiles_c) * kTile;
   const int tid = threadIdx.x;
   Tile<DT> v;
   if (vec_ok && R0 + kTile <= rows && C0 + kTile <= cols) v.issue(in, cols, R0, C0);
-  else load_edge<DT>(v, in, rows, cols, R0, C0);
+  else
+    load_edge<DT>(v, in, rows, cols, R0, C0);
 #pragma unroll
   for (int k = 0; k < Tile<DT>::kChunks; ++k) {
     const uint32_t m = row_max8(Magnitudes<DT>::chunk_amax(v, k));
