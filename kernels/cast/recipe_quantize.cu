@@ -50,17 +50,6 @@ __device__ __forceinline__ uint32_t row_max8(uint32_t m) {
   return max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
 }
 
-// Per-half unsigned maximum of two words (one max.u16x2 on sm_90).
-__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t r;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-#else
-  return __vmaxu2(a, b);
-#endif
-}
-
 // The amaxes compare magnitudes as raw bits, the sign bit cleared: a 16-bit input two values a
 // word (bf16 and f16 bits order like their magnitudes, NaN above infinity, as float bits do, and
 // widen monotonically, so the largest raw magnitude widens to the largest float one), F32 one a
@@ -77,7 +66,7 @@ struct Magnitudes {
   }
   static __device__ __forceinline__ uint32_t max(uint32_t a, uint32_t b) {
     if constexpr (kPacked)
-      return max_u16x2(a, b);
+      return __vmaxu2(a, b);  // (max.u16x2 on sm_90)
     else
       return ::max(a, b);
   }
