@@ -2,17 +2,18 @@
 // reference (backend/cpu_recipe_quantize.cpp). Blocks walk the 128 x 128 tiles of the input (a
 // tile holds every cell of the block modes whole), each tile loaded once into registers (16
 // columns of 4 rows per thread, 16-byte loads where the tile is whole and aligned, the next tile's
-// loads issued before this one is worked on), then reduced to
-//   the amax of each 128-wide row segment (1x128 cells of `out`),
-//   the amax of each 128-high column segment (1x128 cells of the transposed copy), and
-//   the amax of the tile (128x128 cells, the same for both layouts),
-// and cast with the scale of each value's cell, into `out` row-major and, through a shared tile,
-// into `out_t` (the transposed copy, quantised along its own K). The per-row and per-tensor modes
-// need amaxes that span tiles: a first pass (line_amax_kernel, or the amax kernel) puts them into
-// the job's workspace, so those modes read the input twice. Edge tiles load element by element
-// (missing elements count as 0, which changes no amax) and store only what exists. The per-row
-// mode without the transposed copy reads the input once where a row fits a block's registers
-// (row_quantize_kernel: one row per block at a time, its amax reduced in the block).
+// loads issued before this one is worked on), then reduced to the amax of each 128-wide row
+// segment (1x128 cells of `out`) or of the tile (128x128 cells, the same for both layouts), and
+// cast with the scale of each value's cell into `out` row-major. The transposed copy `out_t`
+// (quantised along its own K) is written through a shared tile of codes where both layouts share
+// a scale; where each column has its own (per-row, and 1x128 whose cells are 128-high column
+// segments), the input tile goes to shared memory and is cast from column strips (StripTile).
+// The per-row and per-tensor modes need amaxes that span tiles: a first pass (line_amax_kernel,
+// or the amax kernel) puts them into the job's workspace, so those modes read the input twice.
+// Edge tiles load element by element (missing elements count as 0, which changes no amax) and
+// store only what exists. The per-row mode without the transposed copy reads the input once where
+// a row fits a block's registers (row_quantize_kernel: one row per block at a time, its amax
+// reduced in the block).
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -256,6 +257,96 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The transposed copy of the per-column modes (per-row and 1x128: a scale per column of the tile)
+// is cast from a copy of the input tile in shared memory, read back in column strips. A warp's
+// quarter (8 lanes) takes one 32-bit column of words (two columns of a 16-bit input, one of F32),
+// lane j its rows 16j .. 16j + 15, so a column's amax over the tile's 128 rows is reduced inside
+// the quarter with three shuffles (no barrier, no shared partials), and each lane stores 16
+// contiguous codes of a transposed row. Within each 32-word span of a row, the 16-byte pieces are
+// XOR-permuted by ((r / 16) ^ r ^ (w / 32)) % 8, so that a strip read (8 lanes at rows 16 apart,
+// 4 word columns) reaches 32 different banks, and so do 8 lanes' 16-byte stores of one row's
+// chunks (served 8 lanes at a time). Two buffers, alternate tiles, so one barrier a tile suffices.
+template <fp8_dtype_t DT>
+struct StripTile {
+  static constexpr int kRowWords = kTile * static_cast<int>(sizeof(typename Wide<DT>::Raw)) / 4;  // 64 or 128
+  static constexpr size_t kBytes = size_t{kTile} * kRowWords * 4;                                 // one buffer
+  static __device__ __forceinline__ int at(int r, int w) {
+    return r * kRowWords + (w ^ ((((r >> 4) ^ r ^ (w >> 5)) & 7) << 2));
+  }
+  // Copies a thread's share of the tile (Tile<DT>'s chunks, 16-byte pieces) into buffer `buf`.
+  static __device__ __forceinline__ void put(uint32_t* buf, const Tile<DT>& t) {
+    constexpr int kPieces = 2 * Vec8<DT>::kLoads;  // 16-byte pieces per chunk of 16 values: 2 or 4
+#pragma unroll
+    for (int k = 0; k < Tile<DT>::kChunks; ++k) {
+      const int r = (threadIdx.x >> 3) + k * (kThreads / 8), w0 = (threadIdx.x & 7) * kPieces * 4;
+#pragma unroll
+      for (int q = 0; q < kPieces; ++q)
+        *reinterpret_cast<uint4*>(buf + at(r, w0 + 4 * q)) = t.x[k][q / Vec8<DT>::kLoads].raw[q % Vec8<DT>::kLoads];
+    }
+  }
+  // Value h (0 or 1: the word's low and high halves; F32: 0) of a word, widened.
+  static __device__ __forceinline__ float value(uint32_t w, int h) {
+    if constexpr (sizeof(typename Wide<DT>::Raw) == 2)
+      return Wide<DT>::to_float(static_cast<typename Wide<DT>::Raw>(h ? w >> 16 : w & 0xFFFFu));
+    else
+      return bits_float(w);
+  }
+};
+
+// The transposed copy of a per-column mode's tile from its strips (after the barrier that follows
+// StripTile::put): each lane's column(s), rows 16j .. 16j + 15, their amax (1x128: over the quarter;
+// per-row: the column's, from the workspace), scale, grid cell and 16 codes.
+template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE>
+__device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const Params& p, int64_t R0, int64_t C0,
+                                                   int64_t tr, bool vector) {
+  using M = Magnitudes<DT>;
+  constexpr int kHalves = M::kPacked ? 2 : 1;  // columns per word
+  const int lane = threadIdx.x & 31, j = lane & 7;
+#pragma unroll
+  for (int it = 0; it < StripTile<DT>::kRowWords / (kThreads / 8); ++it) {
+    const int wc = it * (kThreads / 8) + (threadIdx.x >> 3);  // this quarter's word column
+    uint32_t amax[kHalves];                                   // the columns' amaxes (abs bits)
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const int64_t col = C0 + wc * kHalves + h;
+      amax[h] = MODE == ScaleMode::kRow && col < p.cols ? p.ws[p.rows + col] : 0u;
+    }
+    uint32_t v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = strips[StripTile<DT>::at(16 * j + i, wc)];
+    if constexpr (MODE == ScaleMode::kBlock1x128) {  // over the quarter's 128 rows
+      uint32_t m;
+      m = v[0] & (M::kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu);
+#pragma unroll
+      for (int i = 1; i < 16; ++i) m = M::max(m, v[i] & (M::kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu));
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) m = M::max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) amax[h] = M::value_bits(m, h);  // (0 for missing columns)
+    }
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const int64_t col = C0 + wc * kHalves + h;
+      const float scale = recipe_scale(bits_float(amax[h]), p.fp8_max, p.pow2);
+      if (j == 0 && col < p.cols && (MODE != ScaleMode::kRow || tr == 0))
+        put_cell_t(p, col, MODE == ScaleMode::kRow ? 0 : tr, scale);
+      uint32_t w[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const auto x = [&](int i) { return StripTile<DT>::value(v[4 * q + i], h) * scale; };
+        w[q] = cast4<E5M2>(x(0), x(1), x(2), x(3));
+      }
+      uint8_t* dst = p.out_t + col * p.rows + R0 + 16 * j;
+      if (vector && p.rows_aligned) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      } else if (col < p.cols) {
+        for (int i = 0; i < 16 && R0 + 16 * j + i < p.rows; ++i)
+          dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+      }
+    }
+  }
+}
+
 // Two blocks per SM where the registers allow it without spilling (16-bit inputs: 128 registers);
 // F32 tiles take more.
 template <fp8_dtype_t DT>
@@ -265,18 +356,20 @@ constexpr int kMinBlocks = DT == FP8_DTYPE_F32 ? 1 : 2;
 // cast and stored (as cast_transpose does). (Staged into shared memory with cp.async instead, at
 // three blocks per SM and 80 registers, it ran at 60-70% of copy where this runs at 75-89%: the
 // L2's throughput, not the DRAM's, became the limit.)
-template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE>
+template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE, bool WITH_T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
   constexpr int kChunks = Tile<DT>::kChunks;
-  __shared__ __align__(16) uint8_t tile[kCodeTileBytes];
-  __shared__ uint32_t col_part[kThreads / 32][kColumnSlots];
-  __shared__ __align__(16) float col_scale[kColumnSlots];  // at column_slot
+  constexpr bool per_column = MODE == ScaleMode::kRow || MODE == ScaleMode::kBlock1x128;
+  // The transposed copy's codes: through the shared code tile (one scale for both layouts), or cast
+  // from column strips (per_column: the launch gives 2 * StripTile<DT>::kBytes of dynamic memory).
+  __shared__ __align__(16) uint8_t tile[per_column ? 16 : kCodeTileBytes];
+  extern __shared__ uint4 strip_buffers[];
   __shared__ uint32_t warp_max[kThreads / 32];  // 128x128: each warp's maximum
   const int64_t tiles_c = (p.cols + kTile - 1) / kTile, tiles = ((p.rows + kTile - 1) / kTile) * tiles_c;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c0 = (tid & 7) * 16;
-  const bool with_t = p.out_t != nullptr;
-  constexpr bool per_column = MODE == ScaleMode::kRow || MODE == ScaleMode::kBlock1x128;
+  constexpr bool with_t = WITH_T;  // (a parameter: each path gets its own register allocation)
+  int parity = 0;                  // the strip buffer of this block's current tile
   auto whole = [&](int64_t t) {
     return p.vec_ok && (t / tiles_c + 1) * kTile <= p.rows && (t % tiles_c + 1) * kTile <= p.cols;
   };
@@ -305,14 +398,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
         row_amax[k] = r < p.rows ? p.ws[r] : 0u;
       }
     }
-    // ... and of the tile's columns (1x128's transposed copy), or of the whole tile (128x128: each
-    // thread's maximum, then the warps', through shared memory).
-    uint32_t col_max = 0;  // thread c < 128: column c's amax
-    if (MODE == ScaleMode::kBlock1x128 && with_t) {
-      uint32_t cm[Magnitudes<DT>::kWords];
-      column_maxima(cur, cm);
-      col_max = tile_column_max<DT>(cm, col_part);
-    }
+    // ... or of the whole tile (128x128: each thread's maximum, then the warps', through shared memory).
     uint32_t cell_amax = 0;  // per-tensor and 128x128: the one cell's
     if constexpr (MODE == ScaleMode::kTensor) cell_amax = p.ws[0];
     if constexpr (MODE == ScaleMode::kBlock128x128) {
@@ -329,14 +415,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
 #pragma unroll
     for (int k = 0; k < kChunks; ++k)
       row_scale[k] = per_column ? recipe_scale(bits_float(row_amax[k]), p.fp8_max, p.pow2) : cell_scale;
-    if (with_t && per_column && tid < kTile) {
-      uint32_t m = 0;
-      if (C0 + tid < p.cols) m = MODE == ScaleMode::kRow ? p.ws[p.rows + C0 + tid] : col_max;
-      const float scale = recipe_scale(bits_float(m), p.fp8_max, p.pow2);
-      col_scale[column_slot(tid)] = scale;
-      if (C0 + tid < p.cols && (MODE != ScaleMode::kRow || tr == 0))
-        put_cell_t(p, C0 + tid, MODE == ScaleMode::kRow ? 0 : tr, scale);
-    }
+    uint32_t* strips = reinterpret_cast<uint32_t*>(strip_buffers) + parity * (StripTile<DT>::kBytes / 4);
+    if (per_column && with_t) StripTile<DT>::put(strips, cur);
 
     // The grid cells of out (each written, and counted, once).
     if constexpr (per_column) {
@@ -351,7 +431,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
       put_cell(p, MODE == ScaleMode::kTensor ? 0 : tr, MODE == ScaleMode::kTensor ? 0 : tc, cell_scale, cell_amax);
       if (with_t) put_cell_t(p, MODE == ScaleMode::kTensor ? 0 : tc, MODE == ScaleMode::kTensor ? 0 : tr, cell_scale);
     }
-    if (with_t) __syncthreads();  // col_scale
 
     // The codes: out row-major; the transposed copy's codes into the shared tile.
 #pragma unroll
@@ -369,20 +448,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
       } else if (R0 + r < p.rows) {
         for (int i = 0; i < 16 && C0 + c0 + i < p.cols; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
       }
-      if (with_t) {
-        if constexpr (per_column) {  // (the column scales read from shared memory per chunk: held
-                                     // across the chunks, they pushed the bf16 kernel into spills)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float4 cs = *reinterpret_cast<const float4*>(col_scale + column_slot(c0) + 4 * q);
-            w[q] = cast4<E5M2>(cur.get(k, 4 * q) * cs.x, cur.get(k, 4 * q + 1) * cs.y, cur.get(k, 4 * q + 2) * cs.z,
-                               cur.get(k, 4 * q + 3) * cs.w);
-          }
-        }
-        *reinterpret_cast<uint4*>(tile + tile_at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
-      }
+      if (!per_column && with_t) *reinterpret_cast<uint4*>(tile + tile_at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    if (with_t) {
+    if (per_column && with_t) {
+      __syncthreads();  // the strips are in shared memory
+      cast_column_strips<DT, E5M2, MODE>(strips, p, R0, C0, tr, vector);
+      parity ^= 1;  // (the next tile's strips go to the other buffer: no barrier before writing them)
+    } else if (with_t) {
       __syncthreads();
       if (vector) {
         store_tile_transposed<kThreads>(tile, p.out_t, p.rows, R0, C0, p.rows_aligned);
@@ -393,7 +465,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
         }
       }
     }
-    __syncthreads();  // the shared tile, column partials and warp maxima are reused by the next tile
+    // The code tile and the warp maxima are reused by the next tile.
+    if (MODE == ScaleMode::kBlock128x128 || (!per_column && with_t)) __syncthreads();
   }
 }
 
@@ -457,11 +530,21 @@ void recipe_quantize(const RecipeQuantizeJob& j, const LaunchLimits& lim, cudaSt
       line_amax_kernel<decltype(dt)::value><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(
           in, j.rows, j.cols, p.vec_ok, j.workspace, j.workspace + j.rows);
     }
-    const auto launch = [&](auto e5m2, auto m) {
-      auto* kernel = recipe_quantize_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(m)::value>;
+    const auto launch_t = [&](auto e5m2, auto m, auto with_t) {
+      auto* kernel = recipe_quantize_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(m)::value,
+                                            decltype(with_t)::value>;
+      const bool strips = with_t && (mode == ScaleMode::kRow || mode == ScaleMode::kBlock1x128);
+      const size_t smem = strips ? 2 * StripTile<decltype(dt)::value>::kBytes : 0;
+      if (smem) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
       // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
-      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false);
-      kernel<<<grid, kThreads, 0, stream>>>(in, p);
+      const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false, smem);
+      kernel<<<grid, kThreads, smem, stream>>>(in, p);
+    };
+    const auto launch = [&](auto e5m2, auto m) {
+      if (p.out_t)
+        launch_t(e5m2, m, std::true_type{});
+      else
+        launch_t(e5m2, m, std::false_type{});
     };
     const auto by_mode = [&](auto e5m2) {
       switch (mode) {
