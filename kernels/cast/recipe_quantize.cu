@@ -336,10 +336,11 @@ __device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const
         const auto x = [&](int i) { return StripTile<DT>::value(v[4 * q + i], h) * scale; };
         w[q] = cast4<E5M2>(x(0), x(1), x(2), x(3));
       }
+      if (col >= p.cols) continue;  // (an edge tile's missing columns)
       uint8_t* dst = p.out_t + col * p.rows + R0 + 16 * j;
       if (vector && p.rows_aligned) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-      } else if (col < p.cols) {
+      } else {
         for (int i = 0; i < 16 && R0 + 16 * j + i < p.rows; ++i)
           dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
       }
