@@ -364,13 +364,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
   constexpr bool per_column = MODE == ScaleMode::kRow || MODE == ScaleMode::kBlock1x128;
   // The transposed copy's codes: through the shared code tile (one scale for both layouts), or cast
   // from column strips (per_column: the launch gives 2 * StripTile<DT>::kBytes of dynamic memory).
-  __shared__ __align__(16) uint8_t tile[per_column ? 16 : kCodeTileBytes];
+  // Everything shared comes twice, alternate tiles using alternate copies, so that no barrier is
+  // needed between one tile's last reads and the next tile's writes: a copy is written again two
+  // tiles later, after a barrier that every thread reaches only once done with it.
+  constexpr bool with_t = WITH_T;  // (a parameter: each path gets its own register allocation)
+  __shared__ __align__(16) uint8_t code_tiles[2][per_column || !with_t ? 16 : kCodeTileBytes];
   extern __shared__ uint4 strip_buffers[];
-  __shared__ uint32_t warp_max[kThreads / 32];  // 128x128: each warp's maximum
+  __shared__ uint32_t warp_maxima[2][kThreads / 32];  // 128x128: each warp's maximum
   const int64_t tiles_c = (p.cols + kTile - 1) / kTile, tiles = ((p.rows + kTile - 1) / kTile) * tiles_c;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c0 = (tid & 7) * 16;
-  constexpr bool with_t = WITH_T;  // (a parameter: each path gets its own register allocation)
-  int parity = 0;                  // the strip buffer of this block's current tile
+  int parity = 0;  // which copy this tile uses
   auto whole = [&](int64_t t) {
     return p.vec_ok && (t / tiles_c + 1) * kTile <= p.rows && (t % tiles_c + 1) * kTile <= p.cols;
   };
@@ -380,6 +383,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t tr = t / tiles_c, tc = t % tiles_c, R0 = tr * kTile, C0 = tc * kTile;
     const bool vector = whole(t);
+    uint8_t* tile = code_tiles[parity];
+    uint32_t* warp_max = warp_maxima[parity];
     Tile<DT> cur;
     if (vector) cur = next;
     else load_edge<DT>(cur, in, p.rows, p.cols, R0, C0);
@@ -454,7 +459,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     if (per_column && with_t) {
       __syncthreads();  // the strips are in shared memory
       cast_column_strips<DT, E5M2, MODE>(strips, p, R0, C0, tr, vector);
-      parity ^= 1;  // (the next tile's strips go to the other buffer: no barrier before writing them)
     } else if (with_t) {
       __syncthreads();
       if (vector) {
@@ -466,8 +470,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
         }
       }
     }
-    // The code tile and the warp maxima are reused by the next tile.
-    if (MODE == ScaleMode::kBlock128x128 || (!per_column && with_t)) __syncthreads();
+    parity ^= 1;
   }
 }
 
