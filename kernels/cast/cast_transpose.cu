@@ -124,7 +124,11 @@ __global__ void __launch_bounds__(kThreads, DT != FP8_DTYPE_F32 ? 2 : 1)
     cast_transpose_kernel(const __grid_constant__ CastItems<N> g, float current_max, bool current_pow2,
                           float* __restrict__ dbias_partials) {
   using Raw = typename Wide<DT>::Raw;
-  __shared__ __align__(16) uint8_t tile[kCodeTileBytes];
+  // Two code tiles, alternate whole tiles using alternate ones, so that no barrier is needed between
+  // one tile's transposed stores and the next one's codes (a tile is written again two whole tiles
+  // later, after a barrier that every thread reaches only once done reading it; edge tiles use none).
+  __shared__ __align__(16) uint8_t code_tiles[2][kCodeTileBytes];
+  int parity = 0;
   __shared__ float col_part[DBIAS ? kThreads / 32 * kTile : 1];
   extern __shared__ uint4 staged[];  // folds_grad(FOLD): the next tile's act_x, [copy][thread]
   const int tid = threadIdx.x;
@@ -184,6 +188,7 @@ __global__ void __launch_bounds__(kThreads, DT != FP8_DTYPE_F32 ? 2 : 1)
     int64_t R0, C0;
     origin(it, lt, R0, C0);
     if (full(it, lt)) {
+      uint8_t* tile = code_tiles[parity];
       // Phase 1: 128 rows x 8 chunks of 16 columns; codes to `out` and to the shared tile.
       Vec8<DT> ax[TileLoads<DT>::kChunks][2];  // a folded gradient's activation input, from `staged`
       if constexpr (folds_grad(FOLD)) {
@@ -225,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, DT != FP8_DTYPE_F32 ? 2 : 1)
       // when rows keeps the transposed rows 16-byte aligned, else 16 byte stores (e.g. a vocabulary
       // of 50257 rows still gets the vector loads and the row-major stores of phase 1).
       store_tile_transposed<kThreads>(tile, it.out_t, rows, R0, C0, it.rows_aligned);
-      __syncthreads();  // the tile is reused by the next iteration
+      parity ^= 1;
     } else {
       // Edge or unaligned tile: element by element, rows spread over the threads.
       for (int64_t e = tid; e < int64_t{kTile} * kTile; e += kThreads) {
