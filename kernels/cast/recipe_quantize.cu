@@ -60,10 +60,11 @@ template <fp8_dtype_t DT>
 struct Magnitudes {
   static constexpr bool kPacked = sizeof(typename Wide<DT>::Raw) == 2;
   static constexpr int kWords = kPacked ? 8 : 16;  // per chunk of 16 values
+  // A raw word with its values' signs cleared.
+  static __device__ __forceinline__ uint32_t magnitude(uint32_t w) { return w & (kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu); }
   // Word j of chunk k of a thread's share of the tile, signs cleared.
   static __device__ __forceinline__ uint32_t word(const Tile<DT>& t, int k, int j) {
-    return reinterpret_cast<const uint32_t*>(t.x[k][j / (kWords / 2)].raw)[j % (kWords / 2)] &
-           (kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu);
+    return magnitude(reinterpret_cast<const uint32_t*>(t.x[k][j / (kWords / 2)].raw)[j % (kWords / 2)]);
   }
   static __device__ __forceinline__ uint32_t max(uint32_t a, uint32_t b) {
     if constexpr (kPacked)
@@ -71,13 +72,15 @@ struct Magnitudes {
     else
       return ::max(a, b);
   }
-  // The float abs bits of value `half` (0 or 1) of word w.
-  static __device__ __forceinline__ uint32_t value_bits(uint32_t w, int half) {
+  // Value `half` (0 or 1: the low and high 16 bits; F32: 0) of raw word w, widened.
+  static __device__ __forceinline__ float value(uint32_t w, int half) {
     if constexpr (kPacked)
-      return abs_bits(Wide<DT>::to_float(static_cast<typename Wide<DT>::Raw>(half ? w >> 16 : w & 0xFFFFu)));
+      return Wide<DT>::to_float(static_cast<typename Wide<DT>::Raw>(half ? w >> 16 : w & 0xFFFFu));
     else
-      return w;
+      return bits_float(w);
   }
+  // Its float abs bits.
+  static __device__ __forceinline__ uint32_t value_bits(uint32_t w, int half) { return abs_bits(value(w, half)); }
   // The float abs bits of the larger of w's values.
   static __device__ __forceinline__ uint32_t amax_bits(uint32_t w) {
     if constexpr (kPacked)
@@ -284,13 +287,6 @@ struct StripTile {
         *reinterpret_cast<uint4*>(buf + at(r, w0 + 4 * q)) = t.x[k][q / Vec8<DT>::kLoads].raw[q % Vec8<DT>::kLoads];
     }
   }
-  // Value h (0 or 1: the word's low and high halves; F32: 0) of a word, widened.
-  static __device__ __forceinline__ float value(uint32_t w, int h) {
-    if constexpr (sizeof(typename Wide<DT>::Raw) == 2)
-      return Wide<DT>::to_float(static_cast<typename Wide<DT>::Raw>(h ? w >> 16 : w & 0xFFFFu));
-    else
-      return bits_float(w);
-  }
 };
 
 // The transposed copy of a per-column mode's tile from its strips (after the barrier that follows
@@ -316,9 +312,9 @@ __device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const
     for (int i = 0; i < 16; ++i) v[i] = strips[StripTile<DT>::at(16 * j + i, wc)];
     if constexpr (MODE == ScaleMode::kBlock1x128) {  // over the quarter's 128 rows
       uint32_t m;
-      m = v[0] & (M::kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu);
+      m = M::magnitude(v[0]);
 #pragma unroll
-      for (int i = 1; i < 16; ++i) m = M::max(m, v[i] & (M::kPacked ? 0x7FFF7FFFu : 0x7FFFFFFFu));
+      for (int i = 1; i < 16; ++i) m = M::max(m, M::magnitude(v[i]));
 #pragma unroll
       for (int o = 1; o < 8; o <<= 1) m = M::max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
 #pragma unroll
@@ -333,7 +329,7 @@ __device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const
       uint32_t w[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const auto x = [&](int i) { return StripTile<DT>::value(v[4 * q + i], h) * scale; };
+        const auto x = [&](int i) { return M::value(v[4 * q + i], h) * scale; };
         w[q] = cast4<E5M2>(x(0), x(1), x(2), x(3));
       }
       if (col >= p.cols) continue;  // (an edge tile's missing columns)
