@@ -1,7 +1,9 @@
 # Joins bench_recipes.json (libfp8's recipe quantize and scaled GEMMs) and peer_recipes.json
-# (torch._scaled_mm's modes) into issue 14's tables: quantize per mode as % of copy bandwidth (target
-# >= 85% at 8192x8192 and 16384x8192; see reads_twice), and each GEMM mode's TFLOP/s against torch's same mode and
-# against libfp8's per-tensor GEMM. Missing rows print as "–". Usage: report_recipes.py ours.json peer.json
+# (the same recipes' quantize in torch eager and torch.compile, torch._scaled_mm's modes) into issue
+# 14's tables: quantize per mode as % of copy bandwidth (target >= 85% at 8192x8192 and 16384x8192;
+# see reads_twice) beside torch's time for the same mode (one call, so only beside libfp8's one-call
+# rows), and each GEMM mode's TFLOP/s against torch's same mode and against libfp8's per-tensor GEMM.
+# Missing rows print as "–". Usage: report_recipes.py ours.json peer.json
 import json, sys
 
 ours = json.load(open(sys.argv[1]))
@@ -17,8 +19,15 @@ copy = rows.get("d2d copy 1 GiB", {}).get("gbps")
 def reads_twice(mode):
     return mode.startswith("per-tensor") or mode.startswith("per-row +T")
 
-print("| quantize (bf16 in) | ms | GB/s | of copy | of copy, every read | target |")
-print("|---|---|---|---|---|---|")
+
+def peer_cell(kind, mode):
+    t = peer.get(f"{kind} quantize {mode}")
+    return "–" if not t else f"{t['ms']:.4f}"
+
+
+print("| quantize (bf16 in) | ms | GB/s | of copy | of copy, every read | target | torch eager ms | torch.compile ms "
+      "| vs torch.compile |")
+print("|---|---|---|---|---|---|---|---|---|")
 for r in ours:
     if not r["name"].startswith("recipe quantize"):
         continue
@@ -30,9 +39,11 @@ for r in ours:
         moved = share * (credited + 2.0) / credited
     judged = moved if moved is not None else share
     verdict = "met" if judged and judged >= 0.85 else "NOT met"
+    compiled = peer.get(f"torch.compile quantize {mode}")
+    vs_compiled = "–" if not compiled else f"{compiled['ms'] / r['ms']:.2f}x"
     print(f"| {mode} | {r['ms']:.4f} | {r['gbps']:.0f} | {'–' if share is None else f'{100 * share:.1f}%'} | "
           f"{'–' if moved is None else f'{100 * moved:.1f}%'} | >= 85%{' (every read)' if moved is not None else ''}: "
-          f"{verdict} |")
+          f"{verdict} | {peer_cell('torch eager', mode)} | {peer_cell('torch.compile', mode)} | {vs_compiled} |")
 
 print()
 print("| GEMM m x n x k | mode | libfp8 ms | TFLOP/s | torch._scaled_mm ms | vs torch | vs libfp8 per-tensor |")
