@@ -352,7 +352,10 @@ constexpr int kMinBlocks = DT == FP8_DTYPE_F32 ? 1 : 2;
 // Grid-stride over the tiles, the next whole tile's loads in flight while this one is reduced,
 // cast and stored (as cast_transpose does). (Staged into shared memory with cp.async instead, at
 // three blocks per SM and 80 registers, it ran at 60-70% of copy where this runs at 75-89%: the
-// L2's throughput, not the DRAM's, became the limit.)
+// L2's throughput, not the DRAM's, became the limit. In the per-column +T modes, issuing the next
+// tile's loads only after the row-major cast, so that the two tiles' registers are never live at
+// once, gave three blocks per SM at 80 registers but spilled 192 bytes a thread: 1x128 +T fell from
+// 69% to 58% of copy on an H200.)
 template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE, bool WITH_T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
