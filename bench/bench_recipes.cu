@@ -1,6 +1,7 @@
 // The scaling recipes below the C API, called directly:
 // - the fused amax + quantize (kernels/cast/recipe_quantize.cu) at the issue-14 shapes (8192x8192
-//   and 16384x8192, bf16 in): each scale mode with and without the transposed copy, against a
+//   and 16384x8192, bf16 in; the scale grids laid out as the Linear passes them to cuBLASLt,
+//   gemm_grid): each scale mode with and without the transposed copy, against a
 //   device-to-device copy measured in the same run ("of copy" counts the bytes the operation must
 //   move: 2 read + 1 or 2 written per element; the per-tensor mode, and the per-row mode with the
 //   transposed copy, read the input twice, which the figure does not credit: report_recipes.py
@@ -53,17 +54,16 @@ int main(int argc, char** argv) {
     const std::string tag = std::to_string(m) + "x" + std::to_string(k);
     for (fp8::ScaleMode mode : modes)
       for (bool with_t : {false, true}) {
-        const fp8::ScaleGrid g = fp8::scale_grid(mode, m, k), gt = fp8::scale_grid(mode, k, m);
         fp8::RecipeQuantizeJob j{};
         j.in = in;
         j.in_dtype = FP8_DTYPE_BF16;
         j.rows = m;
         j.cols = k;
         j.out = out;
-        j.out_scale_inv = {mode, grid, g.rows, g.cols, std::max<int64_t>(g.cols, 1)};
+        j.out_scale_inv = fp8::gemm_grid(mode, m, k, grid);  // (the layouts the Linear's GEMMs read)
         if (with_t) {
           j.out_t = out_t;
-          j.out_t_scale_inv = {mode, grid_t, gt.rows, gt.cols, std::max<int64_t>(gt.cols, 1)};
+          j.out_t_scale_inv = fp8::gemm_grid(mode, k, m, grid_t);
         }
         j.workspace = ws;
         const std::string name = std::string("recipe quantize ") + fp8::scale_mode_name(mode) + (with_t ? " +T " : " ") + tag;
