@@ -280,12 +280,10 @@ __device__ __forceinline__ void store8(void* out, int64_t i, const float (&v)[8]
 // Grid size for a grid-stride kernel over `work_blocks` items of one block each: at most one
 // resident wave; `balanced` sizes it so that every block loops over the same number of items,
 // otherwise it fills every resident slot (better for kernels that prefetch their next item).
-// `dynamic_smem`: the launch's dynamic shared memory per block, which may limit the blocks per SM.
+// `dynamic_smem`: the launch's dynamic shared memory per block, which may limit the blocks per SM;
+// where it exceeds what the kernel may take without asking (48 KiB less its static memory), the
+// kernel's limit is raised, so a launch with the grid returned may use it.
 int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count, bool balanced = true,
               size_t dynamic_smem = 0);
-
-// Lets `kernel` launch with `bytes` of dynamic shared memory (above the 48 KiB a block gets without
-// asking); the attribute is set once per device and kernel.
-void allow_dynamic_smem(const void* kernel, size_t bytes);
 
 }  // namespace fp8::kernels

@@ -19,7 +19,8 @@ void cuda_check(cudaError_t err, const char* what) {
 }
 
 int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count, bool balanced, size_t dynamic_smem) {
-  // The occupancy query costs microseconds, so it runs once per kernel, block size and shared memory.
+  // The occupancy query costs microseconds, so it runs once per kernel, block size, shared memory
+  // and device; so does raising the kernel's dynamic shared memory limit where the launch needs more.
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, int, size_t>, int> cache;  // (kernel, threads, device, smem)
   int per_sm = 0, device = 0;
@@ -28,6 +29,12 @@ int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find({kernel, threads, device, dynamic_smem});
     if (it == cache.end()) {
+      cudaFuncAttributes attributes{};
+      cuda_check(cudaFuncGetAttributes(&attributes, kernel), "reading a kernel's attributes");
+      if (dynamic_smem > static_cast<size_t>(attributes.maxDynamicSharedSizeBytes))
+        cuda_check(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_smem)),
+            "setting a kernel's dynamic shared memory");
       cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem),
                  "occupancy query");
       it = cache.emplace(std::make_tuple(kernel, threads, device, dynamic_smem), per_sm).first;
@@ -41,19 +48,6 @@ int grid_size(const void* kernel, int threads, int64_t work_blocks, int sm_count
   // leaves most of the GPU idle while a few blocks finish (worth ~10% at 4096 tiles on 132 SMs).
   const int64_t k = (work_blocks + resident - 1) / resident;
   return static_cast<int>((work_blocks + k - 1) / k);
-}
-
-void allow_dynamic_smem(const void* kernel, size_t bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, size_t> allowed;  // (kernel, device) -> bytes set
-  int device = 0;
-  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
-  std::lock_guard<std::mutex> lock(mutex);
-  size_t& set = allowed[{kernel, device}];
-  if (set >= bytes) return;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-             "setting a kernel's dynamic shared memory");
-  set = bytes;
 }
 
 }  // namespace fp8::kernels

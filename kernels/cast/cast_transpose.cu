@@ -305,8 +305,6 @@ void launch_items(const CastItems<N>& g, fp8_dtype_t dtype, bool e5m2, bool dbia
     auto* kernel =
         cast_transpose_kernel<decltype(dt)::value, decltype(e5)::value, decltype(db)::value, N, decltype(fold)::value>;
     constexpr size_t staged = folds_grad(decltype(fold)::value) ? kStagedBytes<decltype(dt)::value> : 0;
-    // (Above the 48 KiB a block gets without asking, with the static tile.)
-    if constexpr (staged > 0) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), staged);
     // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
     const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, g.tiles, lim.sm_count, false, staged);
     kernel<<<grid, kThreads, staged, stream>>>(g, first.current ? first.current_fp8_max : 0.0f, first.current_pow2,

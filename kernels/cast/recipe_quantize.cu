@@ -97,10 +97,10 @@ struct Magnitudes {
   }
 };
 
-// The per-column values of a tile in shared memory (column maxima, column scales) sit at
-// column_slot(c): 16 columns a thread, each thread's group 20 words after the one before, so that the
-// 8 threads of a row, each at its own 16 columns, reach 8 different sets of 4 banks (at 16 words
-// apart, 4 of them shared a set: ncu counted 66% excess shared wavefronts in the 1x128 +T mode).
+// The column maxima of a tile in shared memory (tile_column_max) sit at column_slot(c): 16 columns a
+// thread, each thread's group 20 words after the one before, so that the 8 threads of a row, each at
+// its own 16 columns, reach 8 different sets of 4 banks (at 16 words apart, 4 of them shared a set:
+// ncu counted 66% excess shared wavefronts where the 1x128 +T quantize used them).
 constexpr int kColumnSlots = kTile / 16 * 20;
 __device__ __forceinline__ int column_slot(int c) {
   return c + (c >> 4) * 4;
@@ -108,8 +108,8 @@ __device__ __forceinline__ int column_slot(int c) {
 
 // The amax of each of the tile's 128 columns, from every thread's column maxima over its chunks
 // (cm: Magnitudes words of its 16 columns): thread c < 128 gets column c's (the others 0), read
-// from every warp's entries in col_part after a barrier. A caller needs another barrier before
-// col_part is written again (the tile loop's last).
+// from every warp's entries in col_part after a barrier. A caller that wrote col_part again would
+// need another barrier first (line_amax_kernel takes one tile a block and does not).
 template <fp8_dtype_t DT>
 __device__ __forceinline__ uint32_t tile_column_max(uint32_t (&cm)[Magnitudes<DT>::kWords],
                                                     uint32_t (*col_part)[kColumnSlots]) {
@@ -289,6 +289,13 @@ struct StripTile {
   }
 };
 
+// The modes with a scale per column of the tile, whose transposed copy is cast from the strips, and
+// the dynamic shared memory a launch of the kernel takes for them (the strips' two buffers).
+template <ScaleMode MODE>
+constexpr bool kPerColumn = MODE == ScaleMode::kRow || MODE == ScaleMode::kBlock1x128;
+template <fp8_dtype_t DT, ScaleMode MODE, bool WITH_T>
+constexpr size_t kStripBytes = kPerColumn<MODE>&& WITH_T ? 2 * StripTile<DT>::kBytes : 0;
+
 // The transposed copy of a per-column mode's tile from its strips (after the barrier that follows
 // StripTile::put): each lane's column(s), rows 16j .. 16j + 15, their amax (1x128: over the quarter;
 // per-row: the column's, from the workspace), scale, grid cell and 16 codes.
@@ -360,14 +367,14 @@ template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE, bool WITH_T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
   constexpr int kChunks = Tile<DT>::kChunks;
-  constexpr bool per_column = MODE == ScaleMode::kRow || MODE == ScaleMode::kBlock1x128;
+  constexpr bool per_column = kPerColumn<MODE>;
   // The transposed copy's codes: through the shared code tile (one scale for both layouts), or cast
-  // from column strips (per_column: the launch gives 2 * StripTile<DT>::kBytes of dynamic memory).
+  // from column strips (per_column: the launch gives kStripBytes of dynamic memory).
   // Everything shared comes twice, alternate tiles using alternate copies, so that no barrier is
   // needed between one tile's last reads and the next tile's writes: a copy is written again two
   // tiles later, after a barrier that every thread reaches only once done with it.
-  constexpr bool with_t = WITH_T;  // (a parameter: each path gets its own register allocation)
-  __shared__ __align__(16) uint8_t code_tiles[2][per_column || !with_t ? 16 : kCodeTileBytes];
+  // (WITH_T, the transposed copy, is a template parameter: each path gets its own registers.)
+  __shared__ __align__(16) uint8_t code_tiles[2][per_column || !WITH_T ? 16 : kCodeTileBytes];
   extern __shared__ uint4 strip_buffers[];
   __shared__ uint32_t warp_maxima[2][kThreads / 32];  // 128x128: each warp's maximum
   const int64_t tiles_c = (p.cols + kTile - 1) / kTile, tiles = ((p.rows + kTile - 1) / kTile) * tiles_c;
@@ -421,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     for (int k = 0; k < kChunks; ++k)
       row_scale[k] = per_column ? recipe_scale(bits_float(row_amax[k]), p.fp8_max, p.pow2) : cell_scale;
     uint32_t* strips = reinterpret_cast<uint32_t*>(strip_buffers) + parity * (StripTile<DT>::kBytes / 4);
-    if (per_column && with_t) StripTile<DT>::put(strips, cur);
+    if (per_column && WITH_T) StripTile<DT>::put(strips, cur);
 
     // The grid cells of out (each written, and counted, once).
     if constexpr (per_column) {
@@ -434,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
       }
     } else if (tid == 0 && (MODE == ScaleMode::kBlock128x128 || t == 0)) {
       put_cell(p, MODE == ScaleMode::kTensor ? 0 : tr, MODE == ScaleMode::kTensor ? 0 : tc, cell_scale, cell_amax);
-      if (with_t) put_cell_t(p, MODE == ScaleMode::kTensor ? 0 : tc, MODE == ScaleMode::kTensor ? 0 : tr, cell_scale);
+      if (WITH_T) put_cell_t(p, MODE == ScaleMode::kTensor ? 0 : tc, MODE == ScaleMode::kTensor ? 0 : tr, cell_scale);
     }
 
     // The codes: out row-major; the transposed copy's codes into the shared tile.
@@ -453,12 +460,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
       } else if (R0 + r < p.rows) {
         for (int i = 0; i < 16 && C0 + c0 + i < p.cols; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
       }
-      if (!per_column && with_t) *reinterpret_cast<uint4*>(tile + tile_at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
+      if (!per_column && WITH_T) *reinterpret_cast<uint4*>(tile + tile_at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    if (per_column && with_t) {
+    if (per_column && WITH_T) {
       __syncthreads();  // the strips are in shared memory
       cast_column_strips<DT, E5M2, MODE>(strips, p, R0, C0, tr, vector);
-    } else if (with_t) {
+    } else if (WITH_T) {
       __syncthreads();
       if (vector) {
         store_tile_transposed<kThreads>(tile, p.out_t, p.rows, R0, C0, p.rows_aligned);
@@ -536,9 +543,7 @@ void recipe_quantize(const RecipeQuantizeJob& j, const LaunchLimits& lim, cudaSt
     const auto launch_t = [&](auto e5m2, auto m, auto with_t) {
       auto* kernel = recipe_quantize_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(m)::value,
                                             decltype(with_t)::value>;
-      const bool strips = with_t && (mode == ScaleMode::kRow || mode == ScaleMode::kBlock1x128);
-      const size_t smem = strips ? 2 * StripTile<decltype(dt)::value>::kBytes : 0;
-      if (smem) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+      constexpr size_t smem = kStripBytes<decltype(dt)::value, decltype(m)::value, decltype(with_t)::value>;
       // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
       const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false, smem);
       kernel<<<grid, kThreads, smem, stream>>>(in, p);
