@@ -383,6 +383,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
   auto whole = [&](int64_t t) {
     return p.vec_ok && (t / tiles_c + 1) * kTile <= p.rows && (t % tiles_c + 1) * kTile <= p.cols;
   };
+  // The per-tensor mode's amax and scale, once (the compiler cannot hoist the load: the kernel's
+  // stores might alias it).
+  const uint32_t tensor_amax = MODE == ScaleMode::kTensor ? p.ws[0] : 0u;
+  const float tensor_scale = recipe_scale(bits_float(tensor_amax), p.fp8_max, p.pow2);
   Tile<DT> next;
   if (blockIdx.x < tiles && whole(blockIdx.x))
     next.issue(in, p.cols, (blockIdx.x / tiles_c) * kTile, (blockIdx.x % tiles_c) * kTile);
@@ -397,22 +401,27 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     const int64_t t_next = t + gridDim.x;
     if (t_next < tiles && whole(t_next)) next.issue(in, p.cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
 
-    // Scales of this thread's rows (the out layout) ...
-    float row_scale[kChunks];
-    uint32_t row_amax[kChunks] = {};
+    // Scales of this thread's rows (the out layout) ... Chunk k is row tid / 8 + 32 k for all 8
+    // lanes of a row group. Spread: lane k of the group computes chunk k's scale (one division a
+    // lane, not one a chunk) and writes its grid cell; the others take the scales by shuffles. (Not
+    // in the 1x128 +T kernel: at its 128 registers, that ran 3-4 points of copy slower on an H200.)
+    constexpr bool spread = per_column && !(MODE == ScaleMode::kBlock1x128 && WITH_T);
+    static_assert(kChunks <= 8, "a chunk per lane of the row group");
+    const int group_lane = tid & 7;
+    uint32_t row_amax[kChunks] = {};  // 1x128: each chunk's row
+    uint32_t my_amax = 0;             // spread: chunk group_lane's row
     if constexpr (MODE == ScaleMode::kBlock1x128) {
 #pragma unroll
-      for (int k = 0; k < kChunks; ++k) row_amax[k] = row_max8(Magnitudes<DT>::chunk_amax(cur, k));
-    } else if constexpr (MODE == ScaleMode::kRow) {
-#pragma unroll
       for (int k = 0; k < kChunks; ++k) {
-        const int64_t r = R0 + (tid >> 3) + 32 * k;
-        row_amax[k] = r < p.rows ? p.ws[r] : 0u;
+        row_amax[k] = row_max8(Magnitudes<DT>::chunk_amax(cur, k));
+        if (group_lane == k) my_amax = row_amax[k];
       }
+    } else if constexpr (MODE == ScaleMode::kRow) {
+      const int64_t r = R0 + (tid >> 3) + 32 * group_lane;
+      if (group_lane < kChunks && r < p.rows) my_amax = p.ws[r];
     }
     // ... or of the whole tile (128x128: each thread's maximum, then the warps', through shared memory).
-    uint32_t cell_amax = 0;  // per-tensor and 128x128: the one cell's
-    if constexpr (MODE == ScaleMode::kTensor) cell_amax = p.ws[0];
+    uint32_t cell_amax = tensor_amax;  // per-tensor and 128x128: the one cell's
     if constexpr (MODE == ScaleMode::kBlock128x128) {
       uint32_t m = 0;
 #pragma unroll
@@ -423,20 +432,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
 #pragma unroll
       for (int i = 0; i < kThreads / 32; ++i) cell_amax = max(cell_amax, warp_max[i]);
     }
-    const float cell_scale = recipe_scale(bits_float(cell_amax), p.fp8_max, p.pow2);
+    const float cell_scale =
+        MODE == ScaleMode::kTensor ? tensor_scale : recipe_scale(bits_float(cell_amax), p.fp8_max, p.pow2);
+    const float my_scale = spread ? recipe_scale(bits_float(my_amax), p.fp8_max, p.pow2) : 0.f;
+    float row_scale[kChunks];
 #pragma unroll
     for (int k = 0; k < kChunks; ++k)
-      row_scale[k] = per_column ? recipe_scale(bits_float(row_amax[k]), p.fp8_max, p.pow2) : cell_scale;
+      row_scale[k] = !per_column ? cell_scale
+                     : spread    ? __shfl_sync(0xFFFFFFFFu, my_scale, (lane & ~7) | k)
+                                 : recipe_scale(bits_float(row_amax[k]), p.fp8_max, p.pow2);
     uint32_t* strips = reinterpret_cast<uint32_t*>(strip_buffers) + parity * (StripTile<DT>::kBytes / 4);
     if (per_column && WITH_T) StripTile<DT>::put(strips, cur);
 
     // The grid cells of out (each written, and counted, once).
-    if constexpr (per_column) {
-      if ((tid & 7) == 0 && (MODE == ScaleMode::kBlock1x128 || tc == 0)) {
+    if constexpr (spread) {
+      const int64_t r = R0 + (tid >> 3) + 32 * group_lane;
+      if (group_lane < kChunks && r < p.rows && (MODE == ScaleMode::kBlock1x128 || tc == 0))
+        put_cell(p, r, MODE == ScaleMode::kRow ? 0 : tc, my_scale, my_amax);
+    } else if constexpr (per_column) {  // (1x128 +T)
+      if ((tid & 7) == 0) {
 #pragma unroll
         for (int k = 0; k < kChunks; ++k) {
           const int64_t r = R0 + (tid >> 3) + 32 * k;
-          if (r < p.rows) put_cell(p, r, MODE == ScaleMode::kRow ? 0 : tc, row_scale[k], row_amax[k]);
+          if (r < p.rows) put_cell(p, r, tc, row_scale[k], row_amax[k]);
         }
       }
     } else if (tid == 0 && (MODE == ScaleMode::kBlock128x128 || t == 0)) {
