@@ -51,14 +51,15 @@ struct Case {
   int specials;     // 0 none, 1 NaN and inf here and there, 2 a zero 128-wide row segment
   uint32_t seed;
   bool col_major = false;  // column-major grids (cuBLASLt's layout of 1x128 scales)
+  int sm_count = 0;        // the SMs the launch is told of (fewer blocks, more tiles each); 0: the device's
 };
 
 std::string name_of(const Case& c) {
   return std::string(fp8::scale_mode_name(c.mode)) + " " + fp8_dtype_name(c.dtype) + (c.e5m2 ? " e5m2" : " e4m3") +
          (c.pow2 ? " pow2" : "") + " margin " + std::to_string(c.margin) + " [" + std::to_string(c.rows) + ", " +
-         std::to_string(c.cols) + "]" + (c.with_t ? " +T" : "") + " misalign " + std::to_string(c.misalign) +
-         " ld+" + std::to_string(c.ld_pad) + " specials " + std::to_string(c.specials) +
-         (c.col_major ? " column-major grids" : "");
+         std::to_string(c.cols) + "]" + (c.with_t ? " +T" : "") + " misalign " + std::to_string(c.misalign) + " ld+" +
+         std::to_string(c.ld_pad) + " specials " + std::to_string(c.specials) +
+         (c.col_major ? " column-major grids" : "") + (c.sm_count ? " on " + std::to_string(c.sm_count) + " SMs" : "");
 }
 
 // Values with a wide range whose magnitude varies by row and by 128-column block, so that every
@@ -161,6 +162,7 @@ Result run_gpu(const Case& c, const std::vector<uint8_t>& bytes) {
   int device = 0, sms = 0;
   EXPECT_EQ(cudaGetDevice(&device), cudaSuccess);
   EXPECT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  if (c.sm_count > 0) sms = c.sm_count;
   fp8::check_recipe_quantize(j);
   fp8::kernels::recipe_quantize(j, {device, sms}, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -266,6 +268,23 @@ TEST(GpuRecipeQuantize, EmptyOperandsWriteOnlyThePerTensorScale) {
   for (ScaleMode mode : kModes)
     for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 5}, {7, 0}, {0, 0}})
       check({mode, FP8_DTYPE_BF16, false, false, true, 0, rows, cols, 0, 0, 0, 9});
+}
+
+// The launches told of one or three SMs: a few blocks each walk many tiles (edge tiles among them,
+// strides of 1-6 tiles that wrap around a row of 8), through every kernel's pipeline of the next
+// tile's loads and its alternating shared buffers.
+TEST(GpuRecipeQuantize, FewBlocksWalkingManyTilesAreBitExact) {
+  uint32_t seed = 900;
+  for (ScaleMode mode : kModes)
+    for (fp8_dtype_t dt : {FP8_DTYPE_F32, FP8_DTYPE_BF16, FP8_DTYPE_F16})
+      for (int sms : {1, 3})
+        for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1000, 900}, {384, 1024}})
+          for (bool with_t : {true, false}) {
+            if (!with_t && dt != FP8_DTYPE_BF16) continue;
+            Case c{mode, dt, sms == 3, false, with_t, 0, rows, cols, 0, 0, 0, seed++};
+            c.sm_count = sms;
+            check(c);
+          }
 }
 
 TEST(GpuRecipeQuantize, LargeOperandsAreBitExact) {
