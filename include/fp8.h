@@ -390,7 +390,8 @@ typedef struct fp8_tensor fp8_tensor_t;
 
 /**
  * Creates a tensor that owns newly allocated, uninitialised memory on the context's device.
- * [in] shape: ndim non-negative sizes (host memory; may be NULL when ndim is 0). Synchronous.
+ * [in] shape: ndim non-negative sizes (host memory; may be NULL when ndim is 0), each and their
+ * product at most 2^62 bytes' worth of dtype (FP8_ERR_SHAPE otherwise). Synchronous.
  */
 FP8_API fp8_status_t fp8_tensor_create(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
                                        int32_t ndim, const int64_t *shape);
@@ -654,8 +655,9 @@ typedef int32_t fp8_scale_mode_t;
 #define FP8_SCALE_MODE_BLOCK_1X128 2
 #define FP8_SCALE_MODE_BLOCK_128X128 3
 
-/** [out] shape: the 2 sizes of the F32 grid of an FP8 operand of [rows, cols] (rows, cols >= 0) in
- *  `mode`, as above. */
+/** [out] shape: the 2 sizes of the F32 grid of an FP8 operand of [rows, cols] in `mode`, as above.
+ *  rows, cols >= 0, each and rows * cols at most 2^62 (an FP8 tensor's limit); FP8_ERR_SHAPE
+ *  otherwise. */
 FP8_API fp8_status_t fp8_scale_grid_shape(fp8_scale_mode_t mode, int64_t rows, int64_t cols, int64_t *shape);
 
 /**

@@ -89,7 +89,10 @@ FP8_API fp8_status_t fp8_amax(fp8_context_t* ctx, const fp8_tensor_t* in, fp8_te
 FP8_API fp8_status_t fp8_scale_grid_shape(fp8_scale_mode_t mode, int64_t rows, int64_t cols, int64_t* shape) {
   return guard("fp8_scale_grid_shape", [&] {
     const fp8::ScaleMode m = fp8::scale_mode_of(mode, "mode");
-    if (rows < 0 || cols < 0) fp8::fail(FP8_ERR_SHAPE, "rows = ", rows, ", cols = ", cols, "; expected both >= 0");
+    constexpr int64_t kMax = int64_t{1} << 62;  // an FP8 tensor's elements (fp8_tensor_create)
+    if (rows < 0 || cols < 0 || rows > kMax || cols > kMax || (cols > 0 && rows > kMax / cols))
+      fp8::fail(FP8_ERR_SHAPE, "rows = ", rows, ", cols = ", cols,
+                "; expected both >= 0, each and their product at most 2^62 (an FP8 operand)");
     require_arg(shape, "shape");
     fp8::grid_tensor_shape(m, rows, cols, shape);
   });

@@ -31,6 +31,10 @@ std::unique_ptr<fp8_tensor> make_tensor(const std::shared_ptr<Backend>& backend,
   const int64_t limit = (int64_t{1} << 62) / static_cast<int64_t>(dtype_size(dtype));
   for (int32_t i = 0; i < ndim; ++i) {
     if (shape[i] < 0) fail(FP8_ERR_SHAPE, "shape[", i, "] = ", shape[i], "; sizes must be >= 0");
+    // (Also in an empty tensor: the sizes reach the grid and tile arithmetic, which must not overflow.)
+    if (shape[i] > limit)
+      fail(FP8_ERR_SHAPE, "shape[", i, "] = ", shape[i], "; sizes of a ", dtype_name(dtype), " tensor are at most ",
+           limit, " (2^62 bytes)");
     t->shape[i] = shape[i];
     if (shape[i] != 0 && t->numel > limit / shape[i])
       fail(FP8_ERR_SHAPE, "shape ", shape_string(ndim, shape), " has too many elements");

@@ -590,6 +590,27 @@ TEST(Tensor, CreateAndWrapRefuseAnUnknownDtype) {
   }
 }
 
+// Sizes beyond 2^62 bytes' worth of the dtype, alone or multiplied, and also in an empty tensor
+// (its sizes still reach the grid and tile arithmetic of the casts).
+TEST(Tensor, CreateRefusesSizesBeyondTheLimitEvenWhenEmpty) {
+  ContextPtr ctx = cpu_context();
+  constexpr int64_t kF32Limit = (int64_t{1} << 62) / 4;
+  const std::vector<std::vector<int64_t>> bad = {{0, std::numeric_limits<int64_t>::max()},
+                                                 {0, kF32Limit + 1},
+                                                 {kF32Limit + 1},
+                                                 {int64_t{1} << 31, int64_t{1} << 31}};
+  for (const auto& shape : bad) {
+    fp8_tensor_t* out = sentinel<fp8_tensor_t>();
+    EXPECT_REFUSED(fp8_tensor_create(&out, ctx.get(), FP8_DTYPE_F32, static_cast<int32_t>(shape.size()), shape.data()),
+                   FP8_ERR_SHAPE, "fp8_tensor_create", "shape");
+    EXPECT_EQ(out, sentinel<fp8_tensor_t>());
+  }
+  const int64_t at_limit[2] = {0, kF32Limit};  // empty, each size at the limit
+  fp8_tensor_t* ok = nullptr;
+  ASSERT_EQ(fp8_tensor_create(&ok, ctx.get(), FP8_DTYPE_F32, 2, at_limit), FP8_OK) << fp8_last_error_message();
+  fp8_tensor_destroy(ok);
+}
+
 TEST(Tensor, CreateRefusesNdimOutsideZeroToMaxDims) {
   ContextPtr ctx = cpu_context();
   const int64_t shape[FP8_MAX_DIMS + 1] = {1, 1, 1, 1, 1, 1, 1, 1, 1};

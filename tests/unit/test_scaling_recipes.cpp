@@ -1002,6 +1002,21 @@ TEST(ScaleGridApi, ShapesFollowTheLayoutCublasLtReads) {
   EXPECT_EQ(fp8_scale_grid_shape(0, 4, 4, shape), FP8_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fp8_last_error_message()).find("FP8_SCALE_MODE_ROW"), std::string::npos);
   EXPECT_EQ(fp8_scale_grid_shape(FP8_SCALE_MODE_ROW, -1, 4, shape), FP8_ERR_SHAPE);
+  // Sizes no FP8 operand has (the block counts would overflow): refused, naming both.
+  constexpr int64_t kMax = int64_t{1} << 62, kHuge = std::numeric_limits<int64_t>::max();
+  for (fp8_scale_mode_t mode : {FP8_SCALE_MODE_ROW, FP8_SCALE_MODE_BLOCK_1X128, FP8_SCALE_MODE_BLOCK_128X128})
+    for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{1, kHuge},
+                                     {kHuge - 100, 5},
+                                     {0, kMax + 1},
+                                     {int64_t{1} << 32, int64_t{1} << 31}}) {
+      EXPECT_EQ(fp8_scale_grid_shape(mode, rows, cols, shape), FP8_ERR_SHAPE)
+          << mode << " [" << rows << ", " << cols << "]";
+      EXPECT_NE(std::string(fp8_last_error_message()).find("2^62"), std::string::npos) << fp8_last_error_message();
+    }
+  ASSERT_EQ(fp8_scale_grid_shape(FP8_SCALE_MODE_BLOCK_1X128, 0, kMax, shape), FP8_OK) << fp8_last_error_message();
+  EXPECT_EQ(shape[0], kMax / 128);
+  EXPECT_EQ(shape[1], 0);
+  shape[0] = shape[1] = -1;
   EXPECT_EQ(fp8_scale_grid_shape(FP8_SCALE_MODE_ROW, 4, 4, nullptr), FP8_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(shape[0], -1) << "a refusal writes nothing";
 }
