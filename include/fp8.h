@@ -1586,7 +1586,9 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t *model, const fp8_opt
  *  to the saved one. */
 FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t *model, fp8_optimizer_t *optimizer, const char *path);
 /** The recipe a checkpoint's model was converted with, written into `recipe` (rebuild the model,
- *  convert it with this, then load). FP8_ERR_INVALID_STATE if the model was not converted. */
+ *  convert it with this, then load). FP8_ERR_INVALID_STATE if the model was not converted;
+ *  FP8_ERR_CORRUPT, as fp8_checkpoint_load, if the saved recipe does not parse (`recipe` is then
+ *  unchanged). */
 FP8_API fp8_status_t fp8_checkpoint_read_recipe(const char *path, fp8_recipe_t *recipe);
 
 /** Writes the parameters as a Hugging Face safetensors file, named as the parameters ("fc1.weight"):

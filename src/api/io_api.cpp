@@ -99,9 +99,7 @@ FP8_API fp8_status_t fp8_checkpoint_read_recipe(const char* path, fp8_recipe_t* 
   return guard("fp8_checkpoint_read_recipe", [&] {
     require_arg(path, "path");
     require_arg(recipe, "recipe");
-    fp8::Recipe r;
-    r.parse(fp8::io::checkpoint_recipe(path));
-    recipe->recipe = r;
+    recipe->recipe = fp8::io::checkpoint_recipe(path);
   });
 }
 

@@ -151,6 +151,17 @@ void check_scaling(const std::vector<ScalingRecord>& records, const fp8_model& m
   }
 }
 
+// The recipe section, parsed: text that does not parse makes a foreign or damaged file.
+Recipe saved_recipe(const Section& section) {
+  Recipe saved;
+  try {
+    saved.parse(std::string(section.data.begin(), section.data.end()));
+  } catch (const Error& e) {
+    fail(FP8_ERR_CORRUPT, "the checkpoint's recipe does not parse: ", e.what());
+  }
+  return saved;
+}
+
 // The file's recipe must be the model's, but for the backend and opt_level (loading converts
 // between levels): another margin, interval, format or override would not resume the same run.
 void check_recipe(const Section* section, const fp8_model& model) {
@@ -158,12 +169,7 @@ void check_recipe(const Section* section, const fp8_model& model) {
     fail(FP8_ERR_INVALID_STATE, "the checkpoint's model was ", section ? "" : "not ", "converted to FP8, this one is",
          model.recipe ? "" : " not", "; convert it as the saved one was (fp8_checkpoint_read_recipe gives the recipe)");
   if (!section) return;
-  Recipe saved;
-  try {
-    saved.parse(std::string(section->data.begin(), section->data.end()));
-  } catch (const Error& e) {
-    fail(FP8_ERR_CORRUPT, "the checkpoint's recipe does not parse: ", e.what());
-  }
+  const Recipe saved = saved_recipe(*section);
   Recipe mine = *model.recipe;
   for (fp8_recipe_attr_t a : {FP8_RECIPE_BACKEND, FP8_RECIPE_OPT_LEVEL}) mine.set(a, saved.get(a));
   if (mine.values != saved.values)
@@ -463,12 +469,12 @@ void write_parameter(fp8_model& model, size_t index, fp8_dtype_t dtype, const vo
   model.backend->synchronize();
 }
 
-std::string checkpoint_recipe(const std::string& path) {
+Recipe checkpoint_recipe(const std::string& path) {
   const std::vector<uint8_t> file = read_file(path);
   const std::vector<Section> sections = decode_container(file.data(), file.size());
   const Section* s = find_section(sections, "recipe");
   if (!s) fail(FP8_ERR_INVALID_STATE, "the checkpoint's model was not converted to FP8: it has no recipe");
-  return std::string(s->data.begin(), s->data.end());
+  return saved_recipe(*s);
 }
 
 }  // namespace fp8::io

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/recipe.hpp"
 #include "fp8.h"
 
 struct fp8_model;
@@ -33,8 +34,9 @@ void save_checkpoint(const fp8_model& model, const fp8_optimizer* optimizer, con
 // rank that keeps a share of a tensor's master, m and v writes that share alone.
 void load_checkpoint(fp8_model& model, fp8_optimizer* optimizer, const std::string& path,
                      const std::function<void()>& checked = {});
-// The recipe a checkpoint was saved with (FP8_ERR_INVALID_STATE if its model was not converted).
-std::string checkpoint_recipe(const std::string& path);
+// The recipe a checkpoint was saved with (FP8_ERR_INVALID_STATE if its model was not converted,
+// FP8_ERR_CORRUPT if the saved text does not parse).
+Recipe checkpoint_recipe(const std::string& path);
 
 // Parameters as a Hugging Face safetensors file: FP32 parameters as F32, F16 weights as F16, O3
 // weights as their F16 master. Import takes F32, F16 or BF16 tensors named like the parameters; with

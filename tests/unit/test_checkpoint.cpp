@@ -32,6 +32,7 @@
 
 #include "core/format.hpp"  // float_to_f16, f16_to_float, bf16 and FP8 decoding
 #include "fp8_test_util.hpp"
+#include "io/container.hpp"  // forging a section (compiled into this test)
 
 using namespace fp8test;
 
@@ -635,6 +636,34 @@ TEST(CheckpointLoadFailure, ANewerFormatVersionIsRefusedWithErrVersion) {
   ASSERT_EQ(fp8_recipe_create(&r), FP8_OK);
   Recipe recipe(r);
   EXPECT_REFUSED(fp8_checkpoint_read_recipe(p.c_str(), r), FP8_ERR_VERSION, "fp8_checkpoint_read_recipe", "version 2");
+}
+
+// A recipe section whose text does not parse (a foreign writer's value, an unknown key): the file
+// is corrupt for both readers, and neither changes the model or the caller's recipe.
+TEST(CheckpointLoadFailure, ARecipeThatDoesNotParseIsCorrupt) {
+  FailureFixture fx;
+  const Bytes valid = read_bytes(fx.valid);
+  std::vector<fp8::io::Section> sections = fp8::io::decode_container(valid.data(), valid.size());
+  fp8::io::Section* recipe = nullptr;
+  for (auto& s : sections)
+    if (s.name == "recipe") recipe = &s;
+  ASSERT_NE(recipe, nullptr);
+  const std::string text(recipe->data.begin(), recipe->data.end());
+  for (const std::string& forged : {std::string("scaling=blockwise"), text + ",block_size=64"}) {
+    SCOPED_TRACE(forged);
+    recipe->data.assign(forged.begin(), forged.end());
+    const std::string p = fx.dir.path("forged.ckpt");
+    write_bytes(p, fp8::io::encode_container(sections));
+    EXPECT_REFUSED(fx.target.load(p), FP8_ERR_CORRUPT, "fp8_checkpoint_load", "recipe does not parse");
+    EXPECT_EQ(fx.unchanged(fx.target), "");
+    fp8_recipe_t* r = nullptr;
+    ASSERT_EQ(fp8_recipe_create(&r), FP8_OK);
+    Recipe mine(r);
+    const std::string before = recipe_string(r);
+    EXPECT_REFUSED(fp8_checkpoint_read_recipe(p.c_str(), r), FP8_ERR_CORRUPT, "fp8_checkpoint_read_recipe",
+                   "recipe does not parse");
+    EXPECT_EQ(recipe_string(r), before);
+  }
 }
 
 TEST(CheckpointLoadFailure, AMissingFileIsAnIoErrorNamingThePath) {
