@@ -513,7 +513,10 @@ typedef struct fp8_scaling fp8_scaling_t;
 
 /** Creates a state for a tensor of `role` under `recipe`: its dtype is fp8_recipe_dtype_for(recipe,
  *  role), its history length the recipe's amax_history_len, and under scaling=current it keeps the
- *  recipe's margin and power_2_scales (the recipe itself is not retained). Synchronous. */
+ *  recipe's margin and power_2_scales (the recipe itself is not retained). Under scaling=rowwise or
+ *  block the state is a delayed per-tensor one (those recipes give the Linear's GEMM operands grids
+ *  of their own; a state scales one tensor), whose updates round to powers of two under the recipe's
+ *  power_2_scales (auto: on for block). Synchronous. */
 FP8_API fp8_status_t fp8_scaling_create(fp8_scaling_t **out, fp8_context_t *ctx,
                                         const fp8_recipe_t *recipe, fp8_role_t role);
 FP8_API void fp8_scaling_destroy(fp8_scaling_t *scaling);
@@ -615,7 +618,7 @@ typedef struct fp8_gemm_options {
   int32_t accumulate;        /**< 1: add the product to D (gradient accumulation); default 0 */
   int32_t fast_accumulation; /**< 1: FP8 tensor-core fast accumulation (faster, less precise; TE
                                   uses it for the forward GEMM); default 0 */
-} fp8_gemm_options_t;
+} fp8_gemm_options_t;  /* the two flags: 0 or 1 (FP8_ERR_INVALID_ARGUMENT otherwise) */
 
 /** Sets struct_size and the defaults listed above. */
 FP8_API void fp8_gemm_options_init(fp8_gemm_options_t *options);

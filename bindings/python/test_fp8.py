@@ -160,7 +160,8 @@ class BindingTest(unittest.TestCase):
             fp8.gemm_scaled(ctx, wq, fp8.SCALE_MODE_BLOCK_128X128, ws, wq, fp8.SCALE_MODE_BLOCK_128X128, ws,
                             fp8.Tensor(ctx, fp8.DTYPE_F32, (n, n)))
         self.assertEqual(err.exception.status_name, "FP8_ERR_UNSUPPORTED")
-        self.assertIn("both operands have 128x128-block scales", str(err.exception))
+        self.assertIn("a_mode = FP8_SCALE_MODE_BLOCK_128X128 (128x128-block) with b_mode = "
+                      "FP8_SCALE_MODE_BLOCK_128X128", str(err.exception))
 
     def test_wrong_shape_is_refused_naming_the_argument(self):
         ctx = fp8.Context()

@@ -205,7 +205,7 @@ FP8_API fp8_status_t fp8_model_sync_grads(fp8_model_t* model) {
 FP8_API fp8_status_t fp8_model_set_backward_sync(fp8_model_t* model, int32_t on) {
   return guard("fp8_model_set_backward_sync", [&] {
     require_arg(model, "model");
-    if (on != 0 && on != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "on = ", on, "; expected 0 or 1");
+    fp8::require_flag(on, "on");
     if (!model->comm) fp8::fail(FP8_ERR_INVALID_STATE, "the model is not data-parallel; fp8_model_set_comm first");
     fp8::dist::set_backward_sync(*model, on != 0);
   });

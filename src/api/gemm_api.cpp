@@ -40,6 +40,36 @@ GemmShape require_gemm_shapes(const fp8_tensor* a, const fp8_tensor* b, const fp
   return {m, n, k};
 }
 
+// The caller's options (defaults where NULL), their flags checked.
+fp8_gemm_options_t read_options(const fp8_gemm_options_t* options) {
+  fp8_gemm_options_t opts;
+  fp8_gemm_options_init(&opts);
+  if (options) fp8::read_versioned(opts, options, fp8::kGemmOptionsV1Size, "options", "fp8_gemm_options_init");
+  fp8::require_flag(opts.accumulate, "options->accumulate");
+  fp8::require_flag(opts.fast_accumulation, "options->fast_accumulation");
+  return opts;
+}
+
+// The pairs of scale modes fp8_gemm_scaled multiplies, refused in the API's terms (the backend's
+// check_gemm_scales holds the same rule for libfp8's own callers).
+void require_scaled_pair(fp8_scale_mode_t a_mode, fp8::ScaleMode am, fp8_scale_mode_t b_mode, fp8::ScaleMode bm,
+                         const fp8_gemm_options_t& opts) {
+  const auto name = [](fp8_scale_mode_t mode) {
+    return mode == FP8_SCALE_MODE_ROW           ? "FP8_SCALE_MODE_ROW (per-row)"
+           : mode == FP8_SCALE_MODE_BLOCK_1X128 ? "FP8_SCALE_MODE_BLOCK_1X128 (1x128-block)"
+                                                : "FP8_SCALE_MODE_BLOCK_128X128 (128x128-block)";
+  };
+  const bool a_block = am != fp8::ScaleMode::kRow, b_block = bm != fp8::ScaleMode::kRow;
+  if (a_block != b_block || (am == fp8::ScaleMode::kBlock128x128 && bm == fp8::ScaleMode::kBlock128x128))
+    fp8::fail(FP8_ERR_UNSUPPORTED, "a_mode = ", name(a_mode), " with b_mode = ", name(b_mode),
+              "; expected ROW with ROW, or a 1x128 grid with a 1x128 or 128x128 one either way round (cuBLASLt does "
+              "not multiply two 128x128 grids)");
+  if (a_block && opts.fast_accumulation)
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT,
+              "options->fast_accumulation = 1 with block scales; expected 0 (cuBLASLt "
+              "accumulates block-scaled GEMMs in full precision only)");
+}
+
 }  // namespace
 
 extern "C" {
@@ -59,9 +89,7 @@ FP8_API fp8_status_t fp8_gemm(fp8_context_t* ctx, const fp8_tensor_t* a, const f
     require_arg(a, "a");
     require_arg(b, "b");
     require_arg(d, "d");
-    fp8_gemm_options_t opts;
-    fp8_gemm_options_init(&opts);
-    if (options) fp8::read_versioned(opts, options, fp8::kGemmOptionsV1Size, "options", "fp8_gemm_options_init");
+    const fp8_gemm_options_t opts = read_options(options);
     for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"}, {b, "b"}, {d, "d"}, {bias, "bias"}})
       if (t) fp8::require_same_context(ctx, t, name);
     if (d_scaling) fp8::require_same_context(ctx, d_scaling, "d_scaling");
@@ -142,11 +170,14 @@ FP8_API fp8_status_t fp8_gemm_scaled(fp8_context_t* ctx, const fp8_tensor_t* a, 
     require_arg(b_scales, "b_scales");
     require_arg(d, "d");
     const fp8::ScaleMode am = fp8::scale_mode_of(a_mode, "a_mode"), bm = fp8::scale_mode_of(b_mode, "b_mode");
-    fp8_gemm_options_t opts;
-    fp8_gemm_options_init(&opts);
-    if (options) fp8::read_versioned(opts, options, fp8::kGemmOptionsV1Size, "options", "fp8_gemm_options_init");
-    for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"}, {a_scales, "a_scales"}, {b, "b"},
-                           {b_scales, "b_scales"}, {d, "d"}, {bias, "bias"}})
+    const fp8_gemm_options_t opts = read_options(options);
+    require_scaled_pair(a_mode, am, b_mode, bm, opts);
+    for (auto [t, name] : {std::pair<const fp8_tensor*, const char*>{a, "a"},
+                           {a_scales, "a_scales"},
+                           {b, "b"},
+                           {b_scales, "b_scales"},
+                           {d, "d"},
+                           {bias, "bias"}})
       if (t) fp8::require_same_context(ctx, t, name);
     fp8::require_fp8(a, "a");
     fp8::require_fp8(b, "b");

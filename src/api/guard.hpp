@@ -43,6 +43,11 @@ fp8_status_t guard(const char* fn, F&& body) noexcept {
   }
 }
 
+// An int32_t flag of the API (`name` as the caller wrote it: "on", "options->linear"): 0 or 1.
+inline void require_flag(int32_t v, const char* name) {
+  if (v != 0 && v != 1) fail(FP8_ERR_INVALID_ARGUMENT, name, " = ", v, "; expected 0 or 1");
+}
+
 // The tensor or state `name` must have been made from `ctx`.
 template <typename Obj>
 void require_same_context(const fp8_context* ctx, const Obj* obj, const char* name) {

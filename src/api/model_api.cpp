@@ -70,8 +70,7 @@ FP8_API fp8_status_t fp8_model_add_linear(fp8_model_t* model, const char* name, 
   return guard("fp8_model_add_linear", [&] {
     require_dim(in_features, "in_features");
     require_dim(out_features, "out_features");
-    if (with_bias != 0 && with_bias != 1)
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "with_bias = ", with_bias, "; expected 0 or 1");
+    fp8::require_flag(with_bias, "with_bias");
     add_layer(model, name, layer_id,
               [&] { return fp8::nn::make_linear(model->backend, name, in_features, out_features, with_bias != 0); });
   });
@@ -235,8 +234,7 @@ FP8_API fp8_status_t fp8_model_zero_grad(fp8_model_t* model) {
 FP8_API fp8_status_t fp8_model_set_training(fp8_model_t* model, int32_t training) {
   return guard("fp8_model_set_training", [&] {
     require_arg(model, "model");
-    if (training != 0 && training != 1)
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "training = ", training, "; expected 0 or 1");
+    fp8::require_flag(training, "training");
     if (model->training != (training != 0)) fp8::nn::drop_kept_states(*model);  // a real mode change
     model->training = training != 0;
   });
@@ -254,11 +252,11 @@ FP8_API fp8_status_t fp8_convert_model(fp8_model_t* model, const fp8_recipe_t* r
     fp8_convert_options_t opts;
     fp8_convert_options_init(&opts);
     if (options) fp8::read_versioned(opts, options, fp8::kConvertOptionsV1Size, "options", "fp8_convert_options_init");
-    for (auto [v, name] : {std::pair<int32_t, const char*>{opts.to_fp8, "to_fp8"},
-                           {opts.linear, "linear"},
-                           {opts.norm, "norm"},
-                           {opts.activation, "activation"}})
-      if (v != 0 && v != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "options->", name, " = ", v, "; expected 0 or 1");
+    for (auto [v, name] : {std::pair<int32_t, const char*>{opts.to_fp8, "options->to_fp8"},
+                           {opts.linear, "options->linear"},
+                           {opts.norm, "options->norm"},
+                           {opts.activation, "options->activation"}})
+      fp8::require_flag(v, name);
     if (opts.to_fp8) require_arg(recipe, "recipe");
     if (opts.to_fp8 && opts.linear) {
       const int64_t scaling = recipe->recipe.get(FP8_RECIPE_SCALING);
@@ -308,7 +306,7 @@ FP8_API fp8_status_t fp8_autocast_end(fp8_model_t* model) {
 FP8_API fp8_status_t fp8_model_set_autowrap(fp8_model_t* model, int32_t on) {
   return guard("fp8_model_set_autowrap", [&] {
     require_arg(model, "model");
-    if (on != 0 && on != 1) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "on = ", on, "; expected 0 or 1");
+    fp8::require_flag(on, "on");
     model->autowrap = on != 0;
   });
 }

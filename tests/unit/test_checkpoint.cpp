@@ -701,7 +701,7 @@ TEST(CheckpointLoadFailure, MismatchedModelsAndOptimizersAreRefusedAndChangeNoth
       {"other sizes (fc2 64 -> 16)", 3, FP8_OPTIMIZER_ADAM, Variant::SmallerFc2, "with_opt", true, "fc2.weight"},
       {"other amax history length", 3, FP8_OPTIMIZER_ADAM, Variant::ShortHistory, "with_opt", true, "history"},
       {"other margin (same states, another rule)", 3, FP8_OPTIMIZER_ADAM, Variant::OtherMargin, "with_opt", true,
-       "margin=2"},
+       "margin: 0 in the file, 2 in the model"},
       {"unconverted model", 0, FP8_OPTIMIZER_ADAM, Variant::Unconverted, "with_opt", true, "converted"},
       {"unconverted model, no optimizer", 0, FP8_OPTIMIZER_ADAM, Variant::Unconverted, "model_only", false,
        "converted"},

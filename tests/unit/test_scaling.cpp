@@ -125,6 +125,32 @@ TEST_F(ScalingRule, Power2ScalesRoundTheQuotientDownToAPowerOfTwo) {
   EXPECT_EQ(info_of(s.get()).scale, std::ldexp(1.0f, 127));
 }
 
+// States made under the rowwise and block recipes are delayed per-tensor ones (fp8.h): the same
+// rule as scaling=delayed, with power_2_scales' auto on for block only; fp8_quantize through them
+// casts per tensor.
+TEST_F(ScalingRule, RowwiseAndBlockRecipesMakeDelayedPerTensorStates) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"scaling=rowwise", ""}, {"scaling=block", "power_2_scales=on"}, {"scaling=block, power_2_scales=off", ""}};
+  for (const auto& [text, same_delayed] : cases) {
+    SCOPED_TRACE(text);
+    auto r = make_recipe(text), delayed = make_recipe(same_delayed);
+    auto s = make_scaling(ctx.get(), r.get(), FP8_ROLE_FORWARD);
+    auto d = make_scaling(ctx.get(), delayed.get(), FP8_ROLE_FORWARD);
+    feed(s.get(), 3.5f);
+    feed(d.get(), 3.5f);
+    update(s.get(), r.get());
+    update(d.get(), delayed.get());
+    EXPECT_EQ(info_of(s.get()).scale, info_of(d.get()).scale);
+    EXPECT_EQ(info_of(s.get()).update_count, 1);
+    Tensor x = make_tensor(ctx.get(), FP8_DTYPE_F32, {2, 3}), q = make_tensor(ctx.get(), FP8_DTYPE_E4M3, {2, 3});
+    upload<float>(x.get(), {1.0f, -2.0f, 0.5f, 3.0f, -0.25f, 1.5f});
+    FP8_ASSERT_OK(fp8_quantize(ctx.get(), x.get(), q.get(), nullptr, s.get()));
+    float si = 0.0f;
+    FP8_ASSERT_OK(fp8_tensor_get_scale_inv(q.get(), &si));
+    EXPECT_EQ(si, info_of(s.get()).scale_inv) << "one scale for the whole tensor";
+  }
+}
+
 TEST_F(ScalingRule, GradientStateUnderHybridTargetsE5M2Max) {
   auto r = make_recipe();
   auto s = make_scaling(ctx.get(), r.get(), FP8_ROLE_BACKWARD);

@@ -1133,51 +1133,111 @@ TEST(ScaleGridApi, MisuseIsRefusedNamingTheArgument) {
   fp8_gemm_options_t fast;
   fp8_gemm_options_init(&fast);
   fast.fast_accumulation = 1;
+  fp8_gemm_options_t not_a_flag;
+  fp8_gemm_options_init(&not_a_flag);
+  not_a_flag.accumulate = 7;
   const Bad bad[] = {
-      {FP8_ERR_INVALID_ARGUMENT, "fp8_quantize_scaled", {"mode", "FP8_SCALE_MODE_ROW"},
+      {FP8_ERR_INVALID_ARGUMENT,
+       "fp8_quantize_scaled",
+       {"mode", "FP8_SCALE_MODE_ROW"},
        fp8_quantize_scaled(c, in.get(), 7, cpu.recipe.get(), a.get(), g_row.get(), nullptr, nullptr)},
-      {FP8_ERR_SHAPE, "fp8_quantize_scaled", {"out_scales", "[16, 1]"},
+      {FP8_ERR_SHAPE,
+       "fp8_quantize_scaled",
+       {"out_scales", "[16, 1]"},
        fp8_quantize_scaled(c, in.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a.get(), wrong.get(), nullptr, nullptr)},
-      {FP8_ERR_INVALID_ARGUMENT, "fp8_quantize_scaled", {"out_t_scales"},
-       fp8_quantize_scaled(c, in.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a.get(), g_row.get(), out_t.get(), nullptr)},
-      {FP8_ERR_DTYPE, "fp8_quantize_scaled", {"in"},
+      {FP8_ERR_INVALID_ARGUMENT,
+       "fp8_quantize_scaled",
+       {"out_t_scales"},
+       fp8_quantize_scaled(c, in.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a.get(), g_row.get(), out_t.get(),
+                           nullptr)},
+      {FP8_ERR_DTYPE,
+       "fp8_quantize_scaled",
+       {"in"},
        fp8_quantize_scaled(c, a.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a5.get(), g_row.get(), nullptr, nullptr)},
-      {FP8_ERR_UNSUPPORTED, "fp8_gemm_scaled", {"128x128"},
+      {FP8_ERR_UNSUPPORTED,
+       "fp8_gemm_scaled",
+       {"128x128"},
        fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_128X128, g_2d_a.get(), b.get(), FP8_SCALE_MODE_BLOCK_128X128,
                        g_2d.get(), nullptr, d.get(), nullptr)},
-      {FP8_ERR_UNSUPPORTED, "fp8_gemm_scaled", {"per-row", "1x128"},
+      {FP8_ERR_UNSUPPORTED,
+       "fp8_gemm_scaled",
+       {"per-row", "1x128"},
        fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(),
                        nullptr, d.get(), nullptr)},
-      {FP8_ERR_SHAPE, "fp8_gemm_scaled", {"b_scales"},
+      {FP8_ERR_SHAPE,
+       "fp8_gemm_scaled",
+       {"b_scales"},
        fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(), b.get(), FP8_SCALE_MODE_BLOCK_128X128,
                        wrong.get(), nullptr, d.get(), nullptr)},
-      {FP8_ERR_INVALID_ARGUMENT, "fp8_gemm_scaled", {"fast accumulation"},
+      {FP8_ERR_INVALID_ARGUMENT,
+       "fp8_gemm_scaled",
+       {"fast accumulation"},
        fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(), b.get(), FP8_SCALE_MODE_BLOCK_128X128,
                        g_2d.get(), nullptr, d.get(), &fast)},
-      {FP8_ERR_DTYPE, "fp8_gemm_scaled", {"d", "bf16 or f32"},
+      {FP8_ERR_DTYPE,
+       "fp8_gemm_scaled",
+       {"d", "bf16 or f32"},
        fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), FP8_SCALE_MODE_ROW, g_row.get(), nullptr,
                        d8.get(), nullptr)},
-      {FP8_ERR_DTYPE, "fp8_gemm_scaled", {"e5m2"},
+      {FP8_ERR_DTYPE,
+       "fp8_gemm_scaled",
+       {"e5m2"},
        fp8_gemm_scaled(c, a5.get(), FP8_SCALE_MODE_ROW, g_row.get(), b5.get(), FP8_SCALE_MODE_ROW, g_row.get(), nullptr,
                        d.get(), nullptr)},
-      {FP8_ERR_INVALID_ARGUMENT, "fp8_gemm_scaled", {"b_mode"},
-       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), 0, g_row.get(), nullptr, d.get(), nullptr)},
+      {FP8_ERR_INVALID_ARGUMENT,
+       "fp8_gemm_scaled",
+       {"b_mode"},
+       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), 0, g_row.get(), nullptr, d.get(),
+                       nullptr)},
+      {FP8_ERR_INVALID_ARGUMENT,
+       "fp8_gemm_scaled",
+       {"options->accumulate"},
+       fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), FP8_SCALE_MODE_ROW, g_row.get(), nullptr,
+                       d.get(), &not_a_flag)},
   };
   (void)fast;
   for (const Bad& x : bad) {
     EXPECT_EQ(x.got, x.status) << x.fn << " " << x.words.front();
   }
   // (The messages, each right after its call.)
-  for (const auto& [call, words] :
-       std::vector<std::pair<std::function<fp8_status_t()>, std::vector<std::string>>>{
-           {[&] { return fp8_quantize_scaled(c, in.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a.get(), wrong.get(), nullptr, nullptr); },
+  for (const auto& [call, words] : std::vector<std::pair<std::function<fp8_status_t()>, std::vector<std::string>>>{
+           {[&] {
+              return fp8_quantize_scaled(c, in.get(), FP8_SCALE_MODE_ROW, cpu.recipe.get(), a.get(), wrong.get(),
+                                         nullptr, nullptr);
+            },
             {"fp8_quantize_scaled", "out_scales", "[16, 1]"}},
-           {[&] { return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_128X128, g_2d_a.get(), b.get(),
-                                         FP8_SCALE_MODE_BLOCK_128X128, g_2d.get(), nullptr, d.get(), nullptr); },
+           {[&] {
+              return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_128X128, g_2d_a.get(), b.get(),
+                                     FP8_SCALE_MODE_BLOCK_128X128, g_2d.get(), nullptr, d.get(), nullptr);
+            },
             {"fp8_gemm_scaled", "128x128", "1x128"}},
-           {[&] { return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(), b.get(),
-                                         FP8_SCALE_MODE_BLOCK_128X128, wrong.get(), nullptr, d.get(), nullptr); },
-            {"fp8_gemm_scaled", "b_scales", "fp8_scale_grid_shape"}}}) {
+           {[&] {
+              return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(), b.get(),
+                                     FP8_SCALE_MODE_BLOCK_128X128, wrong.get(), nullptr, d.get(), nullptr);
+            },
+            {"fp8_gemm_scaled", "b_scales", "fp8_scale_grid_shape"}},
+           {[&] {
+              return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), FP8_SCALE_MODE_BLOCK_1X128,
+                                     g_1x.get(), nullptr, d.get(), nullptr);
+            },
+            {"fp8_gemm_scaled", "a_mode = FP8_SCALE_MODE_ROW", "b_mode = FP8_SCALE_MODE_BLOCK_1X128"}},
+           {[&] {
+              return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_1X128, g_1x.get(), b.get(),
+                                     FP8_SCALE_MODE_BLOCK_128X128, g_2d.get(), nullptr, d.get(), &fast);
+            },
+            {"fp8_gemm_scaled", "options->fast_accumulation = 1", "expected 0"}},
+           {[&] {
+              return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_ROW, g_row.get(), b.get(), FP8_SCALE_MODE_ROW,
+                                     g_row.get(), nullptr, d.get(), &not_a_flag);
+            },
+            {"fp8_gemm_scaled", "options->accumulate = 7", "expected 0 or 1"}},
+           {[&] {
+              fp8_gemm_options_t o;
+              fp8_gemm_options_init(&o);
+              o.fast_accumulation = 2;
+              return fp8_gemm(c, a.get(), b.get(), nullptr, d.get(), nullptr, &o);
+            },
+            {"fp8_gemm", "options->fast_accumulation = 2", "expected 0 or 1"}}}) {
     EXPECT_NE(call(), FP8_OK);
     const std::string msg = fp8_last_error_message();
     for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "no \"" << w << "\" in: " << msg;
