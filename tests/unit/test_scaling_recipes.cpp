@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -1019,6 +1020,100 @@ TEST(ScaleGridApi, ShapesFollowTheLayoutCublasLtReads) {
   shape[0] = shape[1] = -1;
   EXPECT_EQ(fp8_scale_grid_shape(FP8_SCALE_MODE_ROW, 4, 4, nullptr), FP8_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(shape[0], -1) << "a refusal writes nothing";
+}
+
+// Every refusal of fp8_quantize_scaled names the argument and leaves all four outputs as they were.
+TEST(ScaleGridApi, QuantizeScaledMisuseLeavesEveryOutputUnchanged) {
+  api::Cpu cpu, other;
+  const int64_t m = 16, k = 256;
+  fp8_context_t* c = cpu.ctx.get();
+  auto in = cpu.tensor(FP8_DTYPE_F32, {m, k});
+  auto out = cpu.tensor(FP8_DTYPE_E4M3, {m, k}), out_t = cpu.tensor(FP8_DTYPE_E4M3, {k, m});
+  auto g = cpu.grid(FP8_SCALE_MODE_ROW, m, k), gt = cpu.grid(FP8_SCALE_MODE_ROW, k, m);
+  std::vector<float> x(static_cast<size_t>(m * k));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 37) - 18.5f;
+  fp8test::upload(in.get(), x);
+  const std::vector<uint8_t> code_marker(static_cast<size_t>(m * k), 0xAB);
+  const std::vector<float> g_marker(static_cast<size_t>(m), -5.0f), gt_marker(static_cast<size_t>(k), -6.0f);
+  fp8test::upload(out.get(), code_marker);
+  fp8test::upload(out_t.get(), code_marker);
+  fp8test::upload(g.get(), g_marker);
+  fp8test::upload(gt.get(), gt_marker);
+  auto f32_out = cpu.tensor(FP8_DTYPE_F32, {m, k}), short_out = cpu.tensor(FP8_DTYPE_E4M3, {m, 128});
+  auto f16_grid = cpu.tensor(FP8_DTYPE_F16, {m, 1}), grid_3d = cpu.tensor(FP8_DTYPE_F32, {m, 1, 1});
+  auto f32_out_t = cpu.tensor(FP8_DTYPE_F32, {k, m}), unturned_t = cpu.tensor(FP8_DTYPE_E4M3, {m, k});
+  auto short_gt = cpu.tensor(FP8_DTYPE_F32, {k - 1, 1}), foreign_out = other.tensor(FP8_DTYPE_E4M3, {m, k});
+  const fp8_recipe_t* r = cpu.recipe.get();
+  const auto q = [&](fp8_context_t* ctx, const fp8_tensor_t* src, fp8_scale_mode_t mode, const fp8_recipe_t* rec,
+                     fp8_tensor_t* o, fp8_tensor_t* og, fp8_tensor_t* ot,
+                     fp8_tensor_t* otg) { return fp8_quantize_scaled(ctx, src, mode, rec, o, og, ot, otg); };
+  constexpr fp8_scale_mode_t kRow = FP8_SCALE_MODE_ROW;
+  const std::vector<std::tuple<std::function<fp8_status_t()>, fp8_status_t, std::vector<std::string>>> bad = {
+      {[&] { return q(nullptr, in.get(), kRow, r, out.get(), g.get(), out_t.get(), gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"ctx"}},
+      {[&] { return q(c, nullptr, kRow, r, out.get(), g.get(), out_t.get(), gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"in"}},
+      {[&] { return q(c, in.get(), kRow, nullptr, out.get(), g.get(), out_t.get(), gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"recipe"}},
+      {[&] { return q(c, in.get(), kRow, r, nullptr, g.get(), out_t.get(), gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"out"}},
+      {[&] { return q(c, in.get(), kRow, r, out.get(), nullptr, out_t.get(), gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"out_scales"}},
+      {[&] { return q(c, in.get(), kRow, r, out.get(), g.get(), nullptr, gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"out_transposed"}},
+      {[&] { return q(c, in.get(), 0, r, out.get(), g.get(), out_t.get(), gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"mode = 0"}},
+      {[&] { return q(c, in.get(), 4, r, out.get(), g.get(), out_t.get(), gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"mode = 4"}},
+      {[&] { return q(c, in.get(), kRow, r, f32_out.get(), g.get(), out_t.get(), gt.get()); }, FP8_ERR_DTYPE, {"out"}},
+      {[&] { return q(c, in.get(), kRow, r, short_out.get(), g.get(), out_t.get(), gt.get()); },
+       FP8_ERR_SHAPE,
+       {"out"}},
+      {[&] { return q(c, in.get(), kRow, r, out.get(), f16_grid.get(), out_t.get(), gt.get()); },
+       FP8_ERR_DTYPE,
+       {"out_scales"}},
+      {[&] { return q(c, in.get(), kRow, r, out.get(), grid_3d.get(), out_t.get(), gt.get()); },
+       FP8_ERR_SHAPE,
+       {"out_scales", "[16, 1]"}},
+      {[&] { return q(c, in.get(), kRow, r, out.get(), g.get(), f32_out_t.get(), gt.get()); },
+       FP8_ERR_DTYPE,
+       {"out_transposed"}},
+      {[&] { return q(c, in.get(), kRow, r, out.get(), g.get(), unturned_t.get(), gt.get()); },
+       FP8_ERR_SHAPE,
+       {"out_transposed", "[256, 16]"}},
+      {[&] { return q(c, in.get(), kRow, r, out.get(), g.get(), out_t.get(), short_gt.get()); },
+       FP8_ERR_SHAPE,
+       {"out_t_scales", "[256, 1]"}},
+      {[&] { return q(c, in.get(), kRow, r, out.get(), g.get(), out_t.get(), g.get()); },
+       FP8_ERR_SHAPE,
+       {"out_t_scales"}},
+      {[&] { return q(c, in.get(), kRow, r, foreign_out.get(), g.get(), out_t.get(), gt.get()); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"out", "another context"}},
+  };
+  for (const auto& [call, status, words] : bad) {
+    const fp8_status_t got = call();
+    const std::string msg = fp8_last_error_message();
+    EXPECT_EQ(got, status) << msg;
+    EXPECT_EQ(msg.rfind("fp8_quantize_scaled:", 0), 0u) << msg;
+    for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "no \"" << w << "\" in: " << msg;
+    EXPECT_EQ(api::download<uint8_t>(out.get()), code_marker) << msg;
+    EXPECT_EQ(api::download<uint8_t>(out_t.get()), code_marker) << msg;
+    EXPECT_EQ(api::download<float>(g.get()), g_marker) << msg;
+    EXPECT_EQ(api::download<float>(gt.get()), gt_marker) << msg;
+  }
+  // The same call, put right, writes them all.
+  ASSERT_EQ(q(c, in.get(), kRow, r, out.get(), g.get(), out_t.get(), gt.get()), FP8_OK) << fp8_last_error_message();
+  EXPECT_NE(api::download<uint8_t>(out.get()), code_marker);
+  EXPECT_NE(api::download<float>(gt.get()), gt_marker);
 }
 
 // fp8_quantize_scaled is the reference of each mode, in cuBLASLt's grid layout: the same codes and
