@@ -260,7 +260,7 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  * model already converted with it (convert again to apply the change).
  *
  * Text form (fp8_recipe_parse / fp8_recipe_to_string): comma-separated `key=value` pairs, spaces
- * ignored, keys and values case-insensitive. Keys and values:
+ * ignored, keys and values case-insensitive; a key given twice takes its last value. Keys and values:
  *   backend=auto|te|msamp              opt_level=O1|O2|O3
  *   margin=<0..32>                     interval=<1..1000000>
  *   fp8_format=E4M3|HYBRID             amax_history_len=<1..16384>
@@ -270,7 +270,7 @@ FP8_API fp8_status_t fp8_device_count(int32_t *count);
  *     the keys fp8_recipe_attr_bounds returns for those attributes)
  *   use_autocast_during_eval=on|off|true|false|1|0
  *   small_layer_fallback=on|off|true|false|1|0
- *   power_2_scales=auto|on|off|true|false|1|0
+ *   power_2_scales=auto|on|off|true|false|1|0|-1   (-1: auto, FP8_POWER_2_SCALES_AUTO)
  *   scaling=delayed|current|rowwise|block
  * --------------------------------------------------------------------------------------------- */
 

@@ -57,7 +57,7 @@ std::string trim(const std::string& s) {
 std::string allowed_values(const AttrSpec& s) {
   std::ostringstream os;
   if (s.names == kBoolNames) return "on, off, true, false, 1 or 0";
-  if (s.names == kAutoBoolNames) return "auto, on, off, true, false, 1 or 0";
+  if (s.names == kAutoBoolNames) return "auto, on, off, true, false, 1, 0 or -1 (auto)";
   if (s.names) {
     for (int64_t v = s.min; v <= s.max; ++v) os << (v > s.min ? ", " : "") << s.names[v - s.min];
   } else {

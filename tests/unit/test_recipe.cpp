@@ -270,6 +270,22 @@ TEST(Recipe, ParseEmptyTextChangesNothing) {
   }
 }
 
+// fp8.h: a key given twice takes its last value; power_2_scales=-1 is auto (FP8_POWER_2_SCALES_AUTO).
+TEST(Recipe, ParseTakesARepeatedKeysLastValueAndMinusOneForAuto) {
+  RecipePtr r = make_recipe();
+  ASSERT_EQ(fp8_recipe_parse(r.get(), "scaling=rowwise, margin=1, scaling=block, margin=2"), FP8_OK)
+      << fp8_last_error_message();
+  int64_t v = 0;
+  ASSERT_EQ(fp8_recipe_get_int(r.get(), FP8_RECIPE_SCALING, &v), FP8_OK);
+  EXPECT_EQ(v, FP8_SCALING_BLOCK);
+  ASSERT_EQ(fp8_recipe_get_int(r.get(), FP8_RECIPE_MARGIN, &v), FP8_OK);
+  EXPECT_EQ(v, 2);
+  ASSERT_EQ(fp8_recipe_parse(r.get(), "power_2_scales=on"), FP8_OK);
+  ASSERT_EQ(fp8_recipe_parse(r.get(), "power_2_scales=-1"), FP8_OK) << fp8_last_error_message();
+  ASSERT_EQ(fp8_recipe_get_int(r.get(), FP8_RECIPE_POWER_2_SCALES, &v), FP8_OK);
+  EXPECT_EQ(v, FP8_POWER_2_SCALES_AUTO);
+}
+
 TEST(Recipe, ParseOverrideLinearPrecisionSetsFpropDgradWgrad) {
   RecipePtr r = make_recipe();
   ASSERT_EQ(fp8_recipe_parse(r.get(), "override_linear_precision=off/on/off"), FP8_OK) << fp8_last_error_message();
@@ -398,7 +414,10 @@ std::vector<BadText> bad_texts() {
       {"amax_compute_algo=min", {"amax_compute_algo", "min", "max", "most_recent"}},
       {"scaling=dynamic", {"scaling", "dynamic", "delayed", "current", "rowwise", "block"}},
       {"scaling=1", {"scaling", "delayed", "current", "rowwise", "block"}},
-      {"power_2_scales=maybe", {"power_2_scales", "maybe", "auto", "on", "off"}},
+      {"power_2_scales=maybe", {"power_2_scales", "maybe", "auto", "on", "off", "-1"}},
+      {"power_2_scales=2", {"power_2_scales", "auto", "on", "off"}},
+      {"power_2_scales=", {"power_2_scales", "auto", "on", "off"}},
+      {"scaling=", {"scaling", "delayed", "current", "rowwise", "block"}},
       {"use_autocast_during_eval=yes", with(bools, {"use_autocast_during_eval", "yes"})},
       {"use_autocast_during_eval=2", with(bools, {"use_autocast_during_eval"})},
       // bad integers and out-of-range integers: name the key and give the range
