@@ -742,6 +742,14 @@ TEST(LinearCellScaling, NonFiniteCellsAreCountedAndOddTokenCountsFallBack) {
     expect_plan(rep, {0, 0, 0});
     EXPECT_NE(std::string(rep.reason).find("multiple of 8"), std::string::npos) << rep.reason;
     EXPECT_LT(rel_err(got.y, y_ref(widen(x2), widen(c.w), widen(c.b), 36, kIn, kOut)), 1e-6);
+
+    // 40 tokens: fprop and dgrad stay FP8, wgrad (K = the tokens) needs a multiple of 16.
+    run_step(c, {40, kIn}, random_x(40, kIn, 174), random_dy(40, kOut, 175), true);
+    const fp8_layer_report_t rep40 = c.report();
+    expect_plan(rep40, {1, 1, 0});
+    EXPECT_NE(std::string(rep40.reason).find("wgrad in high precision: 40 tokens is not a multiple of 16"),
+              std::string::npos)
+        << rep40.reason;
   }
 }
 
