@@ -1116,6 +1116,85 @@ TEST(ScaleGridApi, QuantizeScaledMisuseLeavesEveryOutputUnchanged) {
   EXPECT_NE(api::download<float>(gt.get()), gt_marker);
 }
 
+// More refusals of fp8_gemm_scaled, each naming its argument and leaving D as it was.
+TEST(ScaleGridApi, GemmScaledMisuseLeavesDUnchanged) {
+  api::Cpu cpu;
+  const int64_t m = 16, n = 16, k = 256;
+  fp8_context_t* c = cpu.ctx.get();
+  auto a = cpu.tensor(FP8_DTYPE_E4M3, {m, k}), b = cpu.tensor(FP8_DTYPE_E4M3, {n, k});
+  auto ga = cpu.grid(FP8_SCALE_MODE_ROW, m, k), gb = cpu.grid(FP8_SCALE_MODE_ROW, n, k);
+  auto g1 = cpu.grid(FP8_SCALE_MODE_BLOCK_1X128, m, k), g2a = cpu.grid(FP8_SCALE_MODE_BLOCK_128X128, m, k);
+  auto f16_grid = cpu.tensor(FP8_DTYPE_F16, {m, 1}), f32_bias = cpu.tensor(FP8_DTYPE_F32, {n});
+  auto d = cpu.tensor(FP8_DTYPE_F32, {m, n});
+  auto a0 = cpu.tensor(FP8_DTYPE_E4M3, {m, 0}), b0 = cpu.tensor(FP8_DTYPE_E4M3, {n, 0});
+  auto ga0 = cpu.grid(FP8_SCALE_MODE_ROW, m, 0), gb0 = cpu.grid(FP8_SCALE_MODE_ROW, n, 0);
+  alignas(16) static float aligned_host[64];  // the grid 4 bytes in: not 16-byte aligned
+  const int64_t grid_shape[2] = {m, 1};
+  fp8_tensor_t* misaligned = nullptr;
+  ASSERT_EQ(fp8_tensor_wrap(&misaligned, c, FP8_DTYPE_F32, 2, grid_shape, aligned_host + 1), FP8_OK)
+      << fp8_last_error_message();
+  const fp8test::Tensor misaligned_grid(misaligned);
+  const std::vector<float> marker(static_cast<size_t>(m * n), -5.0f);
+  fp8test::upload(d.get(), marker);
+  fp8_gemm_options_t v0;
+  fp8_gemm_options_init(&v0);
+  v0.struct_size = 0;
+  constexpr fp8_scale_mode_t kRow = FP8_SCALE_MODE_ROW;
+  const std::vector<std::tuple<std::function<fp8_status_t()>, fp8_status_t, std::vector<std::string>>> bad = {
+      {[&] { return fp8_gemm_scaled(c, a.get(), kRow, nullptr, b.get(), kRow, gb.get(), nullptr, d.get(), nullptr); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"a_scales"}},
+      {[&] { return fp8_gemm_scaled(c, a.get(), kRow, ga.get(), b.get(), kRow, nullptr, nullptr, d.get(), nullptr); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"b_scales"}},
+      {[&] {
+         return fp8_gemm_scaled(c, a.get(), kRow, f16_grid.get(), b.get(), kRow, gb.get(), nullptr, d.get(), nullptr);
+       },
+       FP8_ERR_DTYPE,
+       {"a_scales", "f32"}},
+      {[&] {
+         return fp8_gemm_scaled(c, a.get(), kRow, misaligned_grid.get(), b.get(), kRow, gb.get(), nullptr, d.get(),
+                                nullptr);
+       },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"a_scales", "16-byte aligned"}},
+      {[&] {
+         return fp8_gemm_scaled(c, a.get(), kRow, ga.get(), b.get(), kRow, gb.get(), f32_bias.get(), d.get(), nullptr);
+       },
+       FP8_ERR_DTYPE,
+       {"bias", "bf16"}},
+      {[&] {
+         return fp8_gemm_scaled(c, a0.get(), kRow, ga0.get(), b0.get(), kRow, gb0.get(), nullptr, d.get(), nullptr);
+       },
+       FP8_ERR_SHAPE,
+       {"k = 0"}},
+      {[&] { return fp8_gemm_scaled(c, a.get(), kRow, ga.get(), b.get(), kRow, gb.get(), nullptr, d.get(), &v0); },
+       FP8_ERR_INVALID_ARGUMENT,
+       {"options"}},
+      {[&] {
+         return fp8_gemm_scaled(c, a.get(), FP8_SCALE_MODE_BLOCK_128X128,
+                                cpu.grid(FP8_SCALE_MODE_BLOCK_128X128, m, k).get(), b.get(), kRow, gb.get(), nullptr,
+                                d.get(), nullptr);
+       },
+       FP8_ERR_UNSUPPORTED,
+       {"a_mode = FP8_SCALE_MODE_BLOCK_128X128", "b_mode = FP8_SCALE_MODE_ROW"}},
+      {[&] {
+         return fp8_gemm_scaled(c, a.get(), kRow, ga.get(), b.get(), FP8_SCALE_MODE_BLOCK_1X128, g1.get(), nullptr,
+                                d.get(), nullptr);
+       },
+       FP8_ERR_UNSUPPORTED,
+       {"a_mode = FP8_SCALE_MODE_ROW", "b_mode = FP8_SCALE_MODE_BLOCK_1X128"}},
+  };
+  for (const auto& [call, status, words] : bad) {
+    const fp8_status_t got = call();
+    const std::string msg = fp8_last_error_message();
+    EXPECT_EQ(got, status) << msg;
+    EXPECT_EQ(msg.rfind("fp8_gemm_scaled:", 0), 0u) << msg;
+    for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "no \"" << w << "\" in: " << msg;
+    EXPECT_EQ(api::download<float>(d.get()), marker) << msg;
+  }
+}
+
 // fp8_quantize_scaled is the reference of each mode, in cuBLASLt's grid layout: the same codes and
 // the same scale per cell as the CPU reference with row-major grids, for both layouts.
 TEST(ScaleGridApi, QuantizeScaledIsTheReferenceInTheGemmLayout) {
