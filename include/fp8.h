@@ -1276,7 +1276,9 @@ typedef int32_t fp8_optimizer_kind_t;
 #define FP8_OPTIMIZER_ADAMW 2
 
 /** Hyper-parameters: doubles, settable before any step (the next step uses the new value; a step
- *  reads them from device memory, so this holds for the replays of a captured step too). */
+ *  reads them from device memory, so this holds for the replays of a captured step too). The step
+ *  computes in float: a value that overflows float, or rounds there to 0 or out of its range, is
+ *  refused (FP8_ERR_INVALID_ARGUMENT) like one out of range. */
 typedef int32_t fp8_optimizer_attr_t;
 #define FP8_OPTIM_LR 0            /**< learning rate, >= 0; default 1e-3 */
 #define FP8_OPTIM_BETA1 1         /**< Adam(W): [0, 1); default 0.9 */

@@ -16,7 +16,6 @@ FP8_API fp8_status_t fp8_optimizer_create(fp8_optimizer_t** out, fp8_model_t* mo
   return guard("fp8_optimizer_create", [&] {
     require_arg(out, "out");
     require_arg(model, "model");
-    *out = nullptr;
     if (!model->comm) {
       *out = fp8::optim::make_optimizer(*model, kind).release();
       return;

@@ -1,8 +1,12 @@
 #include "optim/optimizer.hpp"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <iomanip>
+#include <sstream>
+#include <string>
 
 #include "core/error.hpp"
 #include "core/objects.hpp"
@@ -310,15 +314,35 @@ void set_attr(fp8_optimizer& o, fp8_optimizer_attr_t attr, double value) {
 
 void check_attr(fp8_optimizer_attr_t attr, double value) {
   const AttrSpec& s = spec(attr);
-  const bool below = s.min_open ? !(value > s.min) : !(value >= s.min);
-  const bool above = s.max_open ? !(value < s.max) : !(value <= s.max);
-  if (below || above) {
-    const char* hi = s.max == kInf ? "" : s.max_open ? ")" : "]";
+  const auto outside = [&](double v) {
+    const bool below = s.min_open ? !(v > s.min) : !(v >= s.min);
+    const bool above = s.max_open ? !(v < s.max) : !(v <= s.max);
+    return below || above;
+  };
+  const auto range = [&] {
+    std::ostringstream r;
     if (s.max == kInf)
-      fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", value, "; expected a finite value ",
-           s.min_open ? "> " : ">= ", s.min);
-    fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", value, "; expected ", s.min_open ? "(" : "[", s.min, ", ", s.max, hi);
-  }
+      r << "a finite value " << (s.min_open ? "> " : ">= ") << s.min;
+    else
+      r << (s.min_open ? "(" : "[") << s.min << ", " << s.max << (s.max_open ? ")" : "]");
+    return r.str();
+  };
+  if (outside(value)) fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", value, "; expected ", range());
+  // The step computes in float: the value it will use must be in range too (eps = 1e-50 would be
+  // 0 there, lr = 1e39 infinite, beta = 1 - 1e-10 exactly 1), and not 0 where the caller's is not
+  // (a max_grad_norm of 1e-50 would turn clipping off).
+  const float f = static_cast<float>(value);
+  std::ostringstream v;
+  v << std::setprecision(17) << value;
+  if (!std::isfinite(f))
+    fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", v.str(), " overflows float, the step's precision (at most ", FLT_MAX,
+         ")");
+  if (value != 0.0 && f == 0.0f)
+    fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", v.str(), " rounds to 0 in float, the step's precision (its smallest ",
+         "value is ", FLT_TRUE_MIN, ")");
+  if (outside(f))
+    fail(FP8_ERR_INVALID_ARGUMENT, s.name, " = ", v.str(), " rounds to ", f,
+         " in float, the step's precision; expected ", range(), " there");
 }
 
 double get_attr(const fp8_optimizer& o, fp8_optimizer_attr_t attr) {

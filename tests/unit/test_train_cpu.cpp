@@ -755,6 +755,8 @@ TEST(OptimizerAttributes, AStepWithTheDefaultsUsesThem) {
   EXPECT_EQ(first_bit_difference(c.params(), rule.p), "");
 }
 
+// (Also values in range as doubles that the step, in float, would not be: 1e39 is infinite there,
+// 1e-50 is 0, 1 - 1e-10 is 1.)
 TEST(OptimizerAttributes, OutOfRangeValuesAreRefusedNamingTheAttribute) {
   OptimCase c;
   const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
@@ -766,15 +768,15 @@ TEST(OptimizerAttributes, OutOfRangeValuesAreRefusedNamingTheAttribute) {
     std::vector<double> values;
   };
   const Bad cases[] = {
-      {FP8_OPTIMIZER_ADAM, FP8_OPTIM_LR, "FP8_OPTIM_LR", 0.25, {-1e-3, -inf, inf, nan}},
+      {FP8_OPTIMIZER_ADAM, FP8_OPTIM_LR, "FP8_OPTIM_LR", 0.25, {-1e-3, -inf, inf, nan, 1e39}},
       {FP8_OPTIMIZER_SGD, FP8_OPTIM_LR, "FP8_OPTIM_LR", 0.0, {-1e-30, inf, nan}},
-      {FP8_OPTIMIZER_ADAM, FP8_OPTIM_BETA1, "FP8_OPTIM_BETA1", 0.0, {-0.1, 1.0, 1.5, inf, nan}},
+      {FP8_OPTIMIZER_ADAM, FP8_OPTIM_BETA1, "FP8_OPTIM_BETA1", 0.0, {-0.1, 1.0, 1.5, inf, nan, 1.0 - 1e-10}},
       {FP8_OPTIMIZER_ADAMW, FP8_OPTIM_BETA2, "FP8_OPTIM_BETA2", 0.5, {-1e-9, 1.0, 2.0, -inf, nan}},
-      {FP8_OPTIMIZER_ADAM, FP8_OPTIM_EPS, "FP8_OPTIM_EPS", 1e-30, {0.0, -0.0, -1e-8, inf, nan}},
+      {FP8_OPTIMIZER_ADAM, FP8_OPTIM_EPS, "FP8_OPTIM_EPS", 1e-30, {0.0, -0.0, -1e-8, inf, nan, 1e-50}},
       {FP8_OPTIMIZER_ADAMW, FP8_OPTIM_WEIGHT_DECAY, "FP8_OPTIM_WEIGHT_DECAY", 0.0, {-0.01, inf, nan}},
-      {FP8_OPTIMIZER_SGD, FP8_OPTIM_WEIGHT_DECAY, "FP8_OPTIM_WEIGHT_DECAY", 3.0, {-1.0, inf, nan}},
-      {FP8_OPTIMIZER_SGD, FP8_OPTIM_MOMENTUM, "FP8_OPTIM_MOMENTUM", 0.0, {-0.1, 1.0, 1.01, inf, nan}},
-      {FP8_OPTIMIZER_ADAM, FP8_OPTIM_MAX_GRAD_NORM, "FP8_OPTIM_MAX_GRAD_NORM", 0.0, {-1.0, inf, nan}},
+      {FP8_OPTIMIZER_SGD, FP8_OPTIM_WEIGHT_DECAY, "FP8_OPTIM_WEIGHT_DECAY", 3.0, {-1.0, inf, nan, 1e39}},
+      {FP8_OPTIMIZER_SGD, FP8_OPTIM_MOMENTUM, "FP8_OPTIM_MOMENTUM", 0.0, {-0.1, 1.0, 1.01, inf, nan, 1.0 - 1e-10}},
+      {FP8_OPTIMIZER_ADAM, FP8_OPTIM_MAX_GRAD_NORM, "FP8_OPTIM_MAX_GRAD_NORM", 0.0, {-1.0, inf, nan, 1e-50}},
       {FP8_OPTIMIZER_SGD, FP8_OPTIM_MAX_GRAD_NORM, "FP8_OPTIM_MAX_GRAD_NORM", 1e6, {-1e-6, -inf}},
   };
   for (const Bad& b : cases) {
@@ -822,9 +824,10 @@ TEST(OptimizerAttributes, BadIndicesKindsAndNullArguments) {
     EXPECT_EQ(v, -7.0);
   }
   for (fp8_optimizer_kind_t bad : {-1, 3, 99}) {
-    fp8_optimizer_t* out = nullptr;
+    fp8_optimizer_t* const sentinel = reinterpret_cast<fp8_optimizer_t*>(uintptr_t{0x5e11});
+    fp8_optimizer_t* out = sentinel;
     EXPECT_REFUSED(fp8_optimizer_create(&out, c.model.get(), bad), kInv, "fp8_optimizer_create", "kind");
-    EXPECT_EQ(out, nullptr);
+    EXPECT_EQ(out, sentinel) << "a refused create writes nothing to *out";
   }
   fp8_optimizer_t* out = nullptr;
   EXPECT_REFUSED(fp8_optimizer_create(nullptr, c.model.get(), FP8_OPTIMIZER_SGD), kInv, "fp8_optimizer_create", "out");
