@@ -1582,7 +1582,9 @@ FP8_API fp8_status_t fp8_model_set_bucket_bytes(fp8_model_t *model, size_t bytes
 #define FP8_CHECKPOINT_GRADIENTS 1u /**< also save the gradients (e.g. mid-accumulation) */
 
 /** [in] optimizer: may be NULL (the model alone: parameters, O3's F16 masters, which are the
- *  model's, and scaling states). [in] path: UTF-8 file name; its directory must exist. */
+ *  model's, and scaling states). [in] path: UTF-8 file name; its directory must exist. An empty
+ *  path, or one ending in '/', is FP8_ERR_INVALID_ARGUMENT here and in every call below that
+ *  takes one. */
 FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t *model, const fp8_optimizer_t *optimizer,
                                          const char *path, uint32_t flags);
 /** [in,out] optimizer: may be NULL (the weights and scaling states alone; the optimizer's own

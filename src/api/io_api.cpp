@@ -1,4 +1,6 @@
 // Checkpoints and safetensors: handle checks here, the work in src/io/checkpoint.cpp.
+#include <cstring>
+
 #include "api/guard.hpp"
 #include "dist/data_parallel.hpp"
 #include "io/checkpoint.hpp"
@@ -9,6 +11,15 @@ using fp8::guard;
 using fp8::require_arg;
 
 namespace {
+
+// A file name: not NULL, not empty, not a directory's ("dir/").
+void require_path(const char* path) {
+  require_arg(path, "path");
+  const size_t n = std::strlen(path);
+  if (n == 0) fp8::fail(FP8_ERR_INVALID_ARGUMENT, "path is empty; expected a file name");
+  if (path[n - 1] == '/')
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "path = '", path, "' ends in '/'; expected a file name, not a directory");
+}
 
 void require_flags(uint32_t flags) {
   if (flags & ~FP8_CHECKPOINT_GRADIENTS)
@@ -47,7 +58,7 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_opt
                                          uint32_t flags) {
   return guard("fp8_checkpoint_save", [&] {
     require_arg(model, "model");
-    require_arg(path, "path");
+    require_path(path);
     require_flags(flags);
     require_model_optimizer(model, optimizer);
     const bool grads = (flags & FP8_CHECKPOINT_GRADIENTS) != 0;
@@ -67,7 +78,7 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_opt
 FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t* model, fp8_optimizer_t* optimizer, const char* path) {
   return guard("fp8_checkpoint_load", [&] {
     require_arg(model, "model");
-    require_arg(path, "path");
+    require_path(path);
     require_model_optimizer(model, optimizer);
     if (!model->comm) {
       fp8::io::load_checkpoint(*model, optimizer, path);
@@ -97,7 +108,7 @@ FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t* model, fp8_optimizer_t* op
 
 FP8_API fp8_status_t fp8_checkpoint_read_recipe(const char* path, fp8_recipe_t* recipe) {
   return guard("fp8_checkpoint_read_recipe", [&] {
-    require_arg(path, "path");
+    require_path(path);
     require_arg(recipe, "recipe");
     recipe->recipe = fp8::io::checkpoint_recipe(path);
   });
@@ -106,7 +117,7 @@ FP8_API fp8_status_t fp8_checkpoint_read_recipe(const char* path, fp8_recipe_t* 
 FP8_API fp8_status_t fp8_model_export_safetensors(const fp8_model_t* model, const char* path) {
   return guard("fp8_model_export_safetensors", [&] {
     require_arg(model, "model");
-    require_arg(path, "path");
+    require_path(path);
     if (!model->comm) {
       fp8::io::export_safetensors(*model, path);
       return;
@@ -121,7 +132,7 @@ namespace {
 fp8_status_t import_safetensors(const char* api, fp8_model_t* model, const char* path, bool others_allowed) {
   return guard(api, [&] {
     require_arg(model, "model");
-    require_arg(path, "path");
+    require_path(path);
     if (model->autocast) fp8::fail(FP8_ERR_INVALID_STATE, "inside fp8_autocast_begin/end; import between steps");
     fp8::io::import_safetensors(*model, path, others_allowed);
   });

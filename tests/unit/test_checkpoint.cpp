@@ -1551,6 +1551,18 @@ TEST(CheckpointArguments, NullsBadFlagsForeignOptimizersAndAutocastAreRefused) {
                  "fp8_model_export_safetensors", "model");
   EXPECT_REFUSED(fp8_model_import_safetensors(a.m(), nullptr), FP8_ERR_INVALID_ARGUMENT, "fp8_model_import_safetensors",
                  "path");
+  // Not a file name: refused as the argument it is, before any temporary file is made.
+  const std::string in_dir = dir.path("sub") + "/";
+  for (const std::string& bad : {std::string(), in_dir}) {
+    SCOPED_TRACE("path '" + bad + "'");
+    const char* what = bad.empty() ? "path is empty" : "ends in '/'";
+    EXPECT_REFUSED(fp8_checkpoint_save(a.m(), a.o(), bad.c_str(), 0), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_save",
+                   what);
+    EXPECT_REFUSED(fp8_checkpoint_load(a.m(), a.o(), bad.c_str()), FP8_ERR_INVALID_ARGUMENT, "fp8_checkpoint_load",
+                   what);
+    EXPECT_REFUSED(fp8_model_export_safetensors(a.m(), bad.c_str()), FP8_ERR_INVALID_ARGUMENT,
+                   "fp8_model_export_safetensors", what);
+  }
 
   // An optimizer made for another model.
   Net other(2, FP8_OPTIMIZER_ADAM);
