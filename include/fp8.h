@@ -1157,6 +1157,8 @@ FP8_API void fp8_saved_destroy(fp8_saved_t *saved);
  * ReLU or GELU is folded into the Linear after it where it can be (see fp8_stack_forward_saved).
  * In training mode the activations are kept for fp8_model_backward; x must stay alive and unchanged
  * until then (the first layer's backward reads it). x and y must not overlap. Asynchronous.
+ * The outputs of this and every other forward and backward call (y, dx) must not overlap the
+ * model's own parameters or gradients (fp8_model_parameter's tensors): FP8_ERR_INVALID_ARGUMENT.
  */
 FP8_API fp8_status_t fp8_model_forward(fp8_model_t *model, const fp8_tensor_t *x, fp8_tensor_t *y);
 /**

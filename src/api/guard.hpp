@@ -83,10 +83,13 @@ inline void require_same_shape(const fp8_tensor* t, const char* name, const fp8_
 }
 
 // Two tensors whose bytes overlap cannot be input and output of one call.
-inline void require_disjoint(const fp8_tensor* a, const char* a_name, const fp8_tensor* b, const char* b_name) {
+inline bool overlap(const fp8_tensor* a, const fp8_tensor* b) {
   const char* pa = static_cast<const char*>(a->data);
   const char* pb = static_cast<const char*>(b->data);
-  if (a->nbytes() && b->nbytes() && pa < pb + b->nbytes() && pb < pa + a->nbytes())
+  return a->nbytes() && b->nbytes() && pa < pb + b->nbytes() && pb < pa + a->nbytes();
+}
+inline void require_disjoint(const fp8_tensor* a, const char* a_name, const fp8_tensor* b, const char* b_name) {
+  if (overlap(a, b))
     fail(FP8_ERR_INVALID_ARGUMENT, a_name, " and ", b_name, " overlap in memory; expected separate buffers");
 }
 

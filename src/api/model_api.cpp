@@ -311,11 +311,27 @@ FP8_API fp8_status_t fp8_model_set_autowrap(fp8_model_t* model, int32_t on) {
   });
 }
 
+namespace {
+
+// An output of a model's forward or backward must not be the model's own memory: writing y into a
+// parameter's value (a tensor fp8_model_parameter lent out) would overwrite the weights.
+void require_not_parameter(const fp8_model* model, const fp8_tensor* out, const char* name) {
+  for (const fp8::nn::Parameter* p : fp8::nn::all_parameters(*model))
+    for (const auto& [t, what] :
+         {std::pair<const fp8_tensor*, const char*>{p->value.get(), "value"}, {p->grad.get(), "gradient"}})
+      if (t && fp8::overlap(out, t))
+        fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " overlaps the ", what, " of the model's parameter '", p->name,
+                  "'; expected a buffer of the caller's");
+}
+
+}  // namespace
+
 FP8_API fp8_status_t fp8_model_forward(fp8_model_t* model, const fp8_tensor_t* x, fp8_tensor_t* y) {
   return guard("fp8_model_forward", [&] {
     require_arg(model, "model");
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
+    require_not_parameter(model, y, "y");
     fp8::nn::AutowrapRegion region(*model);
     fp8::nn::model_forward(*model, x, y);
     region.close();
@@ -326,7 +342,10 @@ FP8_API fp8_status_t fp8_model_backward(fp8_model_t* model, const fp8_tensor_t* 
   return guard("fp8_model_backward", [&] {
     require_arg(model, "model");
     require_tensor(model, dy, "dy");
-    if (dx) require_tensor(model, dx, "dx");
+    if (dx) {
+      require_tensor(model, dx, "dx");
+      require_not_parameter(model, dx, "dx");
+    }
     fp8::nn::model_backward(*model, dy, dx);
   });
 }
@@ -337,6 +356,7 @@ FP8_API fp8_status_t fp8_layer_forward(fp8_model_t* model, int32_t layer_id, con
     const fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
+    require_not_parameter(model, y, "y");
     model->latest.resize(model->layers.size());
     std::unique_ptr<fp8_saved>& kept = model->latest[static_cast<size_t>(layer_id)];
     // (a kept forward whose weights changed since can no longer be differentiated: it is replaced)
@@ -357,7 +377,10 @@ FP8_API fp8_status_t fp8_layer_backward(fp8_model_t* model, int32_t layer_id, co
     require_arg(model, "model");
     const fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, dy, "dy");
-    if (dx) require_tensor(model, dx, "dx");
+    if (dx) {
+      require_tensor(model, dx, "dx");
+      require_not_parameter(model, dx, "dx");
+    }
     model->latest.resize(model->layers.size());
     std::unique_ptr<fp8_saved>& kept = model->latest[static_cast<size_t>(layer_id)];
     if (!kept)
@@ -378,6 +401,7 @@ FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t* model, int32_t layer_i
     fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
+    require_not_parameter(model, y, "y");
     fp8::nn::AutowrapRegion region(*model);
     std::unique_ptr<fp8_saved> s = fp8::nn::layer_forward(*model, layer_id, x, y);
     region.close();
@@ -400,7 +424,10 @@ FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_
     require_arg(saved, "saved");
     fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, dy, "dy");
-    if (dx) require_tensor(model, dx, "dx");
+    if (dx) {
+      require_tensor(model, dx, "dx");
+      require_not_parameter(model, dx, "dx");
+    }
     require_backward_flags(flags);
     fp8::nn::AutowrapRegion region(*model);
     fp8::nn::layer_backward(*model, layer_id, *saved, dy, dx, flags);
@@ -415,6 +442,7 @@ FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t* model, int32_t first_l
     require_arg(saved, "saved");
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
+    require_not_parameter(model, y, "y");
     fp8::nn::AutowrapRegion region(*model);
     std::unique_ptr<fp8_saved> s = fp8::nn::stack_forward(*model, first_layer, layer_count, x, y);
     region.close();
@@ -431,6 +459,7 @@ FP8_API fp8_status_t fp8_stack_forward_residual(fp8_model_t* model, int32_t firs
     require_tensor(model, x, "x");
     require_tensor(model, residual, "residual");
     require_tensor(model, y, "y");
+    require_not_parameter(model, y, "y");
     fp8::nn::AutowrapRegion region(*model);
     std::unique_ptr<fp8_saved> s = fp8::nn::stack_forward(*model, first_layer, layer_count, x, y, residual, act_dtype);
     region.close();
@@ -444,7 +473,10 @@ FP8_API fp8_status_t fp8_stack_backward_saved(fp8_model_t* model, fp8_saved_t* s
     require_arg(model, "model");
     require_arg(saved, "saved");
     require_tensor(model, dy, "dy");
-    if (dx) require_tensor(model, dx, "dx");
+    if (dx) {
+      require_tensor(model, dx, "dx");
+      require_not_parameter(model, dx, "dx");
+    }
     require_backward_flags(flags);
     fp8::nn::AutowrapRegion region(*model);
     fp8::nn::stack_backward(*model, *saved, dy, dx, flags);

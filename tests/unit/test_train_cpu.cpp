@@ -1423,6 +1423,25 @@ TEST_F(ModelRunMisuse, BackwardWithoutATrainingForwardToDifferentiate) {
   EXPECT_EQ(first_bit_difference(all_params(m, true), alone), "");
 }
 
+// The model's own memory (a parameter's value or gradient, as fp8_model_parameter lends them) is
+// no output of a forward or backward: refused before any work, the parameters unchanged.
+TEST_F(ModelRunMisuse, OutputsMustNotBeTheModelsParameters) {
+  fp8_tensor_t *w = nullptr, *w_grad = nullptr;
+  FP8_ASSERT_OK(fp8_model_parameter(m, "fc2.weight", &w, &w_grad));
+  const Params values = all_params(m, false), grads = all_params(m, true);
+  refused(fp8_model_forward(m, s.x.get(), w), FP8_ERR_INVALID_ARGUMENT, "fp8_model_forward",
+          "y overlaps the value of the model's parameter 'fc2.weight'");
+  refused(fp8_layer_forward(m, s.kFc2, s.x.get(), w_grad), FP8_ERR_INVALID_ARGUMENT, "fp8_layer_forward",
+          "y overlaps the gradient of the model's parameter 'fc2.weight'");
+  FP8_ASSERT_OK(fp8_model_forward(m, s.x.get(), s.y.get()));
+  fill_pattern(s.y.get());
+  refused(fp8_model_backward(m, s.dy.get(), w), FP8_ERR_INVALID_ARGUMENT, "fp8_model_backward",
+          "dx overlaps the value of the model's parameter 'fc2.weight'");
+  EXPECT_EQ(first_bit_difference(all_params(m, false), values), "") << "a refused call changed a weight";
+  EXPECT_EQ(first_bit_difference(all_params(m, true), grads), "") << "a refused call changed a gradient";
+  FP8_ASSERT_OK(fp8_model_backward(m, s.dy.get(), s.dx.get()));  // the run is still there
+}
+
 TEST_F(ModelRunMisuse, ForwardRefusesXAndYOfTheWrongShapeOrDtype) {
   const char* fn = "fp8_model_forward";
   Tensor x48 = act_tensor(ctx, FP8_DTYPE_F32, with_last(kXShape, 48), randn(2 * 16 * 48, 5, 1.0f));
