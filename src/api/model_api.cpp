@@ -316,12 +316,13 @@ namespace {
 // An output of a model's forward or backward must not be the model's own memory: writing y into a
 // parameter's value (a tensor fp8_model_parameter lent out) would overwrite the weights.
 void require_not_parameter(const fp8_model* model, const fp8_tensor* out, const char* name) {
-  for (const fp8::nn::Parameter* p : fp8::nn::all_parameters(*model))
-    for (const auto& [t, what] :
-         {std::pair<const fp8_tensor*, const char*>{p->value.get(), "value"}, {p->grad.get(), "gradient"}})
-      if (t && fp8::overlap(out, t))
-        fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " overlaps the ", what, " of the model's parameter '", p->name,
-                  "'; expected a buffer of the caller's");
+  for (const auto& layer : model->layers)  // (no list built: the per-layer calls are on the hot path)
+    for (const fp8::nn::Parameter& p : layer->parameters())
+      for (const auto& [t, what] :
+           {std::pair<const fp8_tensor*, const char*>{p.value.get(), "value"}, {p.grad.get(), "gradient"}})
+        if (t && fp8::overlap(out, t))
+          fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " overlaps the ", what, " of the model's parameter '", p.name,
+                    "'; expected a buffer of the caller's");
 }
 
 }  // namespace
