@@ -1322,6 +1322,7 @@ FP8_API fp8_status_t fp8_optimizer_step(fp8_optimizer_t *optimizer);
  * would give: 0 for an infinite norm, NaN for a NaN one (1 without clipping). Both are read and
  * written on the context's stream, in order with the step: no synchronisation, and capturable.
  * Under data parallelism every rank passes the same value (the other gradients already averaged).
+ * clip_coef must not overlap the model's parameters or gradients (FP8_ERR_INVALID_ARGUMENT).
  * Otherwise as fp8_optimizer_step. Since 0.2.
  */
 FP8_API fp8_status_t fp8_optimizer_step_joint(fp8_optimizer_t *optimizer, const fp8_tensor_t *other_sumsq,

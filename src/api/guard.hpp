@@ -93,6 +93,20 @@ inline void require_disjoint(const fp8_tensor* a, const char* a_name, const fp8_
     fail(FP8_ERR_INVALID_ARGUMENT, a_name, " and ", b_name, " overlap in memory; expected separate buffers");
 }
 
+// An output `name` of a call on `model` (an fp8_model) must not be the model's own memory: writing
+// into a parameter's value or gradient (tensors fp8_model_parameter lends out) would overwrite the
+// weights. (The layers' parameters walked in place: the per-layer calls are on the hot path.)
+template <typename Model>
+void require_not_parameter(const Model* model, const fp8_tensor* out, const char* name) {
+  for (const auto& layer : model->layers)
+    for (const auto& p : layer->parameters())
+      for (const auto& [t, what] :
+           {std::pair<const fp8_tensor*, const char*>{p.value.get(), "value"}, {p.grad.get(), "gradient"}})
+        if (t && overlap(out, t))
+          fail(FP8_ERR_INVALID_ARGUMENT, name, " overlaps the ", what, " of the model's parameter '", p.name,
+               "'; expected a buffer of the caller's");
+}
+
 // An output that may be FP8: an FP8 `out` needs a scaling state of its dtype, any other must come
 // without one. Returns whether `out` is FP8.
 inline bool require_output_scaling(const fp8_tensor* out, const char* out_name, const fp8_scaling* scaling,

@@ -311,28 +311,12 @@ FP8_API fp8_status_t fp8_model_set_autowrap(fp8_model_t* model, int32_t on) {
   });
 }
 
-namespace {
-
-// An output of a model's forward or backward must not be the model's own memory: writing y into a
-// parameter's value (a tensor fp8_model_parameter lent out) would overwrite the weights.
-void require_not_parameter(const fp8_model* model, const fp8_tensor* out, const char* name) {
-  for (const auto& layer : model->layers)  // (no list built: the per-layer calls are on the hot path)
-    for (const fp8::nn::Parameter& p : layer->parameters())
-      for (const auto& [t, what] :
-           {std::pair<const fp8_tensor*, const char*>{p.value.get(), "value"}, {p.grad.get(), "gradient"}})
-        if (t && fp8::overlap(out, t))
-          fp8::fail(FP8_ERR_INVALID_ARGUMENT, name, " overlaps the ", what, " of the model's parameter '", p.name,
-                    "'; expected a buffer of the caller's");
-}
-
-}  // namespace
-
 FP8_API fp8_status_t fp8_model_forward(fp8_model_t* model, const fp8_tensor_t* x, fp8_tensor_t* y) {
   return guard("fp8_model_forward", [&] {
     require_arg(model, "model");
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
-    require_not_parameter(model, y, "y");
+    fp8::require_not_parameter(model, y, "y");
     fp8::nn::AutowrapRegion region(*model);
     fp8::nn::model_forward(*model, x, y);
     region.close();
@@ -345,7 +329,7 @@ FP8_API fp8_status_t fp8_model_backward(fp8_model_t* model, const fp8_tensor_t* 
     require_tensor(model, dy, "dy");
     if (dx) {
       require_tensor(model, dx, "dx");
-      require_not_parameter(model, dx, "dx");
+      fp8::require_not_parameter(model, dx, "dx");
     }
     fp8::nn::model_backward(*model, dy, dx);
   });
@@ -357,7 +341,7 @@ FP8_API fp8_status_t fp8_layer_forward(fp8_model_t* model, int32_t layer_id, con
     const fp8::nn::Layer& layer = fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
-    require_not_parameter(model, y, "y");
+    fp8::require_not_parameter(model, y, "y");
     model->latest.resize(model->layers.size());
     std::unique_ptr<fp8_saved>& kept = model->latest[static_cast<size_t>(layer_id)];
     // (a kept forward whose weights changed since can no longer be differentiated: it is replaced)
@@ -380,7 +364,7 @@ FP8_API fp8_status_t fp8_layer_backward(fp8_model_t* model, int32_t layer_id, co
     require_tensor(model, dy, "dy");
     if (dx) {
       require_tensor(model, dx, "dx");
-      require_not_parameter(model, dx, "dx");
+      fp8::require_not_parameter(model, dx, "dx");
     }
     model->latest.resize(model->layers.size());
     std::unique_ptr<fp8_saved>& kept = model->latest[static_cast<size_t>(layer_id)];
@@ -402,7 +386,7 @@ FP8_API fp8_status_t fp8_layer_forward_saved(fp8_model_t* model, int32_t layer_i
     fp8::nn::layer_at(*model, layer_id);
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
-    require_not_parameter(model, y, "y");
+    fp8::require_not_parameter(model, y, "y");
     fp8::nn::AutowrapRegion region(*model);
     std::unique_ptr<fp8_saved> s = fp8::nn::layer_forward(*model, layer_id, x, y);
     region.close();
@@ -427,7 +411,7 @@ FP8_API fp8_status_t fp8_layer_backward_saved(fp8_model_t* model, int32_t layer_
     require_tensor(model, dy, "dy");
     if (dx) {
       require_tensor(model, dx, "dx");
-      require_not_parameter(model, dx, "dx");
+      fp8::require_not_parameter(model, dx, "dx");
     }
     require_backward_flags(flags);
     fp8::nn::AutowrapRegion region(*model);
@@ -443,7 +427,7 @@ FP8_API fp8_status_t fp8_stack_forward_saved(fp8_model_t* model, int32_t first_l
     require_arg(saved, "saved");
     require_tensor(model, x, "x");
     require_tensor(model, y, "y");
-    require_not_parameter(model, y, "y");
+    fp8::require_not_parameter(model, y, "y");
     fp8::nn::AutowrapRegion region(*model);
     std::unique_ptr<fp8_saved> s = fp8::nn::stack_forward(*model, first_layer, layer_count, x, y);
     region.close();
@@ -460,7 +444,7 @@ FP8_API fp8_status_t fp8_stack_forward_residual(fp8_model_t* model, int32_t firs
     require_tensor(model, x, "x");
     require_tensor(model, residual, "residual");
     require_tensor(model, y, "y");
-    require_not_parameter(model, y, "y");
+    fp8::require_not_parameter(model, y, "y");
     fp8::nn::AutowrapRegion region(*model);
     std::unique_ptr<fp8_saved> s = fp8::nn::stack_forward(*model, first_layer, layer_count, x, y, residual, act_dtype);
     region.close();
@@ -476,7 +460,7 @@ FP8_API fp8_status_t fp8_stack_backward_saved(fp8_model_t* model, fp8_saved_t* s
     require_tensor(model, dy, "dy");
     if (dx) {
       require_tensor(model, dx, "dx");
-      require_not_parameter(model, dx, "dx");
+      fp8::require_not_parameter(model, dx, "dx");
     }
     require_backward_flags(flags);
     fp8::nn::AutowrapRegion region(*model);

@@ -73,7 +73,10 @@ FP8_API fp8_status_t fp8_optimizer_step_joint(fp8_optimizer_t* optimizer, const 
                   " elements; expected f32 of 1 element");
     };
     require_scalar(other_sumsq, "other_sumsq");
-    if (clip_coef) require_scalar(clip_coef, "clip_coef");
+    if (clip_coef) {
+      require_scalar(clip_coef, "clip_coef");
+      fp8::require_not_parameter(&m, clip_coef, "clip_coef");
+    }
     fp8::optim::step(*optimizer, static_cast<const float*>(other_sumsq->data),
                      clip_coef ? static_cast<float*>(clip_coef->data) : nullptr);
   });

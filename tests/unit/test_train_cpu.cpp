@@ -585,6 +585,19 @@ TEST(OptimizerJointStep, BadArgumentsAreRefusedNamingThem) {
   Tensor foreign = make_tensor(other_ctx.get(), FP8_DTYPE_F32, {1});
   EXPECT_REFUSED(fp8_optimizer_step_joint(j.opt.get(), foreign.get(), nullptr), FP8_ERR_INVALID_ARGUMENT, fn,
                  "another context");
+  // clip_coef over the first element of a parameter (the step would write the factor into it).
+  fp8_tensor_t *w = nullptr, *w_grad = nullptr;
+  void* w_data = nullptr;
+  FP8_ASSERT_OK(fp8_model_parameter(j.c.model.get(), "fc1.bias", &w, &w_grad));
+  FP8_ASSERT_OK(fp8_tensor_data(w, &w_data));
+  const int64_t one[1] = {1};
+  fp8_tensor_t* in_param = nullptr;
+  FP8_ASSERT_OK(fp8_tensor_wrap(&in_param, j.c.ctx.get(), FP8_DTYPE_F32, 1, one, w_data));
+  const Tensor coef_in_param(in_param);
+  const Params before = j.c.params();
+  EXPECT_REFUSED(fp8_optimizer_step_joint(j.opt.get(), j.other.get(), in_param), FP8_ERR_INVALID_ARGUMENT, fn,
+                 "clip_coef overlaps the value of the model's parameter 'fc1.bias'");
+  EXPECT_EQ(j.c.params(), before);
   EXPECT_EQ(stats_of(j.opt.get()).steps, 0) << "a refused step ran";
 }
 
