@@ -50,8 +50,7 @@ fp8_gemm_options_t read_options(const fp8_gemm_options_t* options) {
   return opts;
 }
 
-// The pairs of scale modes fp8_gemm_scaled multiplies, refused in the API's terms (the backend's
-// check_gemm_scales holds the same rule for libfp8's own callers).
+// The pairs of scale modes fp8_gemm_scaled multiplies (gemm_scale_pair), refused in the API's terms.
 void require_scaled_pair(fp8_scale_mode_t a_mode, fp8::ScaleMode am, fp8_scale_mode_t b_mode, fp8::ScaleMode bm,
                          const fp8_gemm_options_t& opts) {
   const auto name = [](fp8_scale_mode_t mode) {
@@ -59,12 +58,11 @@ void require_scaled_pair(fp8_scale_mode_t a_mode, fp8::ScaleMode am, fp8_scale_m
            : mode == FP8_SCALE_MODE_BLOCK_1X128 ? "FP8_SCALE_MODE_BLOCK_1X128 (1x128-block)"
                                                 : "FP8_SCALE_MODE_BLOCK_128X128 (128x128-block)";
   };
-  const bool a_block = am != fp8::ScaleMode::kRow, b_block = bm != fp8::ScaleMode::kRow;
-  if (a_block != b_block || (am == fp8::ScaleMode::kBlock128x128 && bm == fp8::ScaleMode::kBlock128x128))
+  if (!fp8::gemm_scale_pair(am, bm))
     fp8::fail(FP8_ERR_UNSUPPORTED, "a_mode = ", name(a_mode), " with b_mode = ", name(b_mode),
               "; expected ROW with ROW, or a 1x128 grid with a 1x128 or 128x128 one either way round (cuBLASLt does "
               "not multiply two 128x128 grids)");
-  if (a_block && opts.fast_accumulation)
+  if (fp8::is_block_mode(am) && opts.fast_accumulation)
     fp8::fail(FP8_ERR_INVALID_ARGUMENT,
               "options->fast_accumulation = 1 with block scales; expected 0 (cuBLASLt "
               "accumulates block-scaled GEMMs in full precision only)");

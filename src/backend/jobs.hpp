@@ -361,6 +361,16 @@ inline size_t gemm_grid_floats(ScaleMode mode, int64_t rows, int64_t k) {
   return static_cast<size_t>((lines * d.ld + 3) / 4 * 4);
 }
 
+// The block modes, and whether a GEMM multiplies grids of modes a and b (the pairs listed below;
+// check_gemm_scales and fp8_gemm_scaled both ask).
+inline bool is_block_mode(ScaleMode m) {
+  return m == ScaleMode::kBlock1x128 || m == ScaleMode::kBlock128x128;
+}
+inline bool gemm_scale_pair(ScaleMode a, ScaleMode b) {
+  if (is_block_mode(a) && is_block_mode(b)) return !(a == ScaleMode::kBlock128x128 && b == ScaleMode::kBlock128x128);
+  return a == b && (a == ScaleMode::kTensor || a == ScaleMode::kRow);
+}
+
 // The scale modes a GEMM takes, on both backends (each operand's grid is that of its [rows, k]
 // operand scaled along K): per-tensor x per-tensor; per-row x per-row; 1x128 x 1x128, 1x128 x
 // 128x128 and 128x128 x 1x128 (cuBLASLt has no 128x128 x 128x128 GEMM). The finer modes need FP8
@@ -370,10 +380,8 @@ inline void check_gemm_scales(const GemmJob& j, const char* backend) {
   require_tensor_scale(j.d_scale_inv, "gemm's d_scale_inv", backend);
   const ScaleMode a = j.a_scale_inv.mode, b = j.b_scale_inv.mode;
   if (a == ScaleMode::kTensor && b == ScaleMode::kTensor) return;
-  const bool rows = a == ScaleMode::kRow && b == ScaleMode::kRow;
-  const bool blocks = (a == ScaleMode::kBlock1x128 || a == ScaleMode::kBlock128x128) &&
-                      (b == ScaleMode::kBlock1x128 || b == ScaleMode::kBlock128x128);
-  if (!rows && !blocks)
+  const bool blocks = is_block_mode(a) && is_block_mode(b);
+  if (!gemm_scale_pair(a, b) && !blocks)
     fail(FP8_ERR_UNSUPPORTED, "gemm: a has ", scale_mode_name(a), " scales and b ", scale_mode_name(b),
          "; the pairs are per-tensor x per-tensor, per-row x per-row, and 1x128 or 128x128 with 1x128 or 128x128");
   if (a == ScaleMode::kBlock128x128 && b == ScaleMode::kBlock128x128)

@@ -167,11 +167,14 @@ std::string Recipe::to_string() const {
          << kBoolNames[get(FP8_RECIPE_OVERRIDE_DGRAD)] << '/' << kBoolNames[get(FP8_RECIPE_OVERRIDE_WGRAD)];
       continue;
     }
-    os << s.key << '=';
-    if (s.names) os << s.names[get(a) - s.min];
-    else os << get(a);
+    os << s.key << '=' << value_string(static_cast<fp8_recipe_attr_t>(a), get(a));
   }
   return os.str();
+}
+
+std::string value_string(fp8_recipe_attr_t attr, int64_t v) {
+  const AttrSpec& s = kSpecs[attr];
+  return s.names ? std::string(s.names[v - s.min]) : std::to_string(v);
 }
 
 bool Recipe::power_2_scales(bool auto_on) const {

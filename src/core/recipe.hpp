@@ -18,6 +18,10 @@ struct AttrSpec {
 // nullptr for an unknown id.
 const AttrSpec* recipe_attr_spec(fp8_recipe_attr_t attr);
 
+// Value v of attribute `attr` (a valid id, v in range) as the text form writes it: its name
+// ("HYBRID", "on") or its number.
+std::string value_string(fp8_recipe_attr_t attr, int64_t v);
+
 struct Recipe {
   std::array<int64_t, FP8_RECIPE_ATTR_COUNT> values;
 

@@ -176,13 +176,9 @@ void check_recipe(const Section* section, const fp8_model& model) {
   std::string differ;  // "margin: 2 in the file, 0 in the model; ..."
   for (int32_t i = 0; i < FP8_RECIPE_ATTR_COUNT; ++i) {
     const auto a = static_cast<fp8_recipe_attr_t>(i);
-    const AttrSpec* spec = recipe_attr_spec(a);
-    if (!spec || saved.get(a) == mine.get(a)) continue;
-    const auto text = [&](int64_t v) {
-      return spec->names ? std::string(spec->names[v - spec->min]) : std::to_string(v);
-    };
-    differ += (differ.empty() ? "" : "; ") + std::string(spec->key) + ": " + text(saved.get(a)) + " in the file, " +
-              text(mine.get(a)) + " in the model";
+    if (saved.get(a) == mine.get(a)) continue;
+    differ += (differ.empty() ? "" : "; ") + std::string(recipe_attr_spec(a)->key) + ": " +
+              value_string(a, saved.get(a)) + " in the file, " + value_string(a, mine.get(a)) + " in the model";
   }
   fail(FP8_ERR_INVALID_STATE, "the checkpoint's recipe differs from the model's (", differ, "): the file's is \"",
        saved.to_string(), "\"; only backend and opt_level may differ (fp8_checkpoint_read_recipe gives it)");
