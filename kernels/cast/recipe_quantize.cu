@@ -266,15 +266,22 @@ __global__ void __launch_bounds__(kThreads)
 // lane j its rows 16j .. 16j + 15, so a column's amax over the tile's 128 rows is reduced inside
 // the quarter with three shuffles (no barrier, no shared partials), and each lane stores 16
 // contiguous codes of a transposed row. Within each 32-word span of a row, the 16-byte pieces are
-// XOR-permuted by ((r / 16) ^ r ^ (w / 32)) % 8, so that a strip read (8 lanes at rows 16 apart,
-// 4 word columns) reaches 32 different banks, and so do 8 lanes' 16-byte stores of one row's
-// chunks (served 8 lanes at a time). Two buffers, alternate tiles, so one barrier a tile suffices.
+// XOR-permuted by ((r / 16) ^ (w / 32)) % 8, so that a strip read (8 lanes at rows 16 apart, 4 word
+// columns) reaches 32 different banks, and so do 8 lanes' 16-byte stores of one row's chunks
+// (served 8 lanes at a time). The permutation is the same for the 16 rows of a lane's strip, so its
+// words lie kRowWords apart: one address a strip, the rows as immediate offsets (a term in r % 8,
+// here before, cost 16 address computations a strip, about 8% of the 1x128 +T kernel's
+// instructions). Two buffers, alternate tiles, so one barrier a tile suffices.
 template <fp8_dtype_t DT>
 struct StripTile {
   static constexpr int kRowWords = kTile * static_cast<int>(sizeof(typename Wide<DT>::Raw)) / 4;  // 64 or 128
   static constexpr size_t kBytes = size_t{kTile} * kRowWords * 4;                                 // one buffer
   static __device__ __forceinline__ int at(int r, int w) {
-    return r * kRowWords + (w ^ ((((r >> 4) ^ r ^ (w >> 5)) & 7) << 2));
+    return r * kRowWords + (w ^ ((((r >> 4) ^ (w >> 5)) & 7) << 2));
+  }
+  // Strip j of word column w (rows 16j .. 16j + 15): its row i is strip(buf, j, w)[i * kRowWords].
+  static __device__ __forceinline__ const uint32_t* strip(const uint32_t* buf, int j, int w) {
+    return buf + at(16 * j, w);
   }
   // Copies a thread's share of the tile (Tile<DT>'s chunks, 16-byte pieces) into buffer `buf`.
   static __device__ __forceinline__ void put(uint32_t* buf, const Tile<DT>& t) {
@@ -298,10 +305,12 @@ constexpr size_t kStripBytes = kPerColumn<MODE>&& WITH_T ? 2 * StripTile<DT>::kB
 
 // The transposed copy of a per-column mode's tile from its strips (after the barrier that follows
 // StripTile::put): each lane's column(s), rows 16j .. 16j + 15, their amax (1x128: over the quarter;
-// per-row: the column's, from the workspace), scale, grid cell and 16 codes.
-template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE>
+// per-row: the column's, from the workspace), scale, grid cell and 16 codes. WHOLE: the tile is
+// whole and out_t's rows take 16-byte stores, so no column or row is checked (a separate instance:
+// the checks and their branches were about a tenth of the strips' instructions).
+template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE, bool WHOLE>
 __device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const Params& p, int64_t R0, int64_t C0,
-                                                   int64_t tr, bool vector) {
+                                                   int64_t tr) {
   using M = Magnitudes<DT>;
   constexpr int kHalves = M::kPacked ? 2 : 1;  // columns per word
   const int lane = threadIdx.x & 31, j = lane & 7;
@@ -312,11 +321,12 @@ __device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
       const int64_t col = C0 + wc * kHalves + h;
-      amax[h] = MODE == ScaleMode::kRow && col < p.cols ? p.ws[p.rows + col] : 0u;
+      amax[h] = MODE == ScaleMode::kRow && (WHOLE || col < p.cols) ? p.ws[p.rows + col] : 0u;
     }
+    const uint32_t* strip = StripTile<DT>::strip(strips, j, wc);
     uint32_t v[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = strips[StripTile<DT>::at(16 * j + i, wc)];
+    for (int i = 0; i < 16; ++i) v[i] = strip[i * StripTile<DT>::kRowWords];
     if constexpr (MODE == ScaleMode::kBlock1x128) {  // over the quarter's 128 rows
       uint32_t m;
       m = M::magnitude(v[0]);
@@ -331,7 +341,7 @@ __device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const
     for (int h = 0; h < kHalves; ++h) {
       const int64_t col = C0 + wc * kHalves + h;
       const float scale = recipe_scale(bits_float(amax[h]), p.fp8_max, p.pow2);
-      if (j == 0 && col < p.cols && (MODE != ScaleMode::kRow || tr == 0))
+      if (j == 0 && (WHOLE || col < p.cols) && (MODE != ScaleMode::kRow || tr == 0))
         put_cell_t(p, col, MODE == ScaleMode::kRow ? 0 : tr, scale);
       uint32_t w[4];
 #pragma unroll
@@ -339,11 +349,10 @@ __device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const
         const auto x = [&](int i) { return M::value(v[4 * q + i], h) * scale; };
         w[q] = cast4<E5M2>(x(0), x(1), x(2), x(3));
       }
-      if (col >= p.cols) continue;  // (an edge tile's missing columns)
       uint8_t* dst = p.out_t + col * p.rows + R0 + 16 * j;
-      if (vector && p.rows_aligned) {
+      if constexpr (WHOLE) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-      } else {
+      } else if (col < p.cols) {  // (an edge tile's missing columns)
         for (int i = 0; i < 16 && R0 + 16 * j + i < p.rows; ++i)
           dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
       }
@@ -404,7 +413,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     // Scales of this thread's rows (the out layout) ... Chunk k is row tid / 8 + 32 k for all 8
     // lanes of a row group. Spread: lane k of the group computes chunk k's scale (one division a
     // lane, not one a chunk) and writes its grid cell; the others take the scales by shuffles. (Not
-    // in the 1x128 +T kernel: at its 128 registers, that ran 3-4 points of copy slower on an H200.)
+    // in the 1x128 +T kernel: it ran 2-4 points of copy slower there on H200s, at 128 registers
+    // and again at 119.)
     constexpr bool spread = per_column && !(MODE == ScaleMode::kBlock1x128 && WITH_T);
     static_assert(kChunks <= 8, "a chunk per lane of the row group");
     const int group_lane = tid & 7;
@@ -482,7 +492,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     }
     if (per_column && WITH_T) {
       __syncthreads();  // the strips are in shared memory
-      cast_column_strips<DT, E5M2, MODE>(strips, p, R0, C0, tr, vector);
+      if (vector && p.rows_aligned)
+        cast_column_strips<DT, E5M2, MODE, true>(strips, p, R0, C0, tr);
+      else
+        cast_column_strips<DT, E5M2, MODE, false>(strips, p, R0, C0, tr);
     } else if (WITH_T) {
       __syncthreads();
       if (vector) {
