@@ -46,7 +46,10 @@
  * - On the CPU reference backend (device FP8_DEVICE_CPU) every call runs to completion before it
  *   returns, and "device memory" means ordinary host memory.
  * - Objects keep their context alive: fp8_context_destroy may come before the destruction of its
- *   tensors and scaling states; the context's resources go when the last of them goes.
+ *   tensors, scaling states, models and optimizers, which go on working; the context's resources
+ *   go when the last of them goes. A context created afterwards is another context: its tensors
+ *   and the older objects refuse each other (FP8_ERR_INVALID_ARGUMENT, "belongs to another
+ *   context").
  * - Versioned structs (fp8_device_info_t, fp8_scaling_info_t, fp8_gemm_options_t,
  *   fp8_convert_options_t, fp8_layer_report_t, fp8_optimizer_stats_t) begin with uint32_t
  *   struct_size, which the caller sets to sizeof the struct as compiled (the matching *_init does);
@@ -959,7 +962,7 @@ FP8_API fp8_status_t fp8_model_weights_changed(fp8_model_t *model);
  *  requantises the sum in one pass, as the Linear's backward does (for gradients computed outside
  *  libfp8, or a custom layer's): scale = fp8_max / (amax of the stored sum + amax(g)), each code
  *  encode((stored + g) * scale), and onto a gradient whose amax is 0 (zeroed) encode(g * scale).
- *  [in] g: an F32 or BF16 tensor of the parameter's element count on the model's device (since
+ *  [in] g: an F32 or BF16 tensor of the parameter's element count, of the model's context (since
  *  0.2; F32 before). Asynchronous. */
 FP8_API fp8_status_t fp8_model_accumulate_grad(fp8_model_t *model, int32_t index, const fp8_tensor_t *g);
 /** Sets every gradient to zero. Asynchronous. */
@@ -1294,7 +1297,10 @@ typedef int32_t fp8_optimizer_attr_t;
 /**
  * Creates an optimizer for every parameter `model` has now (layers added later are refused at the
  * next step). Allocates its states (zeroed) on the model's device. The optimizer keeps the model's
- * device alive but not the model: destroy it before the model. Synchronous.
+ * device alive but not the model: destroy it before the model. One that outlives its model keeps
+ * its own state (fp8_optimizer_set_float, get_float and get_stats still work) and refuses the
+ * model's work (fp8_optimizer_step, step_joint, zero_grad, checkpoint save and load) with
+ * FP8_ERR_INVALID_STATE. Synchronous.
  */
 FP8_API fp8_status_t fp8_optimizer_create(fp8_optimizer_t **out, fp8_model_t *model, fp8_optimizer_kind_t kind);
 FP8_API void fp8_optimizer_destroy(fp8_optimizer_t *optimizer);

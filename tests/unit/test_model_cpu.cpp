@@ -1936,4 +1936,120 @@ TEST(ModelLayout, OutlivesItsContextHandle) {
   EXPECT_EQ(param_value(model.get(), "fc.weight"), w);
 }
 
+// A recreated context (fp8.h: objects keep their context alive, so fp8_context_destroy may come
+// first). A converted model whose context handle is gone, with its tensors, gets an optimizer and
+// trains on bit for bit as a twin on a live context. A context created afterwards (its handle may
+// well reuse the old one's address) is another context: the model refuses its tensors (x, y, dy, dx,
+// g, other_sumsq), naming the argument and "the model's" context, and changes nothing; a model of the
+// new context refuses the old context's tensors the same way. Everything is then destroyed, the old
+// context's tensors last (the sanitizer build checks the memory).
+TEST(ModelLayout, TrainsAfterItsContextIsDestroyedAndRefusesTheTensorsOfARecreatedOne) {
+  constexpr int64_t kRows = 16, kF = 32;
+  const std::vector<float> w = randn(kF * kF, 11, 0.125f), xh = random_x(kRows, kF, 12), dyh = random_dy(kRows, kF, 13);
+  struct Run {
+    fp8_context_t* ctx = nullptr;
+    Model model;
+    Tensor x, y, dy, dx;
+  };
+  auto build = [&](Run& r) {
+    FP8_ASSERT_OK(fp8_context_create(&r.ctx, FP8_DEVICE_CPU));
+    r.model = make_model(r.ctx);
+    FP8_ASSERT_OK(fp8_model_add_linear(r.model.get(), "fc", kF, kF, 1, nullptr));
+    set_param(r.model.get(), "fc.weight", w);
+    Recipe rec = fp8_recipe();
+    FP8_ASSERT_OK(fp8_convert_model(r.model.get(), rec.get(), nullptr));
+    r.x = f32_tensor(r.ctx, {kRows, kF}, xh);
+    r.y = f32_tensor(r.ctx, {kRows, kF});
+    r.dy = f32_tensor(r.ctx, {kRows, kF}, dyh);
+    r.dx = f32_tensor(r.ctx, {kRows, kF});
+  };
+  auto train_step = [](Run& r, fp8_optimizer_t* o) {
+    FP8_ASSERT_OK(fp8_model_forward(r.model.get(), r.x.get(), r.y.get()));
+    FP8_ASSERT_OK(fp8_model_backward(r.model.get(), r.dy.get(), r.dx.get()));
+    FP8_ASSERT_OK(fp8_optimizer_step(o));
+  };
+  Run live, orphan;
+  build(live);
+  build(orphan);
+  ASSERT_FALSE(HasFatalFailure());
+  const uintptr_t old_address = reinterpret_cast<uintptr_t>(orphan.ctx);
+  fp8_context_destroy(orphan.ctx);  // before its model, tensors and (future) optimizer
+  Context fresh = make_context(FP8_DEVICE_CPU);
+  SCOPED_TRACE(reinterpret_cast<uintptr_t>(fresh.get()) == old_address ? "the new handle has the old one's address"
+                                                                         : "the new handle has another address");
+
+  Optimizer live_opt = make_optimizer(live.model.get(), FP8_OPTIMIZER_ADAM);
+  Optimizer orphan_opt = make_optimizer(orphan.model.get(), FP8_OPTIMIZER_ADAM);
+  ASSERT_NE(orphan_opt, nullptr);
+  for (int step = 0; step < 2; ++step) {
+    train_step(live, live_opt.get());
+    train_step(orphan, orphan_opt.get());
+  }
+  ASSERT_FALSE(HasFatalFailure());
+  for (const char* p : {"fc.weight", "fc.bias"}) {
+    EXPECT_EQ(tensor_bytes(param_tensor(orphan.model.get(), p)), tensor_bytes(param_tensor(live.model.get(), p))) << p;
+    EXPECT_EQ(tensor_bytes(param_tensor(orphan.model.get(), p, true)),
+              tensor_bytes(param_tensor(live.model.get(), p, true)))
+        << p;
+  }
+  EXPECT_EQ(tensor_bytes(orphan.y.get()), tensor_bytes(live.y.get()));
+  EXPECT_EQ(tensor_bytes(orphan.dx.get()), tensor_bytes(live.dx.get()));
+
+  // The recreated context's tensors, refused by the old context's model (with a forward pending,
+  // which the refused backward calls must not drop).
+  fp8_model_t* m = orphan.model.get();
+  FP8_ASSERT_OK(fp8_model_forward(m, orphan.x.get(), orphan.y.get()));
+  Tensor x2 = f32_tensor(fresh.get(), {kRows, kF}, xh), y2 = f32_tensor(fresh.get(), {kRows, kF}, {}),
+         dy2 = f32_tensor(fresh.get(), {kRows, kF}, dyh), dx2 = f32_tensor(fresh.get(), {kRows, kF}, {}),
+         g2 = f32_tensor(fresh.get(), {kF * kF}, w), sumsq2 = f32_tensor(fresh.get(), {1}, {0.0f});
+  upload(y2.get(), std::vector<float>(kRows * kF, -7.0f));
+  upload(dx2.get(), std::vector<float>(kRows * kF, -7.0f));
+  const std::vector<uint8_t> y_before = tensor_bytes(orphan.y.get()), dx_before = tensor_bytes(orphan.dx.get()),
+                             y2_before = tensor_bytes(y2.get()), dx2_before = tensor_bytes(dx2.get()),
+                             w_before = tensor_bytes(param_tensor(m, "fc.weight")),
+                             g_before = tensor_bytes(param_tensor(m, "fc.weight", true));
+  const int64_t steps_before = stats_of(orphan_opt.get()).steps;
+  const int32_t kInv = FP8_ERR_INVALID_ARGUMENT;
+  const char* kOther = "belongs to another context";
+  const char* kModels = "expected one of the model's";
+  EXPECT_REFUSED_WORDS(fp8_model_forward(m, x2.get(), orphan.y.get()), kInv, "fp8_model_forward", "x", kOther, kModels);
+  EXPECT_REFUSED_WORDS(fp8_model_forward(m, orphan.x.get(), y2.get()), kInv, "fp8_model_forward", "y", kOther, kModels);
+  EXPECT_REFUSED_WORDS(fp8_model_backward(m, dy2.get(), orphan.dx.get()), kInv, "fp8_model_backward", "dy", kOther,
+                       kModels);
+  EXPECT_REFUSED_WORDS(fp8_model_backward(m, orphan.dy.get(), dx2.get()), kInv, "fp8_model_backward", "dx", kOther,
+                       kModels);
+  EXPECT_REFUSED_WORDS(fp8_layer_forward(m, 0, x2.get(), orphan.y.get()), kInv, "fp8_layer_forward", "x", kOther);
+  EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, 0, g2.get()), kInv, "fp8_model_accumulate_grad",
+                       "g belongs to another context", "expected the model's");
+  EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(orphan_opt.get(), sumsq2.get(), nullptr), kInv,
+                       "fp8_optimizer_step_joint", "other_sumsq", kOther, kModels);
+  EXPECT_EQ(tensor_bytes(orphan.y.get()), y_before);
+  EXPECT_EQ(tensor_bytes(orphan.dx.get()), dx_before);
+  EXPECT_EQ(tensor_bytes(y2.get()), y2_before) << "a refused forward wrote y";
+  EXPECT_EQ(tensor_bytes(dx2.get()), dx2_before) << "a refused backward wrote dx";
+  EXPECT_EQ(tensor_bytes(param_tensor(m, "fc.weight")), w_before);
+  EXPECT_EQ(tensor_bytes(param_tensor(m, "fc.weight", true)), g_before);
+  EXPECT_EQ(stats_of(orphan_opt.get()).steps, steps_before);
+  EXPECT_OK(fp8_model_backward(m, orphan.dy.get(), orphan.dx.get()));  // the pending forward's
+
+  // And a model of the recreated context refuses the old context's tensors.
+  Model m2 = make_model(fresh.get());
+  FP8_ASSERT_OK(fp8_model_add_linear(m2.get(), "fc", kF, kF, 1, nullptr));
+  EXPECT_REFUSED_WORDS(fp8_model_forward(m2.get(), orphan.x.get(), y2.get()), kInv, "fp8_model_forward", "x", kOther,
+                       kModels);
+  EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m2.get(), 0, param_tensor(m, "fc.weight", true)), kInv,
+                       "fp8_model_accumulate_grad", "g belongs to another context");
+  EXPECT_EQ(tensor_bytes(y2.get()), y2_before);
+  EXPECT_OK(fp8_model_forward(m2.get(), x2.get(), y2.get()));
+
+  orphan_opt.reset();
+  orphan.model.reset();
+  orphan.dx.reset();
+  orphan.dy.reset();
+  orphan.y.reset();
+  orphan.x.reset();  // the old context's last object: its resources go here
+  live_opt.reset();
+  fp8_context_destroy(live.ctx);
+}
+
 }  // namespace

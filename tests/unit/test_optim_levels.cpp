@@ -525,6 +525,89 @@ TEST(OptimLevelSelection, ALevelChangeNeedsNoOptimizerAndNoneOutlivesItsModel) {
                        "destroyed");
 }
 
+// What an optimizer whose model was destroyed first still does (fp8.h: destroy it before the model;
+// the model's destructor unlinks it): what concerns only the optimizer's own state works
+// (fp8_optimizer_set_float / get_float, with the usual range checks, and fp8_optimizer_get_stats,
+// which reports the steps it made); every call that would touch the model (step, step_joint,
+// zero_grad, and a checkpoint with that optimizer, even for another live model) is refused with
+// FP8_ERR_INVALID_STATE, naming the cause and the fix, and changes nothing. Then it is destroyed
+// cleanly (the sanitizer build checks the memory). At te and O1..O3, SGD at O1 with its momentum set
+// only after the model is gone (no state is allocated for it then).
+TEST(OptimLevelSelection, AnOptimizerOutlivingItsModelKeepsItsOwnStateAndRefusesTheModelsWork) {
+  struct Case {
+    int level;
+    fp8_optimizer_kind_t kind;
+  };
+  for (const Case c : {Case{0, FP8_OPTIMIZER_ADAM}, Case{1, FP8_OPTIMIZER_SGD}, Case{2, FP8_OPTIMIZER_ADAM},
+                       Case{3, FP8_OPTIMIZER_ADAMW}}) {
+    SCOPED_TRACE(std::string(level_name(c.level)) + " kind " + std::to_string(c.kind));
+    TwoLinears t(recipe_for_level(c.level));
+    t.create(c.kind);
+    ASSERT_NE(t.opt, nullptr);
+    fp8_optimizer_t* o = t.opt.get();
+    Hyper h;
+    h.kind = c.kind;
+    h.lr = 0.01;
+    apply(o, h);
+    t.backward(1);
+    FP8_ASSERT_OK(fp8_optimizer_step(o));
+    const fp8_optimizer_stats_t before = stats_of(o);
+    ASSERT_EQ(before.steps, 1);
+    ASSERT_EQ(before.opt_level, c.level);
+
+    t.model.reset();  // destroyed before its optimizer
+
+    // The optimizer's own state.
+    EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_LR, 0.5));
+    double lr = -1.0;
+    EXPECT_OK(fp8_optimizer_get_float(o, FP8_OPTIM_LR, &lr));
+    EXPECT_EQ(lr, 0.5);
+    EXPECT_REFUSED_WORDS(fp8_optimizer_set_float(o, FP8_OPTIM_LR, -1.0), FP8_ERR_INVALID_ARGUMENT,
+                         "fp8_optimizer_set_float", "FP8_OPTIM_LR", ">= 0");
+    EXPECT_OK(fp8_optimizer_get_float(o, FP8_OPTIM_LR, &lr));
+    EXPECT_EQ(lr, 0.5) << "a refused value was kept";
+    if (c.kind == FP8_OPTIMIZER_SGD) EXPECT_OK(fp8_optimizer_set_float(o, FP8_OPTIM_MOMENTUM, 0.9));
+    fp8_optimizer_stats_t s = stats_of(o);
+    EXPECT_EQ(s.steps, before.steps);
+    EXPECT_EQ(s.skipped_steps, before.skipped_steps);
+    EXPECT_EQ(bits_of(s.last_grad_norm), bits_of(before.last_grad_norm));
+    EXPECT_EQ(s.parameters, before.parameters);
+    EXPECT_EQ(s.state_bytes, before.state_bytes) << "no state is allocated for a model that is gone";
+    EXPECT_EQ(s.opt_level, before.opt_level);
+    EXPECT_EQ(s.training_bytes, before.training_bytes);
+
+    // What needs the model.
+    const char* words[] = {"the optimizer's model was destroyed", "destroy the optimizer first"};
+    EXPECT_REFUSED_WORDS(fp8_optimizer_step(o), FP8_ERR_INVALID_STATE, "fp8_optimizer_step", words[0], words[1]);
+    Tensor other_sumsq = make_tensor(t.ctx.get(), FP8_DTYPE_F32, {1});
+    Tensor clip = make_tensor(t.ctx.get(), FP8_DTYPE_F32, {1});
+    upload(other_sumsq.get(), std::vector<float>{1.0f});
+    upload(clip.get(), std::vector<float>{-3.0f});
+    EXPECT_REFUSED_WORDS(fp8_optimizer_step_joint(o, other_sumsq.get(), clip.get()), FP8_ERR_INVALID_STATE,
+                         "fp8_optimizer_step_joint", words[0], words[1]);
+    EXPECT_EQ(download<float>(clip.get()), std::vector<float>{-3.0f}) << "a refused joint step wrote clip_coef";
+    EXPECT_REFUSED_WORDS(fp8_optimizer_zero_grad(o), FP8_ERR_INVALID_STATE, "fp8_optimizer_zero_grad", words[0],
+                         words[1]);
+    EXPECT_EQ(stats_of(o).steps, before.steps) << "a refused step counted";
+
+    // A checkpoint with it, even for a live model of the same shape, is refused before any file work.
+    TwoLinears live(recipe_for_level(c.level));
+    const std::string path = ::testing::TempDir() + "fp8_orphan_optimizer_" + level_name(c.level) + ".ckpt";
+    std::remove(path.c_str());
+    EXPECT_REFUSED_WORDS(fp8_checkpoint_save(live.model.get(), o, path.c_str(), 0), FP8_ERR_INVALID_STATE,
+                         "fp8_checkpoint_save", words[0], words[1]);
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    EXPECT_EQ(f, nullptr) << "a refused save wrote " << path;
+    if (f) std::fclose(f);
+    const Snapshot live_before = snapshot(live);
+    EXPECT_REFUSED_WORDS(fp8_checkpoint_load(live.model.get(), o, path.c_str()), FP8_ERR_INVALID_STATE,
+                         "fp8_checkpoint_load", words[0], words[1]);
+    expect_same_storage(snapshot(live), live_before, "a refused load");
+
+    t.opt.reset();  // after its model: no use of the model's freed memory (ASan / valgrind)
+  }
+}
+
 // The layers use the storage the conversion made: an FP8 forward right after the conversion gives
 // what a te model with the same FP32 weights gives, within the weights' rounding to F16 or E4M3;
 // fp8_optimizer_create changes nothing of it (the bits of a twin without optimizer); and after
@@ -1108,6 +1191,74 @@ TEST(OptimLevelAccumulateGrad, Bf16AddendsFollowTheRuleAndOtherDtypesAreRefused)
   }
   EXPECT_EQ(download<uint8_t>(wgrad), before) << "a refused addend changed the gradient";
 }
+
+// fp8_model_accumulate_grad's refusals, at FP32 storage (te) and at each FP8-gradient level: a NULL
+// model or g, an index out of 0..count-1, a g of another context (a second CPU context: same device,
+// other context), of another dtype than F32/BF16, or of another element count. Each names the
+// argument and what was expected, and leaves every weight and gradient as it was (bytes, scale_inv
+// and data pointers), here gradients made nonzero by an accepted call first.
+class OptimLevelAccumulateGradRefusals : public ::testing::TestWithParam<int> {};
+
+TEST_P(OptimLevelAccumulateGradRefusals, EachNamesItsArgumentAndChangesNothing) {
+  const int level = GetParam();
+  TwoLinears t(recipe_for_level(level));
+  fp8_model_t* m = t.model.get();
+  ASSERT_EQ(storage_level_of(m), level);
+  ASSERT_EQ(dtype_of(t.grad(0)), grad_dtype_at(level));
+  int32_t count = -1;
+  FP8_ASSERT_OK(fp8_model_parameter_count(m, &count));
+  ASSERT_EQ(count, 2);  // fc1.weight, fc2.weight
+  t.set_fp32_grads(5);
+  const Snapshot before = snapshot(t);
+  const int64_t n0 = kIn[0] * kOut[0], n1 = kIn[1] * kOut[1];
+  Tensor good = make_tensor(t.ctx.get(), FP8_DTYPE_F32, {n0});
+  upload(good.get(), randn(static_cast<size_t>(n0), 9, 0.05f));
+  const char* fn = "fp8_model_accumulate_grad";
+  const int32_t kInv = FP8_ERR_INVALID_ARGUMENT;
+
+  EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(nullptr, 0, good.get()), kInv, fn, "'model'", "NULL");
+  EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, 0, nullptr), kInv, fn, "'g'", "NULL");
+  expect_same_storage(snapshot(t), before, "a NULL argument");
+  EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, -1, good.get()), kInv, fn, "index = -1", "expected 0..1",
+                       "2 parameters");
+  EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, count, good.get()), kInv, fn, "index = 2", "expected 0..1",
+                       "2 parameters");
+  expect_same_storage(snapshot(t), before, "an index out of range");
+
+  Context other = make_context(FP8_DEVICE_CPU);
+  Tensor foreign = make_tensor(other.get(), FP8_DTYPE_F32, {n0});
+  upload(foreign.get(), randn(static_cast<size_t>(n0), 9, 0.05f));
+  EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, 0, foreign.get()), kInv, fn, "g belongs to another context",
+                       "expected the model's");
+  expect_same_storage(snapshot(t), before, "a g of another context");
+
+  for (fp8_dtype_t dt : {FP8_DTYPE_F16, FP8_DTYPE_E4M3, FP8_DTYPE_E5M2}) {
+    Tensor bad = make_tensor(t.ctx.get(), dt, {n0});
+    const std::string name = dt == FP8_DTYPE_F16 ? "f16" : dt == FP8_DTYPE_E4M3 ? "e4m3" : "e5m2";
+    EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, 0, bad.get()), FP8_ERR_DTYPE, fn, "g has dtype " + name,
+                         "expected f32 or bf16");
+  }
+  expect_same_storage(snapshot(t), before, "a g of another dtype");
+
+  for (fp8_dtype_t dt : {FP8_DTYPE_F32, FP8_DTYPE_BF16})
+    for (int64_t wrong : {n0 - 1, n0 + 1, n1}) {
+      Tensor bad = make_tensor(t.ctx.get(), dt, {wrong});
+      EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, 0, bad.get()), FP8_ERR_SHAPE, fn,
+                           "g has " + std::to_string(wrong) + " elements", "parameter 'fc1.weight' has " +
+                           std::to_string(n0));
+    }
+  // fc1's own count onto fc2.weight.
+  EXPECT_REFUSED_WORDS(fp8_model_accumulate_grad(m, 1, good.get()), FP8_ERR_SHAPE, fn,
+                       "g has " + std::to_string(n0) + " elements", "parameter 'fc2.weight' has " + std::to_string(n1));
+  expect_same_storage(snapshot(t), before, "a g of another element count");
+
+  // The refusals left the model usable: the same g is accepted and changes fc1's gradient.
+  FP8_ASSERT_OK(fp8_model_accumulate_grad(m, 0, good.get()));
+  EXPECT_NE(tensor_bytes(t.grad(0)), before.bytes[1]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, OptimLevelAccumulateGradRefusals, ::testing::Values(0, 1, 2, 3),
+                         [](const ::testing::TestParamInfo<int>& i) { return std::string(level_name(i.param)); });
 
 class OptimLevelPoison : public ::testing::TestWithParam<int> {};
 
