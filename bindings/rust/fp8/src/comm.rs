@@ -1,7 +1,7 @@
 //! Data parallelism: communicators (fp8.h, "Data parallelism").
 
 use crate::context::Context;
-use crate::error::{check, Error, Result, Status};
+use crate::error::{check, created, Error, Result, Status};
 use fp8_sys as sys;
 use std::marker::PhantomData;
 use std::ptr::{self, NonNull};
@@ -39,7 +39,7 @@ impl<'c> Comm<'c> {
         let raw_id = sys::fp8_comm_id_t { bytes: id.0 };
         let mut raw = ptr::null_mut();
         check(unsafe { sys::fp8_comm_create(&mut raw, ctx.as_ptr(), nranks, rank, &raw_id) })?;
-        Ok(Comm { raw: NonNull::new(raw).expect("fp8_comm_create gave NULL with FP8_OK"), _ctx: PhantomData })
+        Ok(Comm { raw: created(raw, "fp8_comm_create")?, _ctx: PhantomData })
     }
 
     pub fn rank(&self) -> Result<i32> {
@@ -108,16 +108,22 @@ impl Rank {
         let ctxs: Vec<*mut sys::fp8_context_t> = contexts.iter().map(|c| c.as_ptr()).collect();
         let mut comms = vec![ptr::null_mut(); contexts.len()];
         check(unsafe { sys::fp8_comm_create_local(comms.as_mut_ptr(), ctxs.as_ptr(), n) })?;
-        Ok(contexts
+        if comms.iter().any(|c| c.is_null()) {
+            // fp8.h: all or nothing. Release what came, rather than trust half a group.
+            comms.iter().for_each(|&c| unsafe { sys::fp8_comm_destroy(c) });
+            return Err(Error::new(
+                Status::Internal,
+                "fp8_comm_create_local returned FP8_OK without every communicator",
+            ));
+        }
+        contexts
             .into_iter()
             .zip(comms)
-            .enumerate()
-            .map(|(k, (ctx, comm))| Rank {
-                comm: Comm { raw: NonNull::new(comm).expect("fp8_comm_create_local gave NULL"), _ctx: PhantomData },
-                ctx,
-                rank: k as i32,
+            .zip(0..n)
+            .map(|((ctx, comm), rank)| {
+                Ok(Rank { comm: Comm { raw: created(comm, "fp8_comm_create_local")?, _ctx: PhantomData }, ctx, rank })
             })
-            .collect())
+            .collect()
     }
 
     /// This rank's context: make its tensors and models from it.

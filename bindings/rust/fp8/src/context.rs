@@ -1,6 +1,6 @@
 //! Contexts (a device, its stream and resources) and what can be asked of the devices.
 
-use crate::error::{check, Result};
+use crate::error::{check, created, Result};
 use fp8_sys as sys;
 use std::ffi::CStr;
 use std::ptr::{self, NonNull};
@@ -29,7 +29,7 @@ impl Context {
         let mut raw = ptr::null_mut();
         // SAFETY: out-parameter written only on success.
         check(unsafe { sys::fp8_context_create(&mut raw, device) })?;
-        Ok(Context { raw: NonNull::new(raw).expect("fp8_context_create gave NULL with FP8_OK") })
+        Ok(Context { raw: created(raw, "fp8_context_create")? })
     }
 
     /// libfp8's CPU reference backend.

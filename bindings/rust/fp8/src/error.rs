@@ -162,6 +162,13 @@ pub(crate) fn check(code: sys::fp8_status_t) -> Result<()> {
     }
 }
 
+/// The object a successful `fp8_*_create` (named `call`) returned: never NULL by fp8.h's
+/// conventions, and an `Internal` error rather than a panic if a library breaks them.
+pub(crate) fn created<T>(raw: *mut T, call: &str) -> Result<std::ptr::NonNull<T>> {
+    std::ptr::NonNull::new(raw)
+        .ok_or_else(|| Error::new(Status::Internal, format!("{call} returned FP8_OK without an object")))
+}
+
 /// A copy of a NUL-terminated string (lossy for invalid UTF-8); "" for NULL.
 pub(crate) unsafe fn c_text(p: *const c_char) -> String {
     if p.is_null() {
@@ -205,4 +212,18 @@ pub(crate) fn read_text(mut call: impl FnMut(*mut c_char, usize, *mut usize) -> 
     check(call(buf.as_mut_ptr().cast(), buf.len(), std::ptr::null_mut()))?;
     let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
     Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn null_with_ok_is_an_internal_error_not_a_panic() {
+        let err = created(std::ptr::null_mut::<u8>(), "fp8_tensor_create").unwrap_err();
+        assert_eq!(err.status(), Status::Internal);
+        assert!(err.message().contains("fp8_tensor_create"), "{err}");
+        let mut x = 0u8;
+        assert!(created(&mut x as *mut u8, "fp8_tensor_create").is_ok());
+    }
 }

@@ -31,7 +31,17 @@
 //! from a context borrow it (`Tensor<'c>`, `Model<'c>`); a model's parameters are
 //! [`TensorRef<'m>`] borrowed from the model; an [`Optimizer<'m>`] borrows its model (fp8.h:
 //! destroy it first); a forward that awaits its backward ([`ForwardPass`], [`LayerPass`],
-//! [`Saved`]) borrows the forward's input, which the backward reads.
+//! [`Saved`]) borrows the forward's input, which the backward reads. libfp8 keeps one whole-model
+//! forward and one `fp8_layer_forward` per layer, so a [`ForwardPass`] superseded by a later
+//! `Model::forward` refuses its backward, and a layer's `Model::layer_forward` is refused while a
+//! [`LayerPass`] of it is alive: a backward never reads another forward's input.
+//!
+//! # Scaling recipes
+//! The recipe keys `scaling` (delayed, current, rowwise, block) and `power_2_scales` are
+//! [`RecipeAttr::Scaling`] and [`RecipeAttr::PowerOf2Scales`]; a converted layer's
+//! [`LayerReport::scaling`] says which one its casts use. For callers that drive the GEMMs
+//! themselves, [`Context::quantize_scaled`] and [`Context::gemm_scaled`] take grids of scales
+//! shaped by [`ScaleMode::grid_shape`].
 //!
 //! # Errors
 //! Every fallible call returns [`Result`]; an [`Error`] carries the [`Status`] and the message
@@ -64,7 +74,7 @@ pub use model::{
 };
 pub use optimizer::{OptimAttr, Optimizer, OptimizerKind, OptimizerStats};
 pub use recipe::{AttrBounds, Recipe, RecipeAttr, Role};
-pub use scaling::{GemmOptions, Norm, Scaling, ScalingInfo};
+pub use scaling::{GemmOptions, Norm, ScaleMode, Scaling, ScalingInfo};
 pub use tensor::{decode, encode, AsTensor, DType, HostElement, Tensor, TensorRef};
 
 /// The version of the library loaded (MAJOR*10000 + MINOR*100 + PATCH; compare with

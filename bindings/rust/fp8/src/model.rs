@@ -2,12 +2,13 @@
 //! autocast, checkpoints (fp8.h, "Models and layers").
 
 use crate::context::Context;
-use crate::error::{c_path, c_string, c_text, check, read_text, Error, Result, Status};
+use crate::error::{c_path, c_string, c_text, check, created, read_text, Error, Result, Status};
 use crate::optimizer::Optimizer;
 use crate::recipe::Recipe;
 use crate::scaling::ScalingInfo;
 use crate::tensor::{AsTensor, DType, HostElement, TensorRef};
 use fp8_sys as sys;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ptr::{self, NonNull};
@@ -79,6 +80,9 @@ pub struct LayerReport {
     pub fallback_calls: i64,
     /// Why the latest forward under FP8 fell back, or why conversion left the layer alone.
     pub reason: String,
+    /// `fp8_sys::FP8_SCALING_*` of the layer's FP8 casts (its conversion recipe's `scaling`); -1
+    /// when the layer is not converted.
+    pub scaling: i32,
 }
 
 /// Which layers `Model::convert_with` converts, and in which direction (`fp8_convert_options_t`).
@@ -144,6 +148,14 @@ pub struct Parameter<'m> {
 /// backward) is alive then; the training calls take `&self`.
 pub struct Model<'c> {
     raw: NonNull<sys::fp8_model_t>,
+    // libfp8 keeps one whole-model forward and one `fp8_layer_forward` per layer for their
+    // backwards, holding x's data pointer, and a backward differentiates whichever is kept. These
+    // tie each `ForwardPass` and `LayerPass` to its own forward, so that a backward can never reach
+    // the x of another forward, which its caller may have freed (see `ForwardPass`, `LayerPass`).
+    /// `fp8_model_forward` calls so far (a `ForwardPass` is valid while it holds the latest).
+    forwards: Cell<u64>,
+    /// The layers with a `LayerPass` alive (their next `layer_forward` is refused until it goes).
+    layer_passes: RefCell<Vec<LayerId>>,
     _ctx: PhantomData<&'c Context>,
 }
 
@@ -160,7 +172,12 @@ impl<'c> Model<'c> {
     pub fn new(ctx: &'c Context) -> Result<Model<'c>> {
         let mut raw = ptr::null_mut();
         check(unsafe { sys::fp8_model_create(&mut raw, ctx.as_ptr()) })?;
-        Ok(Model { raw: NonNull::new(raw).expect("fp8_model_create gave NULL with FP8_OK"), _ctx: PhantomData })
+        Ok(Model {
+            raw: created(raw, "fp8_model_create")?,
+            forwards: Cell::new(0),
+            layer_passes: RefCell::new(Vec::new()),
+            _ctx: PhantomData,
+        })
     }
 
     fn ptr(&self) -> *mut sys::fp8_model_t {
@@ -174,7 +191,7 @@ impl<'c> Model<'c> {
 
     /* ---- building ---- */
 
-    /// A Linear of weight [out_features, in_features] (and bias [out_features] if `bias`). Its
+    /// A Linear of weight `[out_features, in_features]` (and bias `[out_features]` if `bias`). Its
     /// weights start at zero: initialise them (`parameter_at(..).value.copy_from_host`).
     pub fn add_linear(&mut self, name: &str, in_features: i64, out_features: i64, bias: bool) -> Result<LayerId> {
         let name = c_string(name, "layer name")?;
@@ -230,7 +247,7 @@ impl<'c> Model<'c> {
 
     /* ---- parameters ---- */
 
-    /// The parameter "<layer>.<param>": (value, gradient), borrowed from the model.
+    /// The parameter `"<layer>.<param>"`: (value, gradient), borrowed from the model.
     pub fn parameter(&self, name: &str) -> Result<(TensorRef<'_>, TensorRef<'_>)> {
         let cname = c_string(name, "parameter name")?;
         let (mut value, mut grad) = (ptr::null_mut(), ptr::null_mut());
@@ -283,7 +300,7 @@ impl<'c> Model<'c> {
         check(unsafe { sys::fp8_model_weights_changed(self.ptr()) })
     }
 
-    /// grad[index] += g (an F32 tensor of the parameter's element count).
+    /// `grad[index] += g` (an F32 tensor of the parameter's element count).
     pub fn accumulate_grad(&self, index: usize, g: &(impl AsTensor + ?Sized)) -> Result<()> {
         check(unsafe { sys::fp8_model_accumulate_grad(self.ptr(), layer_index(index, "index")?, g.as_ptr()) })
     }
@@ -369,23 +386,44 @@ impl<'c> Model<'c> {
     /// y = model(x), the layers in order. In training mode the model keeps what the backward
     /// needs, x included: the returned pass borrows x (so it stays alive and unchanged) and is
     /// the way to run the backward. Drop it to forgo the backward (evaluation).
+    ///
+    /// libfp8 differentiates the latest forward only, so a later `forward` of this model (even a
+    /// failed one) supersedes the pass: its `backward` is then refused (`Status::InvalidState`)
+    /// rather than run on the later forward's x.
     pub fn forward<'a, X, Y>(&'a self, x: &'a X, y: &mut Y) -> Result<ForwardPass<'a>>
     where
         X: AsTensor + ?Sized,
         Y: AsTensor + ?Sized,
     {
+        // Counted before the call: whatever a failed forward leaves kept is not an older pass's.
+        let serial = self.forwards.get() + 1;
+        self.forwards.set(serial);
         check(unsafe { sys::fp8_model_forward(self.ptr(), x.as_ptr(), y.as_ptr()) })?;
-        Ok(ForwardPass { model: self.raw, _borrows: PhantomData })
+        Ok(ForwardPass { model: self, serial, _x: PhantomData })
     }
 
     /// y = layer(x) (`fp8_layer_forward`); the pass runs the layer's backward.
+    ///
+    /// libfp8 keeps one such forward per layer: while a `LayerPass` of `layer` is alive, another
+    /// `layer_forward` of that layer is refused (`Status::InvalidState`): run the pass's backward
+    /// or drop it first, or keep several forwards in flight with `forward_saved`.
     pub fn layer_forward<'a, X, Y>(&'a self, layer: LayerId, x: &'a X, y: &mut Y) -> Result<LayerPass<'a>>
     where
         X: AsTensor + ?Sized,
         Y: AsTensor + ?Sized,
     {
+        if self.layer_passes.borrow().contains(&layer) {
+            return Err(Error::new(
+                Status::InvalidState,
+                format!(
+                    "layer_forward: layer {layer} has a LayerPass awaiting its backward; run its backward or drop it \
+                     first, or keep several forwards in flight with forward_saved"
+                ),
+            ));
+        }
         check(unsafe { sys::fp8_layer_forward(self.ptr(), layer, x.as_ptr(), y.as_ptr()) })?;
-        Ok(LayerPass { model: self.raw, layer, _borrows: PhantomData })
+        self.layer_passes.borrow_mut().push(layer);
+        Ok(LayerPass { model: self, layer, _x: PhantomData })
     }
 
     /// y = layer(x), with what its backward needs handed to the caller: any number of forwards
@@ -397,7 +435,7 @@ impl<'c> Model<'c> {
     {
         let mut raw = ptr::null_mut();
         check(unsafe { sys::fp8_layer_forward_saved(self.ptr(), layer, x.as_ptr(), y.as_ptr(), &mut raw) })?;
-        Ok(Saved { raw: NonNull::new(raw).expect("fp8_layer_forward_saved gave NULL"), _x: PhantomData })
+        Ok(Saved { raw: created(raw, "fp8_layer_forward_saved")?, _x: PhantomData })
     }
 
     /// Backward of exactly the forward that made `saved` (consumed on success: a second backward
@@ -433,6 +471,7 @@ impl<'c> Model<'c> {
             fp8_calls: r.fp8_calls,
             fallback_calls: r.fallback_calls,
             reason: String::from_utf8_lossy(&reason).into_owned(),
+            scaling: r.scaling,
         })
     }
 
@@ -538,30 +577,56 @@ impl std::fmt::Debug for Model<'_> {
 
 /// A forward of the whole model awaiting its backward: it borrows the model and the forward's x
 /// (which the backward reads), so neither can be dropped or written before it is done.
+///
+/// libfp8's `fp8_model_backward` differentiates the model's latest forward, whatever pass asks:
+/// a pass superseded by a later `Model::forward` refuses its backward (`Status::InvalidState`),
+/// since that forward's x is borrowed by no one and may be gone.
 pub struct ForwardPass<'a> {
-    model: NonNull<sys::fp8_model_t>,
-    _borrows: PhantomData<&'a ()>,
+    model: &'a Model<'a>,
+    serial: u64,
+    _x: PhantomData<&'a ()>,
 }
 
 impl ForwardPass<'_> {
     /// Backward of this forward (`fp8_model_backward`): dy of y's shape and dtype; dx (x's shape)
     /// or None when the input needs no gradient. Parameter gradients accumulate.
     pub fn backward<DY: AsTensor + ?Sized>(self, dy: &DY, dx: Option<&mut dyn AsTensor>) -> Result<()> {
-        check(unsafe { sys::fp8_model_backward(self.model.as_ptr(), dy.as_ptr(), opt_mut(dx)) })
+        if self.model.forwards.get() != self.serial {
+            return Err(Error::new(
+                Status::InvalidState,
+                "ForwardPass::backward: the model ran a later forward since this pass's forward; libfp8 keeps \
+                 the latest one only (use Model::forward_saved to keep several)",
+            ));
+        }
+        check(unsafe { sys::fp8_model_backward(self.model.ptr(), dy.as_ptr(), opt_mut(dx)) })
     }
 }
 
 /// A forward of one layer awaiting its backward (`fp8_layer_forward`); borrows the model and x.
+/// While it is alive the layer's next `Model::layer_forward` is refused (libfp8 keeps one forward
+/// per layer; a second would make this pass's backward read the other forward's x). Dropped
+/// without its backward, the forward stays kept in libfp8, which refuses the layer's next
+/// training-mode `layer_forward` until the weights change, the model is converted or its training
+/// mode changes: where a forward may go undifferentiated, prefer `Model::forward_saved`.
 pub struct LayerPass<'a> {
-    model: NonNull<sys::fp8_model_t>,
+    model: &'a Model<'a>,
     layer: LayerId,
-    _borrows: PhantomData<&'a ()>,
+    _x: PhantomData<&'a ()>,
 }
 
 impl LayerPass<'_> {
     /// Backward of this layer's forward (`fp8_layer_backward`); dx None only for a Linear.
     pub fn backward<DY: AsTensor + ?Sized>(self, dy: &DY, dx: Option<&mut dyn AsTensor>) -> Result<()> {
-        check(unsafe { sys::fp8_layer_backward(self.model.as_ptr(), self.layer, dy.as_ptr(), opt_mut(dx)) })
+        check(unsafe { sys::fp8_layer_backward(self.model.ptr(), self.layer, dy.as_ptr(), opt_mut(dx)) })
+    }
+}
+
+impl Drop for LayerPass<'_> {
+    fn drop(&mut self) {
+        let mut passes = self.model.layer_passes.borrow_mut();
+        if let Some(k) = passes.iter().position(|&l| l == self.layer) {
+            passes.swap_remove(k);
+        }
     }
 }
 
@@ -608,5 +673,29 @@ impl Drop for Autocast<'_> {
         if self.open {
             let _ = unsafe { sys::fp8_autocast_end(self.model.as_ptr()) };
         }
+    }
+}
+
+impl std::fmt::Debug for ForwardPass<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForwardPass").field("serial", &self.serial).finish()
+    }
+}
+
+impl std::fmt::Debug for LayerPass<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerPass").field("layer", &self.layer).finish()
+    }
+}
+
+impl std::fmt::Debug for Saved<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saved").field("needs_input", &self.needs_input().ok()).finish()
+    }
+}
+
+impl std::fmt::Debug for Autocast<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Autocast").field("open", &self.open).finish()
     }
 }

@@ -1,6 +1,6 @@
 //! The optimizer: SGD, Adam and AdamW at every storage level (fp8.h, "Optimizer").
 
-use crate::error::{check, Result};
+use crate::error::{check, created, Result};
 use crate::model::Model;
 use crate::tensor::AsTensor;
 use fp8_sys as sys;
@@ -64,10 +64,7 @@ impl<'m> Optimizer<'m> {
     pub fn new(model: &'m Model<'_>, kind: OptimizerKind) -> Result<Optimizer<'m>> {
         let mut raw = ptr::null_mut();
         check(unsafe { sys::fp8_optimizer_create(&mut raw, model.as_ptr(), kind as i32) })?;
-        Ok(Optimizer {
-            raw: NonNull::new(raw).expect("fp8_optimizer_create gave NULL with FP8_OK"),
-            _model: PhantomData,
-        })
+        Ok(Optimizer { raw: created(raw, "fp8_optimizer_create")?, _model: PhantomData })
     }
 
     /// Sets a hyper-parameter (the next step uses it). Synchronous.

@@ -1,6 +1,6 @@
 //! Recipes: how FP8 training is done (fp8.h, "Recipe").
 
-use crate::error::{c_path, c_string, check, read_text, static_str, Error, Result, Status};
+use crate::error::{c_path, c_string, check, created, read_text, static_str, Error, Result, Status};
 use crate::tensor::DType;
 use fp8_sys as sys;
 use std::ptr::{self, NonNull};
@@ -99,7 +99,7 @@ impl Recipe {
     pub fn new() -> Result<Recipe> {
         let mut raw = ptr::null_mut();
         check(unsafe { sys::fp8_recipe_create(&mut raw) })?;
-        Ok(Recipe { raw: NonNull::new(raw).expect("fp8_recipe_create gave NULL with FP8_OK") })
+        Ok(Recipe { raw: created(raw, "fp8_recipe_create")? })
     }
 
     /// The defaults with `text` applied ("fp8_format=E4M3, margin=1").
@@ -121,7 +121,7 @@ impl Recipe {
     pub fn try_clone(&self) -> Result<Recipe> {
         let mut raw = ptr::null_mut();
         check(unsafe { sys::fp8_recipe_clone(&mut raw, self.raw.as_ptr()) })?;
-        Ok(Recipe { raw: NonNull::new(raw).expect("fp8_recipe_clone gave NULL with FP8_OK") })
+        Ok(Recipe { raw: created(raw, "fp8_recipe_clone")? })
     }
 
     /// Applies comma-separated `key=value` pairs; all or nothing.

@@ -2,7 +2,7 @@
 //! activations, norms), as methods of the context they run on.
 
 use crate::context::Context;
-use crate::error::{check, Error, Result, Status};
+use crate::error::{check, created, Error, Result, Status};
 use crate::recipe::{Recipe, Role};
 use crate::tensor::{AsTensor, DType};
 use fp8_sys as sys;
@@ -51,7 +51,7 @@ impl<'c> Scaling<'c> {
     pub fn new(ctx: &'c Context, recipe: &Recipe, role: Role) -> Result<Scaling<'c>> {
         let mut raw = ptr::null_mut();
         check(unsafe { sys::fp8_scaling_create(&mut raw, ctx.as_ptr(), recipe.as_ptr(), role as i32) })?;
-        Ok(Scaling { raw: NonNull::new(raw).expect("fp8_scaling_create gave NULL with FP8_OK"), _ctx: PhantomData })
+        Ok(Scaling { raw: created(raw, "fp8_scaling_create")?, _ctx: PhantomData })
     }
 
     /// The FP8 dtype it scales for.
@@ -109,12 +109,51 @@ impl Default for GemmOptions {
     }
 }
 
+/// How a grid of scales covers an FP8 operand viewed as a matrix [rows, cols] (cols: its last
+/// dimension, the K of the GEMM that reads it), for `Context::quantize_scaled` and
+/// `Context::gemm_scaled` (`FP8_SCALE_MODE_*`; fp8.h, "Scale grids").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(i32)]
+pub enum ScaleMode {
+    /// One scale per row (torchao's rowwise; recipe `scaling=rowwise`).
+    Row = sys::FP8_SCALE_MODE_ROW,
+    /// One scale per 128 consecutive elements of a row, the last block maybe shorter
+    /// (activations and gradients under recipe `scaling=block`).
+    Block1x128 = sys::FP8_SCALE_MODE_BLOCK_1X128,
+    /// One scale per 128 x 128 block, shorter at the edges (weights under `scaling=block`).
+    Block128x128 = sys::FP8_SCALE_MODE_BLOCK_128X128,
+}
+
+impl ScaleMode {
+    /// The 2-D shape of the F32 grid of scales of an operand of [rows, cols] in this mode
+    /// (`fp8_scale_grid_shape`): [rows, 1], [ceil(cols/128), rows], or [ceil(rows/128),
+    /// ceil(cols/128) rounded up to a multiple of 4]. `Status::Shape` for negative sizes or more
+    /// than 2^62 elements. Thread safe.
+    pub fn grid_shape(self, rows: i64, cols: i64) -> Result<[i64; 2]> {
+        let mut shape = [0i64; 2];
+        check(unsafe { sys::fp8_scale_grid_shape(self as i32, rows, cols, shape.as_mut_ptr()) })?;
+        Ok(shape)
+    }
+}
+
 /// Norm kinds (`FP8_NORM_*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(i32)]
 pub enum Norm {
     LayerNorm = sys::FP8_NORM_LAYERNORM,
     RmsNorm = sys::FP8_NORM_RMSNORM,
+}
+
+/// libfp8's options with `o`'s values (None: NULL, the defaults).
+fn raw_gemm_options(o: Option<&GemmOptions>) -> Option<sys::fp8_gemm_options_t> {
+    o.map(|o| {
+        let mut raw = sys::fp8_gemm_options_t::default();
+        unsafe { sys::fp8_gemm_options_init(&mut raw) };
+        raw.alpha = o.alpha;
+        raw.accumulate = o.accumulate as i32;
+        raw.fast_accumulation = o.fast_accumulation as i32;
+        raw
+    })
 }
 
 fn opt(t: Option<&dyn AsTensor>) -> *const sys::fp8_tensor_t {
@@ -176,14 +215,7 @@ impl Context {
         d_scaling: Option<&Scaling<'_>>,
         options: Option<&GemmOptions>,
     ) -> Result<()> {
-        let o = options.map(|o| {
-            let mut raw = sys::fp8_gemm_options_t::default();
-            unsafe { sys::fp8_gemm_options_init(&mut raw) };
-            raw.alpha = o.alpha;
-            raw.accumulate = o.accumulate as i32;
-            raw.fast_accumulation = o.fast_accumulation as i32;
-            raw
-        });
+        let o = raw_gemm_options(options);
         check(unsafe {
             sys::fp8_gemm(
                 self.as_ptr(),
@@ -192,6 +224,83 @@ impl Context {
                 opt(bias),
                 d.as_ptr(),
                 opt_scaling(d_scaling),
+                o.as_ref().map_or(ptr::null(), |o| o as *const _),
+            )
+        })
+    }
+
+    /// Quantises `input` (F32, F16 or BF16, viewed as [rows, cols]) into `out` (E4M3 or E5M2, of
+    /// input's shape) with a scale per cell of `mode` (`fp8_quantize_scaled`): each cell's scale is
+    /// the current-scaling rule on the cell's amax, with `recipe`'s margin and power_2_scales
+    /// (auto: on for the block modes); `out_scales` (F32 of `mode.grid_shape(rows, cols)`) receives
+    /// 1/scale per cell, and `out`'s own scale_inv is left as it is. `transposed`: also the
+    /// [cols, rows] copy and its grid (`mode.grid_shape(cols, rows)`), for a GEMM that reads the
+    /// operand transposed. Outputs must not overlap `input` or each other.
+    pub fn quantize_scaled<I, O, S>(
+        &self,
+        input: &I,
+        mode: ScaleMode,
+        recipe: &Recipe,
+        out: &mut O,
+        out_scales: &mut S,
+        transposed: Option<(&mut dyn AsTensor, &mut dyn AsTensor)>,
+    ) -> Result<()>
+    where
+        I: AsTensor + ?Sized,
+        O: AsTensor + ?Sized,
+        S: AsTensor + ?Sized,
+    {
+        let (t, t_scales) = transposed.map_or((ptr::null_mut(), ptr::null_mut()), |(t, s)| (t.as_ptr(), s.as_ptr()));
+        check(unsafe {
+            sys::fp8_quantize_scaled(
+                self.as_ptr(),
+                input.as_ptr(),
+                mode as i32,
+                recipe.as_ptr(),
+                out.as_ptr(),
+                out_scales.as_ptr(),
+                t,
+                t_scales,
+            )
+        })
+    }
+
+    /// D = alpha * A * B^T (+ bias) (+ D) with grids of scales (`fp8_gemm_scaled`): `a` `[m, k]`
+    /// and `b` `[n, k]` FP8 with their grids as `quantize_scaled` makes them, `d` `[m, n]` F32 or
+    /// BF16, `bias` BF16 `[n]`. Mode pairs: Row x Row, and the block modes except 128x128 x 128x128.
+    /// The CPU backend takes any shape; a GPU needs `DeviceInfo::fp8_block_scaling`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_scaled<A, AS, B, BS, D>(
+        &self,
+        a: &A,
+        a_mode: ScaleMode,
+        a_scales: &AS,
+        b: &B,
+        b_mode: ScaleMode,
+        b_scales: &BS,
+        bias: Option<&dyn AsTensor>,
+        d: &mut D,
+        options: Option<&GemmOptions>,
+    ) -> Result<()>
+    where
+        A: AsTensor + ?Sized,
+        AS: AsTensor + ?Sized,
+        B: AsTensor + ?Sized,
+        BS: AsTensor + ?Sized,
+        D: AsTensor + ?Sized,
+    {
+        let o = raw_gemm_options(options);
+        check(unsafe {
+            sys::fp8_gemm_scaled(
+                self.as_ptr(),
+                a.as_ptr(),
+                a_mode as i32,
+                a_scales.as_ptr(),
+                b.as_ptr(),
+                b_mode as i32,
+                b_scales.as_ptr(),
+                opt(bias),
+                d.as_ptr(),
                 o.as_ref().map_or(ptr::null(), |o| o as *const _),
             )
         })

@@ -1,7 +1,7 @@
 //! Tensors: owned (`Tensor`) and lent by a model (`TensorRef`).
 
 use crate::context::Context;
-use crate::error::{check, static_str, Error, Result, Status};
+use crate::error::{check, created, static_str, Error, Result, Status};
 use fp8_sys as sys;
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -98,7 +98,8 @@ macro_rules! tensor_reads {
                 let mut ndim = 0;
                 let mut dims = [0i64; sys::FP8_MAX_DIMS];
                 check(unsafe { sys::fp8_tensor_shape(self.raw.as_ptr(), &mut ndim, dims.as_mut_ptr()) })?;
-                Ok(dims[..ndim as usize].to_vec())
+                let dims = usize::try_from(ndim).ok().and_then(|n| dims.get(..n));
+                dims.map(<[i64]>::to_vec).ok_or_else(|| Error::new(Status::Internal, format!("ndim {ndim}")))
             }
 
             /// Number of elements (1 for a 0-d tensor).
@@ -108,9 +109,12 @@ macro_rules! tensor_reads {
                 Ok(n)
             }
 
-            /// numel times the dtype's size.
+            /// numel times the dtype's size (an error where that does not fit a `usize`).
             pub fn nbytes(&self) -> Result<usize> {
-                Ok(self.numel()? as usize * self.dtype()?.size())
+                let (numel, size) = (self.numel()?, self.dtype()?.size());
+                usize::try_from(numel).ok().and_then(|n| n.checked_mul(size)).ok_or_else(|| {
+                    Error::new(Status::OutOfMemory, format!("{numel} elements do not fit this host's address space"))
+                })
             }
 
             /// The data pointer (device memory on a CUDA context), borrowed from the tensor.
@@ -189,7 +193,7 @@ impl<'c> Tensor<'c> {
         check(unsafe {
             sys::fp8_tensor_create(&mut raw, ctx.as_ptr(), dtype.raw(), shape_arg(shape)?, shape.as_ptr())
         })?;
-        Ok(Tensor { raw: NonNull::new(raw).expect("fp8_tensor_create gave NULL with FP8_OK"), _ctx: PhantomData })
+        Ok(Tensor { raw: created(raw, "fp8_tensor_create")?, _ctx: PhantomData })
     }
 
     /// A new tensor holding `data` (whose bytes must be exactly the tensor's).
@@ -226,14 +230,18 @@ impl<'c> Tensor<'c> {
                 ),
             ));
         }
-        if (data.as_ptr() as usize) % dtype.size() != 0 {
+        // An empty tensor takes NULL (fp8.h), not an empty slice's dangling pointer, which need not
+        // be aligned to the dtype.
+        let ptr: *mut c_void = if need == 0 { ptr::null_mut() } else { data.as_mut_ptr().cast() };
+        if (ptr as usize) % dtype.size() != 0 {
             return Err(Error::new(
                 Status::InvalidArgument,
                 format!("wrap_host: data not aligned to {}", dtype.size()),
             ));
         }
-        // SAFETY: the buffer is large enough and aligned, and stays borrowed for 'c.
-        unsafe { Tensor::wrap(ctx, dtype, shape, data.as_mut_ptr().cast()) }
+        // SAFETY: the buffer is large enough and aligned (or NULL for an empty tensor), and stays
+        // borrowed for 'c.
+        unsafe { Tensor::wrap(ctx, dtype, shape, ptr) }
     }
 
     /// A tensor over memory the caller owns (`fp8_tensor_wrap`).
@@ -246,7 +254,7 @@ impl<'c> Tensor<'c> {
     pub unsafe fn wrap(ctx: &'c Context, dtype: DType, shape: &[i64], data: *mut c_void) -> Result<Tensor<'c>> {
         let mut raw = ptr::null_mut();
         check(sys::fp8_tensor_wrap(&mut raw, ctx.as_ptr(), dtype.raw(), shape_arg(shape)?, shape.as_ptr(), data))?;
-        Ok(Tensor { raw: NonNull::new(raw).expect("fp8_tensor_wrap gave NULL with FP8_OK"), _ctx: PhantomData })
+        Ok(Tensor { raw: created(raw, "fp8_tensor_wrap")?, _ctx: PhantomData })
     }
 
     /// Copies exactly the tensor's bytes from `src` (which must hold that many). Synchronous.

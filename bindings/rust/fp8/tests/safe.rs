@@ -121,6 +121,14 @@ fn tensors() {
     assert_eq!(buf, vec![3.0; 8]);
     let mut small = vec![0.0f32; 3];
     assert_eq!(Tensor::wrap_host(&ctx, DType::F32, &[2, 2], &mut small).unwrap_err().status(), Status::Shape);
+    // An empty tensor over an empty buffer of any element type (its dangling pointer is not passed).
+    let mut none: Vec<u8> = Vec::new();
+    assert_eq!(Tensor::wrap_host(&ctx, DType::F32, &[0, 4], &mut none).unwrap().numel().unwrap(), 0);
+    assert_eq!(Tensor::wrap_host(&ctx, DType::F32, &[-1], &mut none).unwrap_err().status(), Status::Shape);
+    let mut odd = [0u8; 12];
+    let start = (0..4).find(|i| (odd.as_ptr() as usize + i) % 4 != 0).unwrap();
+    let err = Tensor::wrap_host(&ctx, DType::F32, &[2], &mut odd[start..start + 8]).unwrap_err();
+    assert_eq!((err.status(), err.message().contains("aligned")), (Status::InvalidArgument, true));
     // FP8 codes and scale_inv.
     assert_eq!(encode(448.0, DType::E4M3), 0x7E);
     assert_eq!(decode(0x7E, DType::E4M3), 448.0);
@@ -409,4 +417,177 @@ fn ranks_on_threads_stay_identical() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(results[0], results[1]);
+}
+
+/// A pass's backward differentiates its own forward or nothing. libfp8 keeps the latest
+/// `fp8_model_forward` and one `fp8_layer_forward` per layer, holding only x's data pointer:
+/// before the fix, `pass1.backward` below ran the backward of the second forward, reading its x
+/// after the tensor was freed (valgrind: invalid reads in fp8_model_backward and
+/// fp8_layer_backward; garbage gradients).
+#[test]
+fn stale_passes_never_reach_another_forwards_input() {
+    let ctx = Context::cpu().unwrap();
+    let mut m = Model::new(&ctx).unwrap();
+    m.add_linear("fc", 4, 4, false).unwrap();
+    m.parameter("fc.weight").unwrap().0.copy_from_host(&[0.5f32; 16]).unwrap();
+    let x1 = Tensor::from_host(&ctx, DType::F32, &[1, 4], &[1.0f32; 4]).unwrap();
+    let dy = Tensor::from_host(&ctx, DType::F32, &[1, 4], &[1.0f32; 4]).unwrap();
+    let mut y = Tensor::new(&ctx, DType::F32, &[1, 4]).unwrap();
+    let grad = |m: &Model<'_>| m.parameter("fc.weight").unwrap().1.to_vec::<f32>().unwrap();
+
+    // Whole model: a later forward (its x dropped since) supersedes the pass.
+    let pass1 = m.forward(&x1, &mut y).unwrap();
+    {
+        let x2 = Tensor::from_host(&ctx, DType::F32, &[1, 4], &[7.0f32; 4]).unwrap();
+        let mut y2 = Tensor::new(&ctx, DType::F32, &[1, 4]).unwrap();
+        m.forward(&x2, &mut y2).unwrap(); // its pass dropped at once
+    }
+    let err = pass1.backward(&dy, None).unwrap_err();
+    assert_eq!(err.status(), Status::InvalidState);
+    assert!(err.message().contains("later forward"), "{err}");
+    assert_eq!(grad(&m), vec![0.0; 16], "nothing ran");
+    // Even a refused later forward supersedes it (libfp8 may have dropped what it kept).
+    let pass = m.forward(&x1, &mut y).unwrap();
+    let mut wrong = Tensor::new(&ctx, DType::F32, &[1, 5]).unwrap();
+    assert!(m.forward(&x1, &mut wrong).is_err());
+    assert_eq!(pass.backward(&dy, None).unwrap_err().status(), Status::InvalidState);
+    // The latest pass runs: dW = dy^T x1 = 1 everywhere.
+    m.forward(&x1, &mut y).unwrap().backward(&dy, None).unwrap();
+    assert_eq!(grad(&m), vec![1.0; 16]);
+    m.zero_grad().unwrap();
+
+    // Per layer: while a pass is alive the layer's next forward is refused, even where libfp8
+    // would replace its kept forward (the weights changed since).
+    let lp1 = m.layer_forward(0, &x1, &mut y).unwrap();
+    m.write_parameter(0, &[0.25f32; 16]).unwrap();
+    {
+        let x2 = Tensor::from_host(&ctx, DType::F32, &[1, 4], &[7.0f32; 4]).unwrap();
+        let mut y2 = Tensor::new(&ctx, DType::F32, &[1, 4]).unwrap();
+        let err = m.layer_forward(0, &x2, &mut y2).unwrap_err();
+        assert_eq!(err.status(), Status::InvalidState);
+        assert!(err.message().contains("LayerPass"), "{err}");
+    }
+    // lp1's forward is still the one kept (never x2's): libfp8 refuses it, the weights changed.
+    let err = lp1.backward(&dy, None).unwrap_err();
+    assert_eq!(err.status(), Status::InvalidState);
+    assert!(err.message().contains("changed since this forward"), "{err}");
+    assert_eq!(grad(&m), vec![0.0; 16]);
+    // Once the pass is gone the layer runs again, and a pass whose forward is kept runs.
+    let lp = m.layer_forward(0, &x1, &mut y).unwrap();
+    lp.backward(&dy, None).unwrap();
+    assert_eq!(grad(&m), vec![1.0; 16]);
+}
+
+/// Recipe keys `scaling` and `power_2_scales`, and a model trained under each scaling recipe.
+#[test]
+fn scaling_recipes_train() {
+    let mut r = Recipe::from_text("scaling=block").unwrap();
+    assert_eq!(r.get(RecipeAttr::Scaling).unwrap(), sys::FP8_SCALING_BLOCK as i64);
+    assert_eq!(r.get(RecipeAttr::PowerOf2Scales).unwrap(), sys::FP8_POWER_2_SCALES_AUTO as i64);
+    r.parse("power_2_scales=on, scaling=rowwise").unwrap();
+    assert_eq!(r.get(RecipeAttr::PowerOf2Scales).unwrap(), 1);
+    assert_eq!(r.get(RecipeAttr::Scaling).unwrap(), sys::FP8_SCALING_ROWWISE as i64);
+    assert_eq!(RecipeAttr::Scaling.bounds().unwrap().key, "scaling");
+    assert_eq!(RecipeAttr::PowerOf2Scales.bounds().unwrap().key, "power_2_scales");
+    let err = r.parse("scaling=sometimes").unwrap_err();
+    assert_eq!(err.status(), Status::InvalidArgument);
+    assert!(err.message().contains("scaling"), "{err}");
+    assert_eq!(r.set(RecipeAttr::PowerOf2Scales, 2).unwrap_err().status(), Status::InvalidArgument);
+
+    let ctx = Context::cpu().unwrap();
+    assert_eq!(small_model(&ctx).layer_report(0).unwrap().scaling, -1, "not converted");
+    for (text, scaling) in [
+        ("scaling=delayed", sys::FP8_SCALING_DELAYED),
+        ("scaling=current", sys::FP8_SCALING_CURRENT),
+        ("scaling=rowwise", sys::FP8_SCALING_ROWWISE),
+        ("scaling=block", sys::FP8_SCALING_BLOCK),
+    ] {
+        let m = small_model(&ctx);
+        m.convert(&Recipe::from_text(&format!("{text}, backend=msamp, opt_level=O2, small_layer_fallback=0")).unwrap())
+            .unwrap();
+        let mut opt = Optimizer::new(&m, OptimizerKind::AdamW).unwrap();
+        let before = values(&m);
+        let mut y = Tensor::new(&ctx, DType::F32, &[8, 16]).unwrap();
+        let (x, dy) = batch(&ctx, 3);
+        let region = m.autocast().unwrap();
+        let pass = m.forward(&x, &mut y).unwrap();
+        region.end().unwrap();
+        pass.backward(&dy, None).unwrap();
+        opt.step().unwrap();
+        let report = m.layer_report(0).unwrap();
+        assert_eq!((report.scaling, report.fprop), (scaling, Precision::Fp8), "{text}: {report:?}");
+        assert_eq!(opt.stats().unwrap().opt_level, 2);
+        assert_ne!(values(&m), before, "{text}");
+    }
+}
+
+/// fp8_scale_grid_shape, fp8_quantize_scaled and fp8_gemm_scaled.
+#[test]
+fn scale_grids() {
+    assert_eq!(ScaleMode::Row.grid_shape(3, 200).unwrap(), [3, 1]);
+    assert_eq!(ScaleMode::Block1x128.grid_shape(3, 200).unwrap(), [2, 3]);
+    assert_eq!(ScaleMode::Block128x128.grid_shape(300, 200).unwrap(), [3, 4]);
+    assert_eq!(ScaleMode::Row.grid_shape(-1, 4).unwrap_err().status(), Status::Shape);
+
+    let ctx = Context::cpu().unwrap();
+    let recipe = Recipe::new().unwrap();
+    // a [2, 4] (row amaxes 4 and 0.5) and b [3, 4].
+    let a_host = [1.0f32, -4.0, 2.0, 0.5, 0.25, 0.5, -0.125, 0.0];
+    let b_host = [1.0f32, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+    let a = Tensor::from_host(&ctx, DType::F32, &[2, 4], &a_host).unwrap();
+    let b = Tensor::from_host(&ctx, DType::F32, &[3, 4], &b_host).unwrap();
+    let quantize = |t: &Tensor<'_>, rows: i64, mode: ScaleMode, recipe: &Recipe| {
+        let mut q = Tensor::new(&ctx, DType::E4M3, &[rows, 4]).unwrap();
+        let mut s = Tensor::new(&ctx, DType::F32, &mode.grid_shape(rows, 4).unwrap()).unwrap();
+        let mut qt = Tensor::new(&ctx, DType::E4M3, &[4, rows]).unwrap();
+        let mut st = Tensor::new(&ctx, DType::F32, &mode.grid_shape(4, rows).unwrap()).unwrap();
+        ctx.quantize_scaled(t, mode, recipe, &mut q, &mut s, Some((&mut qt, &mut st))).unwrap();
+        (q, s)
+    };
+    let (qa, sa) = quantize(&a, 2, ScaleMode::Row, &recipe);
+    let scales = sa.to_vec::<f32>().unwrap();
+    assert_eq!(scales, vec![1.0 / (448.0 / 4.0f32), 1.0 / (448.0 / 0.5f32)]);
+    assert_eq!(qa.scale_inv().unwrap(), 1.0, "out's own scale_inv is left alone");
+    let codes = qa.to_vec::<u8>().unwrap();
+    for (i, &x) in a_host.iter().enumerate() {
+        let back = decode(codes[i], DType::E4M3) * scales[i / 4];
+        assert!((back - x).abs() <= x.abs() / 16.0, "{i}: {back} vs {x}");
+    }
+    // power_2_scales=on: every scale a power of two.
+    let (_, sp) = quantize(&a, 2, ScaleMode::Row, &Recipe::from_text("power_2_scales=on").unwrap());
+    assert!(sp.to_vec::<f32>().unwrap().iter().all(|s| s.log2().fract() == 0.0));
+    // The transposed pair is all or nothing in the types; mismatched grids are refused.
+    let mut q = Tensor::new(&ctx, DType::E4M3, &[2, 4]).unwrap();
+    let mut bad = Tensor::new(&ctx, DType::F32, &[1, 1]).unwrap();
+    let err = ctx.quantize_scaled(&a, ScaleMode::Row, &recipe, &mut q, &mut bad, None).unwrap_err();
+    assert_eq!(err.status(), Status::Shape);
+    assert!(err.message().contains("out_scales"), "{err}");
+
+    // D = A B^T from the grids, against the same product of the decoded operands.
+    for (a_mode, b_mode) in [
+        (ScaleMode::Row, ScaleMode::Row),
+        (ScaleMode::Block1x128, ScaleMode::Block1x128),
+        (ScaleMode::Block1x128, ScaleMode::Block128x128),
+        (ScaleMode::Block128x128, ScaleMode::Block1x128),
+    ] {
+        let (qa, sa) = quantize(&a, 2, a_mode, &recipe);
+        let (qb, sb) = quantize(&b, 3, b_mode, &recipe);
+        let mut d = Tensor::new(&ctx, DType::F32, &[2, 3]).unwrap();
+        ctx.gemm_scaled(&qa, a_mode, &sa, &qb, b_mode, &sb, None, &mut d, None).unwrap();
+        let got = d.to_vec::<f32>().unwrap();
+        for (i, g) in got.iter().enumerate() {
+            let want: f32 = (0..4).map(|k| a_host[(i / 3) * 4 + k] * b_host[(i % 3) * 4 + k]).sum();
+            assert!((g - want).abs() <= 0.1 * want.abs().max(0.1), "{a_mode:?} x {b_mode:?} [{i}]: {g} vs {want}");
+        }
+        let mut d2 = Tensor::new(&ctx, DType::F32, &[2, 3]).unwrap();
+        let alpha = GemmOptions { alpha: 2.0, ..GemmOptions::default() };
+        ctx.gemm_scaled(&qa, a_mode, &sa, &qb, b_mode, &sb, None, &mut d2, Some(&alpha)).unwrap();
+        assert_eq!(d2.to_vec::<f32>().unwrap(), got.iter().map(|v| 2.0 * v).collect::<Vec<_>>());
+    }
+    let (qa, sa) = quantize(&a, 2, ScaleMode::Block128x128, &recipe);
+    let (qb, sb) = quantize(&b, 3, ScaleMode::Block128x128, &recipe);
+    let mut d = Tensor::new(&ctx, DType::F32, &[2, 3]).unwrap();
+    let m = ScaleMode::Block128x128;
+    let err = ctx.gemm_scaled(&qa, m, &sa, &qb, m, &sb, None, &mut d, None).unwrap_err();
+    assert!(!err.message().is_empty(), "{err}");
 }
