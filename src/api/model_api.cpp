@@ -348,7 +348,8 @@ FP8_API fp8_status_t fp8_layer_forward(fp8_model_t* model, int32_t layer_id, con
     if (model->training && kept && kept->training && layer.saved_current(fp8::nn::make_step(*model), *kept))
       fp8::fail(FP8_ERR_INVALID_STATE, "layer '", layer.name(),
                 "' has a training-mode forward awaiting its fp8_layer_backward; a second one would replace it. "
-                "Call fp8_layer_backward first, or keep several forwards in flight with fp8_layer_forward_saved");
+                "Call fp8_layer_backward first, drop it with fp8_model_set_training (a change of mode drops it), or "
+                "keep several forwards in flight with fp8_layer_forward_saved");
     fp8::nn::AutowrapRegion region(*model);
     std::unique_ptr<fp8_saved> saved = fp8::nn::layer_forward(*model, layer_id, x, y);
     region.close();

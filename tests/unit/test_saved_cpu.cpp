@@ -348,12 +348,26 @@ TEST_F(Refusals, ASecondConvenienceForwardBeforeItsBackward) {
   const std::vector<float> y1 = download<float>(y.get());
   Tensor x2 = make_tensor(ctx.get(), FP8_DTYPE_F32, {sc::kRows, sc::kIn});
   upload(x2.get(), randn(static_cast<size_t>(sc::kRows * sc::kIn), 23, 1.0f));
-  EXPECT_REFUSED(fp8_layer_forward(m(), a, x2.get(), y.get()), FP8_ERR_INVALID_STATE, "fp8_layer_forward",
-                 "fp8_layer_forward_saved");
+  EXPECT_REFUSED_WORDS(fp8_layer_forward(m(), a, x2.get(), y.get()), FP8_ERR_INVALID_STATE, "fp8_layer_forward",
+                       "fp8_layer_backward", "fp8_model_set_training", "fp8_layer_forward_saved");
   EXPECT_EQ(download<float>(y.get()), y1) << "the refused forward wrote y";
   FP8_ASSERT_OK(fp8_layer_forward(m(), b, x2.get(), y.get()));  // another layer is free
   FP8_ASSERT_OK(fp8_layer_backward(m(), a, dy.get(), dx.get()));
   FP8_ASSERT_OK(fp8_layer_forward(m(), a, x2.get(), y.get()));  // allowed again after its backward
+}
+
+// A kept forward that will never get its backward (the caller's step failed in between) is dropped
+// by a change of training mode, as the refusal says; the layer then takes a new forward, and a
+// backward with none kept is refused.
+TEST_F(Refusals, AChangeOfModeDropsTheKeptForward) {
+  FP8_ASSERT_OK(fp8_layer_forward(m(), a, x.get(), y.get()));
+  EXPECT_EQ(fp8_layer_forward(m(), a, x.get(), y.get()), FP8_ERR_INVALID_STATE);
+  FP8_ASSERT_OK(fp8_model_set_training(m(), 0));
+  FP8_ASSERT_OK(fp8_model_set_training(m(), 1));
+  EXPECT_REFUSED(fp8_layer_backward(m(), a, dy.get(), dx.get()), FP8_ERR_INVALID_STATE, "fp8_layer_backward",
+                 "no training-mode forward");
+  FP8_ASSERT_OK(fp8_layer_forward(m(), a, x.get(), y.get()));
+  FP8_ASSERT_OK(fp8_layer_backward(m(), a, dy.get(), dx.get()));
 }
 
 // A state outlives its model (its buffers keep what they need), and destroying it then is safe.
