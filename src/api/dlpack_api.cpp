@@ -91,8 +91,11 @@ FP8_API fp8_status_t fp8_tensor_from_dlpack(fp8_tensor_t** out, fp8_context_t* c
     if (dl.ndim < 0 || dl.ndim > FP8_MAX_DIMS)
       fp8::fail(FP8_ERR_SHAPE, "the DLPack tensor has ", dl.ndim, " dimensions; expected 0..", FP8_MAX_DIMS);
     if (dl.ndim > 0) require_arg(dl.shape, "managed->dl_tensor.shape");
-    // Row-major and compact: each stride is the product of the later sizes (free where a size is 1).
-    if (dl.strides) {
+    // Row-major and compact: each stride is the product of the later sizes (free where a size is 1,
+    // and everywhere in an empty tensor, which torch exports with strides such as [1, 1]).
+    bool empty = false;
+    for (int32_t i = 0; i < dl.ndim; ++i) empty = empty || dl.shape[i] == 0;
+    if (dl.strides && !empty) {
       int64_t expect = 1;
       for (int32_t i = dl.ndim - 1; i >= 0; --i) {
         if (dl.shape[i] != 1 && dl.strides[i] != expect)

@@ -67,6 +67,27 @@ TEST(DlPack, ExplicitContiguousStridesAndFreeStridesOnSizeOneDimensionsAreAccept
   EXPECT_EQ(p.deleted, 1);
 }
 
+// An empty tensor's strides say nothing (torch exports torch.zeros(0, 5) with strides [1, 1]): it
+// is taken with its shape, and its deleter still runs once.
+TEST(DlPack, AnEmptyTensorIsTakenWhateverItsStrides) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Produced p({0, 5});
+  p.strides = {1, 1};
+  p.managed.dl_tensor.strides = p.strides.data();
+  fp8_tensor_t* t = nullptr;
+  FP8_ASSERT_OK(fp8_tensor_from_dlpack(&t, ctx.get(), &p.managed));
+  int32_t ndim = 0;
+  int64_t shape[FP8_MAX_DIMS] = {}, numel = -1;
+  EXPECT_OK(fp8_tensor_shape(t, &ndim, shape));
+  EXPECT_OK(fp8_tensor_numel(t, &numel));
+  EXPECT_EQ(ndim, 2);
+  EXPECT_EQ(shape[0], 0);
+  EXPECT_EQ(shape[1], 5);
+  EXPECT_EQ(numel, 0);
+  fp8_tensor_destroy(t);
+  EXPECT_EQ(p.deleted, 1);
+}
+
 TEST(DlPack, RefusalsNameWhatTheyGotAndLeaveTheTensorWithTheCaller) {
   Context ctx = make_context(FP8_DEVICE_CPU);
   fp8_tensor_t* t = nullptr;
