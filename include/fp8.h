@@ -1159,7 +1159,9 @@ FP8_API void fp8_saved_destroy(fp8_saved_t *saved);
  * GEMM in FP8 hands its output over in E4M3 (no round trip through the activation dtype), and a
  * ReLU or GELU is folded into the Linear after it where it can be (see fp8_stack_forward_saved).
  * In training mode the activations are kept for fp8_model_backward; x must stay alive and unchanged
- * until then (the first layer's backward reads it). x and y must not overlap. Asynchronous.
+ * until then (the first layer's backward reads it). The model keeps one such forward, the latest: a
+ * refused call (bad arguments, shapes, dtypes) leaves the one kept before, a call that starts drops
+ * it, and only a call that succeeds keeps its own. x and y must not overlap. Asynchronous.
  * The outputs of this and every other forward and backward call (y, dx) must not overlap the
  * model's own parameters or gradients (fp8_model_parameter's tensors): FP8_ERR_INVALID_ARGUMENT.
  */

@@ -1925,6 +1925,28 @@ TEST(ModelLayout, LayersAndParametersInOrderOfAddition) {
 }
 
 // The model keeps its context's device alive: the context handle may go first.
+// fp8.h: the model keeps the latest training-mode forward; a refused one (here a y of the wrong
+// shape) leaves it, so the backward after it is the kept forward's, bit for bit.
+TEST(ModelForward, ARefusedForwardLeavesTheKeptOne) {
+  constexpr int64_t kRows = 4, kI = 16, kO = 8;
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model model = make_model(ctx.get());
+  FP8_ASSERT_OK(fp8_model_add_linear(model.get(), "fc", kI, kO, 1, nullptr));
+  set_param(model.get(), "fc.weight", randn(kI * kO, 5, 0.25f));
+  Tensor x = f32_tensor(ctx.get(), {kRows, kI}, random_x(kRows, kI, 6));
+  Tensor x2 = f32_tensor(ctx.get(), {kRows, kI}, random_x(kRows, kI, 7));
+  Tensor y = f32_tensor(ctx.get(), {kRows, kO}), bad_y = f32_tensor(ctx.get(), {kRows, kO - 1});
+  Tensor dy = f32_tensor(ctx.get(), {kRows, kO}, random_dy(kRows, kO, 8)), dx = f32_tensor(ctx.get(), {kRows, kI});
+  FP8_ASSERT_OK(fp8_model_forward(model.get(), x.get(), y.get()));
+  FP8_ASSERT_OK(fp8_model_backward(model.get(), dy.get(), dx.get()));
+  const std::vector<float> dx_alone = download<float>(dx.get());
+  FP8_ASSERT_OK(fp8_model_forward(model.get(), x.get(), y.get()));
+  EXPECT_EQ(fp8_model_forward(model.get(), x2.get(), bad_y.get()), FP8_ERR_SHAPE);
+  upload(dx.get(), std::vector<float>(kRows * kI, 0.0f));
+  FP8_ASSERT_OK(fp8_model_backward(model.get(), dy.get(), dx.get()));
+  EXPECT_EQ(download<float>(dx.get()), dx_alone) << "the backward did not differentiate the kept forward";
+}
+
 TEST(ModelLayout, OutlivesItsContextHandle) {
   fp8_context_t* ctx = nullptr;
   FP8_ASSERT_OK(fp8_context_create(&ctx, FP8_DEVICE_CPU));
