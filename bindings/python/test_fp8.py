@@ -37,8 +37,22 @@ class BindingTest(unittest.TestCase):
                    "size_t": fp8._size, "float": fp8._f32, "double": ctypes.c_double}
 
         def check(c_type, py_type, what):
-            c_type = c_type.replace("const ", "").strip()
-            if "*" in c_type or c_type.endswith("_fn"):  # pointers (function pointers are typedefs)
+            c_type = re.sub(r"\s+", " ", c_type.replace("const", "")).strip()
+            base, stars = c_type.replace("*", "").strip(), c_type.count("*")
+            base = "int32_t" if base in int32_typedefs else base
+            if stars == 1 and base in scalars:
+                # An out-parameter (or a buffer) of a scalar: a pointer to exactly that scalar (an
+                # int64_t * declared as a pointer to int32 would have libfp8 write past it), or a
+                # void pointer for device memory (fp8_tensor_wrap_scaled's scale_inv).
+                self.assertTrue(py_type is ctypes.c_void_p or getattr(py_type, "_type_", None) is scalars[base],
+                                f"{what}: {c_type} declared as {py_type}")
+            elif c_type == "char *":
+                self.assertIn(py_type, (ctypes.c_char_p, ctypes.c_void_p), f"{what}: {c_type}")
+            elif c_type == "char **":
+                self.assertIs(getattr(py_type, "_type_", None), ctypes.c_char_p, f"{what}: {c_type}")
+            elif stars == 2:  # an object handle out-parameter (T **), or an array of handles
+                self.assertIs(getattr(py_type, "_type_", None), ctypes.c_void_p, f"{what}: {c_type} declared as {py_type}")
+            elif "*" in c_type or c_type.endswith("_fn"):  # handles, buffers (function pointers are typedefs)
                 self.assertTrue(py_type in (ctypes.c_void_p, ctypes.c_char_p) or issubclass(py_type, ctypes._Pointer),
                                 f"{what}: {c_type} declared as {py_type}")
             elif c_type == "void":
@@ -612,6 +626,131 @@ class BindingTest(unittest.TestCase):
         with self.assertRaises(fp8.Fp8Error) as err:
             model.flat_storage(7, fp8.DTYPE_F32)
         self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_ARGUMENT")
+
+    def test_versioned_structs_match_fp8_h_field_by_field(self):
+        # The fields of each struct the binding passes (names, types, array lengths) as fp8.h declares
+        # them, and its size as the library's own *_init writes it into struct_size.
+        with open(HEADER) as f:
+            text = f.read()
+        c_types = {"uint32_t": ctypes.c_uint32, "int32_t": fp8._i32, "int64_t": fp8._i64, "float": fp8._f32,
+                   "fp8_layer_kind_t": fp8._i32}
+        lib = ctypes.CDLL(fp8.LIBRARY_PATH)  # its own function objects: argtypes of its own
+        for py, c_name in [(fp8.LayerReport, "fp8_layer_report"), (fp8.OptimizerStats, "fp8_optimizer_stats")]:
+            body = re.search(r"typedef struct %s \{(.*?)\} %s_t;" % (c_name, c_name), text, re.S).group(1)
+            body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+            fields = re.findall(r"(\w+)\s+(\w+)(?:\[(\d+)\])?\s*;", body)
+            self.assertEqual([n for _, n, _ in fields], [n for n, _ in py._fields_], c_name)
+            for (c_type, name, length), (_, py_type) in zip(fields, py._fields_):
+                want = (ctypes.c_char * int(length)) if length else c_types[c_type]
+                self.assertEqual((ctypes.sizeof(py_type), getattr(py_type, "_type_", py_type)),
+                                 (ctypes.sizeof(want), getattr(want, "_type_", want)), f"{c_name}.{name}")
+            buf = (ctypes.c_uint8 * 4096)()
+            init = getattr(lib, c_name + "_init")
+            init.restype, init.argtypes = None, [ctypes.c_void_p]
+            init(buf)
+            self.assertEqual(ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint32))[0], ctypes.sizeof(py), c_name)
+
+    def test_a_handle_of_another_kind_is_refused_naming_the_argument(self):
+        # libfp8 cannot tell its handles apart: a Model passed as a Tensor would be read as one.
+        ctx, recipe = fp8.Context(), fp8.Recipe()
+        model = fp8.Model(ctx)
+        fc = model.add_linear("fc", 16, 16)
+        s = fp8.Scaling(ctx, recipe)
+        x, q = fp8.Tensor(ctx, fp8.DTYPE_F32, (4, 16)), fp8.Tensor(ctx, fp8.DTYPE_E4M3, (4, 16))
+        cases = [(lambda: fp8.quantize(ctx, model, q, s), "quantize: x is Model; expected a libfp8.Tensor"),
+                 (lambda: fp8.quantize(ctx, x, s, s), "quantize: out is Scaling"),
+                 (lambda: fp8.quantize(ctx, x, q, x), "quantize: scaling is Tensor; expected a libfp8.Scaling"),
+                 (lambda: fp8.quantize(x, x, q, s), "quantize: ctx is Tensor; expected a libfp8.Context"),
+                 (lambda: fp8.gemm(ctx, x, x, x, bias=s), "gemm: bias is Scaling; expected a libfp8.Tensor or None"),
+                 (lambda: fp8.scaling_update(ctx, [s, x], recipe), "scaling_update: states[1] is Tensor"),
+                 (lambda: fp8.Tensor(model, fp8.DTYPE_F32, (2,)), "Tensor: ctx is Model"),
+                 (lambda: fp8.Model(recipe), "Model: ctx is Recipe"),
+                 (lambda: fp8.Scaling(ctx, "scaling=current"), "Scaling: recipe is str"),
+                 (lambda: fp8.Optimizer(ctx), "Optimizer: model is Context"),
+                 (lambda: model.forward(fc, x.handle, x), "Model.forward: x is c_void_p"),
+                 (lambda: model.backward_saved(fc, x, x, x), "Model.backward_saved: saved is Tensor"),
+                 (lambda: model.save_checkpoint("/nonexistent/c", optimizer=model), "optimizer is Model"),
+                 (lambda: model.load_checkpoint(42), "Model.load_checkpoint: path is int"),
+                 (lambda: fp8.layer_report(ctx, fc), "layer_report: model is Context"),
+                 (lambda: fp8.Comm.local([ctx, model]), "Comm.local: ctxs[1] is Model"),
+                 (lambda: recipe.parse(b"margin=1"), "Recipe.parse: text is bytes")]
+        for call, message in cases:
+            with self.assertRaises(TypeError) as err:
+                call()
+            self.assertIn(message, str(err.exception))
+        with self.assertRaises(KeyError) as err:
+            fp8.Optimizer(model, fp8.OPTIMIZER_SGD, betas=0.9)
+        self.assertIn("no hyper-parameter 'betas'; expected one of lr, beta1", str(err.exception))
+
+    def test_objects_of_another_context_and_bad_recipe_text_are_refused_by_libfp8(self):
+        c1, c2 = fp8.Context(), fp8.Context()
+        model = fp8.Model(c1)
+        fc = model.add_linear("fc", 16, 16)
+        y = fp8.Tensor(c1, fp8.DTYPE_F32, (4, 16))
+        with self.assertRaises(fp8.Fp8Error) as err:
+            model.forward(fc, fp8.Tensor(c2, fp8.DTYPE_F32, (4, 16)), y)
+        self.assertIn("fp8_layer_forward: x belongs to another context", str(err.exception))
+        with self.assertRaises(fp8.Fp8Error) as err:
+            fp8.quantize(c1, y, fp8.Tensor(c1, fp8.DTYPE_E4M3, (4, 16)), fp8.Scaling(c2, fp8.Recipe()))
+        self.assertIn("scaling belongs to another context", str(err.exception))
+        for text, message in [("scaling=tensorwise", "scaling='tensorwise' is not allowed; expected delayed, current, "
+                                                      "rowwise, block"),
+                              ("power_2_scales=2", "power_2_scales='2' is not allowed; expected auto, on, off"),
+                              ("scalng=block", "unknown key 'scalng'"), ("margin", "margin")]:
+            r = fp8.Recipe("scaling=current")
+            with self.assertRaises(fp8.Fp8Error) as err:
+                r.parse(text)
+            self.assertEqual(err.exception.status_name, "FP8_ERR_INVALID_ARGUMENT")
+            self.assertIn(message, str(err.exception))
+            self.assertEqual(r[fp8.RECIPE_SCALING], fp8.SCALING_CURRENT)  # all or nothing
+        r = fp8.Recipe("scaling=block")
+        self.assertEqual((r[fp8.RECIPE_SCALING], r[fp8.RECIPE_POWER_2_SCALES]),
+                         (fp8.SCALING_BLOCK, fp8.POWER_2_SCALES_AUTO))
+        for attr, value, message in [
+                (fp8.RECIPE_SCALING, 4, "scaling = 4 is out of range; expected 0..3"),
+                (fp8.RECIPE_POWER_2_SCALES, -2, "power_2_scales = -2 is out of range; expected -1..1")]:
+            with self.assertRaises(fp8.Fp8Error) as err:
+                r[attr] = value
+            self.assertIn(message, str(err.exception))
+
+    def test_no_copy_shares_a_handle(self):
+        # A copy of an object owning a handle would destroy it a second time (a double free); a
+        # Recipe copies through fp8_recipe_clone.
+        import copy
+        import pickle
+        ctx = fp8.Context()
+        model = fp8.Model(ctx)
+        model.add_linear("fc", 16, 16)
+        for obj in (ctx, fp8.Tensor(ctx, fp8.DTYPE_F32, (4,)), model, fp8.Scaling(ctx, fp8.Recipe()),
+                    fp8.Optimizer(model), model.parameter("fc.weight")[0]):
+            for make in (copy.copy, copy.deepcopy, pickle.dumps):
+                with self.assertRaises(TypeError) as err:
+                    make(obj)
+                self.assertIn(f"libfp8.{type(obj).__name__} cannot be copied", str(err.exception))
+        r = fp8.Recipe("scaling=rowwise, margin=2")
+        for c in (copy.copy(r), copy.deepcopy(r)):
+            self.assertNotEqual(c.handle.value, r.handle.value)
+            self.assertEqual(str(c), str(r))
+            c[fp8.RECIPE_MARGIN] = 5
+            self.assertEqual(r[fp8.RECIPE_MARGIN], 2)
+        del r
+        gc.collect()
+
+    def test_paths_may_be_path_likes_and_a_checkpoint_gives_its_recipe_back(self):
+        import pathlib
+        import tempfile
+        ctx, model, _ = self._linear("backend=te, scaling=block, margin=3")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = pathlib.Path(tmp) / "m.fp8ckpt"
+            model.save_checkpoint(path)
+            back = fp8.Recipe.from_checkpoint(path)
+            self.assertEqual(str(back), str(fp8.Recipe("backend=te, scaling=block, margin=3")))
+            model.load_checkpoint(str(path))
+            model.export_safetensors(pathlib.Path(tmp) / "m.safetensors")
+            model.import_safetensors(pathlib.Path(tmp) / "m.safetensors")
+            with self.assertRaises(fp8.Fp8Error) as err:
+                fp8.Recipe.from_checkpoint(pathlib.Path(tmp) / "missing")
+            self.assertEqual(err.exception.status_name, "FP8_ERR_IO")
 
 
 if __name__ == "__main__":

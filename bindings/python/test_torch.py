@@ -4,12 +4,15 @@ cases run on CUDA from tests/gpu/test_torch_gpu.py with LIBFP8_TEST_DEVICE=cuda)
 Exits 77 (CTest's skip code here) when torch is not installed."""
 import copy
 import ctypes
+import io
 import json
 import math
 import os
+import pickle
 import struct
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import warnings
@@ -242,6 +245,58 @@ class ConversionTest(unittest.TestCase):
         with self.assertRaises(RuntimeError) as ctx:
             m(torch.randn(2, 32, device=DEVICE))
         self.assertIn("no longer uses libfp8's memory", str(ctx.exception))
+
+    def test_frozen_parameters_stay_frozen(self):
+        # Frozen before the conversion: still frozen after it (and after converting back), and no
+        # .grad for a torch optimizer to step; libfp8's optimizer, which updates every parameter of
+        # its model, refuses them naming one.
+        x = torch.randn(8, 32, device=DEVICE)
+        for level in (dict(backend="te"), dict(backend="msamp", opt_level="O2")):
+            m = mlp(norm=False)
+            m[0].requires_grad_(False)
+            lt.convert_model(m, recipe=lt.Recipe(**level), **ALL)
+            self.assertEqual([p.requires_grad for p in m[0].parameters()], [False, False])
+            self.assertIsNone(m[0].weight.grad)
+            with self.assertRaises(RuntimeError) as err:
+                lt.Optimizer(m, "adamw")
+            self.assertIn("libfp8 layer '0': parameter 'weight' is frozen (requires_grad=False)", str(err.exception))
+            before = [p.detach().clone() for p in m[0].parameters()]
+            opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.1)
+            m(x).square().sum().backward()
+            opt.step()
+            self.assertEqual([torch.equal(p, q) for p, q in zip(m[0].parameters(), before)], [True, True])
+            self.assertEqual([p.grad is None for p in m[0].parameters()], [True, True])
+            lt.convert_model(m, to_fp8=False)
+            self.assertEqual([p.requires_grad for p in m.parameters()], [False, False, True, True])
+        # Frozen after the conversion: torch's optimizers find no .grad, libfp8's step refuses.
+        m = mlp(norm=False)
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        opt = lt.Optimizer(m, "adamw", lr=0.1)
+        m[2].bias.requires_grad_(False)
+        b0 = m[2].bias.detach().clone()
+        m(x).square().sum().backward()
+        self.assertIsNone(m[2].bias.grad)
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+        with self.assertRaises(RuntimeError) as err:
+            opt.step()
+        self.assertIn("libfp8 layer '2': parameter 'bias' is frozen", str(err.exception))
+        self.assertTrue(torch.equal(m[2].bias, b0))
+
+    def test_a_converted_module_is_not_copied_and_a_recipe_copies_and_pickles(self):
+        m = mlp()
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        with self.assertRaises(TypeError) as err:  # its parameters are its libfp8 model's memory
+            copy.deepcopy(m)
+        self.assertIn("libfp8 layer '0': a module made by convert_model cannot be copied", str(err.exception))
+        with self.assertRaises(TypeError) as err:
+            pickle.dumps(m)
+        self.assertIn("cannot be copied or pickled", str(err.exception))
+        r = lt.Recipe(backend="msamp", opt_level="O1", scaling="rowwise", power_2_scales=True, margin=2)
+        self.assertIs(copy.copy(r), r)  # immutable
+        self.assertIs(copy.deepcopy(r), r)
+        back = pickle.loads(pickle.dumps(r))
+        self.assertEqual((back, back.text()), (r, r.text()))
+        self.assertEqual(lt.Recipe(power_2_scales="AUTO"), lt.Recipe())
 
 
 class NumericsTest(unittest.TestCase):
@@ -562,6 +617,28 @@ class SequentialTest(unittest.TestCase):
         loss.backward(retain_graph=True)
         with self.assertRaisesRegex(RuntimeError, "Sequential 'body': backward through the same graph"):
             loss.backward()
+
+    def test_stacks_and_residuals_run_every_scaling(self):
+        for scaling in ("current", "rowwise", "block"):
+            with self.subTest(scaling=scaling):
+                ref, m = Block(), Block()
+                lt.convert_model(m, recipe=lt.Recipe(backend="te", scaling=scaling, **FP8), **ALL)
+                self.assertIs(type(m.body), lt.Sequential)
+                x = torch.randn(64, 32, device=DEVICE)
+                xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+                with lt.fp8_autocast():
+                    ym = lt.residual(m.body, xm)
+                yr = ref(xr)
+                e = rel_err(ym, yr)
+                self.assertLess(e, 0.08)
+                self.assertGreater(e, 1e-4)  # FP8 did run
+                ym.square().sum().backward()
+                yr.square().sum().backward()
+                self.assertLess(rel_err(xm.grad, xr.grad), 0.15)
+                self.assertLess(rel_err(m.body[1].weight.grad, ref.body[1].weight.grad), 0.15)
+                reports = [libfp8.layer_report(layer._group.model, layer._layer_id) for layer in m.body._layers]
+                self.assertEqual([r.scaling for r in reports], [getattr(libfp8, "SCALING_" + scaling.upper())] * 3)
+                self.assertEqual([r.fprop for r in reports if r.kind == libfp8.LAYER_LINEAR], [1, 1])
 
 
 class ResidualTest(unittest.TestCase):
@@ -885,6 +962,69 @@ class OptimizerTest(unittest.TestCase):
             losses.append(loss.item())
         self.assertLess(losses[-1], 0.5 * losses[0])
 
+    def test_state_dict_resumes_training_bit_for_bit(self):
+        # libfp8's checkpoint of its model (scaling states with their amax histories, m and v in
+        # their stored types, the step count) and torch's optimizer state for the rest, through
+        # torch.save and torch.load.
+        def build(level, margin=0):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 10)).to(DEVICE)
+            recipe = lt.Recipe(**level, margin=margin, **FP8)
+            rep = lt.convert_model(m, recipe=recipe, **ALL)
+            self.assertEqual([n for n, _, _ in rep.skipped], ["4"])  # 10 outputs: torch's
+            lt.apply_fp8_autowrap(m, recipe)
+            return m, lt.Optimizer(m, "adamw", lr=1e-2, max_grad_norm=0.5)
+
+        def step(m, opt, x, t):
+            (m(x) - t).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        torch.manual_seed(3)
+        batches = [(torch.randn(32, 32, device=DEVICE), torch.randn(32, 10, device=DEVICE)) for _ in range(5)]
+        for level in (dict(backend="te"), dict(backend="msamp", opt_level="O2")):
+            a, oa = build(level)
+            for x, t in batches[:3]:
+                step(a, oa, x, t)
+            buf = io.BytesIO()
+            torch.save({"model": a.state_dict(), "optimizer": oa.state_dict()}, buf)
+            for x, t in batches[3:]:
+                step(a, oa, x, t)
+            b, ob = build(level)
+            buf.seek(0)
+            saved = torch.load(buf)
+            b.load_state_dict(saved["model"])
+            ob.load_state_dict(saved["optimizer"])
+            self.assertEqual(ob.stats()[0].steps, 3)
+            for x, t in batches[3:]:
+                step(b, ob, x, t)
+            for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+                self.assertTrue(torch.equal(p, q), f"{level}: {n}")
+            # Refused: another kind (before anything changes), another recipe (libfp8 names it and
+            # leaves the model as it was).
+            c, oc = build(level, margin=1)
+            with self.assertRaises(ValueError) as err:
+                oc.load_state_dict(dict(saved["optimizer"], kind="adam"))
+            self.assertIn("the state is of kind 'adam'; this optimizer is 'adamw'", str(err.exception))
+            before = [p.detach().clone() for p in c.parameters()]
+            with self.assertRaises(libfp8.Fp8Error) as err:
+                oc.load_state_dict(saved["optimizer"])
+            self.assertIn("margin", str(err.exception))
+            self.assertEqual([torch.equal(p, q) for p, q in zip(c.parameters(), before)], [True] * len(before))
+
+    def test_set_lr_checks_the_value_before_setting_it(self):
+        m = mlp(norm=False, out=10)  # the last Linear stays torch's
+        lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+        opt = lt.Optimizer(m, "adamw", lr=1e-3)
+        for bad in (-1.0, math.nan, math.inf, "0.1", True):
+            with self.assertRaises(ValueError) as err:
+                opt.set_lr(bad)
+            self.assertIn("expected a finite number >= 0", str(err.exception))
+        self.assertEqual(opt.torch_optimizer.param_groups[0]["lr"], 1e-3)
+        opt.set_lr(torch.tensor(0.5))  # (a scheduler's value)
+        self.assertEqual((opt._fp8[0][1]["lr"], opt.torch_optimizer.param_groups[0]["lr"]), (0.5, 0.5))
+
 
 def write_safetensors(path, tensors):
     """A safetensors file of `tensors` {name: CPU tensor} written by hand (the format: a little-endian
@@ -1004,6 +1144,13 @@ class DlpackTest(unittest.TestCase):
         q = libfp8.Tensor(ctx, libfp8.DTYPE_E4M3, (4,))
         self.assertEqual(lt.to_torch(q).dtype, torch.uint8)  # FP8 travels as its codes
 
+    def test_empty_tensors_cross_whatever_their_strides(self):
+        for shape in ((0, 5), (3, 0), (0,)):
+            t = torch.zeros(*shape, device=DEVICE)  # torch gives (0, 5) the strides (1, 1)
+            b = lt.from_torch(t)
+            self.assertEqual(b.shape, shape)
+            self.assertEqual(tuple(lt.to_torch(b).shape), shape)
+
     def test_refusals_name_what_was_wrong(self):
         base = torch.zeros(4, 6, device=DEVICE)
         cases = [(base.t(), "FP8_ERR_SHAPE", "stride"),
@@ -1016,6 +1163,80 @@ class DlpackTest(unittest.TestCase):
             self.assertEqual(t.sum().item(), 0)  # the refused capsule went back to torch, intact
         with self.assertRaises(TypeError):
             lt.from_torch([1.0])
+        with self.assertRaises(TypeError) as ctx:
+            lt.from_torch(base, ctx="cpu")
+        self.assertIn("from_torch: ctx is str; expected a libfp8.Context", str(ctx.exception))
+        # Anything but a libfp8 tensor (or a handle of one) would be read as a tensor by libfp8.
+        for bad in (12345, ctypes.c_void_p(), lt._device_for(DEVICE).ctx):
+            with self.assertRaises(TypeError) as ctx:
+                lt.to_torch(bad)
+            self.assertIn("expected a libfp8.Tensor or a non-NULL fp8_tensor_t handle", str(ctx.exception))
+
+
+class ThreadsAndLifetimeTest(unittest.TestCase):
+    def test_a_full_wrap_cache_frees_no_handle_on_its_way_into_a_call(self):
+        # The cache of wrapped handles is emptied when full (every call, here): never between
+        # taking a call's handles and the call (x's handle freed and reused for y, or for nothing).
+        limit = lt._WRAP_CACHE_LIMIT
+        lt._WRAP_CACHE_LIMIT = 1
+        try:
+            ref, m = mlp(), mlp()
+            lt.convert_model(m, recipe=lt.Recipe(backend="te"), **ALL)
+            stack_ref, stack = Block(), Block()
+            lt.convert_model(stack, recipe=lt.Recipe(backend="te"), **ALL)
+            for rows in (1, 5, 9, 3, 17):
+                expect_high_precision_match(self, ref, m, torch.randn(rows, 32, device=DEVICE))
+                expect_high_precision_match(self, stack_ref, stack, torch.randn(rows, 32, device=DEVICE))
+        finally:
+            lt._WRAP_CACHE_LIMIT = limit
+
+    def test_every_libfp8_model_of_an_autocast_block_ends_its_region(self):
+        seq = torch.nn.Sequential
+        m = seq(seq(torch.nn.Linear(32, 32)), torch.nn.Tanh(), seq(torch.nn.Linear(32, 32)), torch.nn.Tanh(),
+                seq(torch.nn.Linear(32, 32))).to(DEVICE)
+        for part in (m[0], m[2], m[4]):
+            lt.convert_model(part, recipe=lt.Recipe(backend="te", **FP8), **ALL)
+        groups = lt._groups(m)
+        self.assertEqual(len(groups), 3)
+        with lt.fp8_autocast():
+            m(torch.randn(16, 32, device=DEVICE))
+        self.assertEqual(fprops(m), [1, 1, 1])
+        for g in groups:  # libfp8 says so itself: a new region may begin
+            self.assertEqual(libfp8._lib.fp8_autocast_begin(g.model.handle), libfp8.OK)
+            libfp8._check(libfp8._lib.fp8_autocast_end(g.model.handle))
+
+    def test_threads_sharing_a_module_get_their_own_results(self):
+        # libfp8's objects are externally synchronised (one thread at a time per context): the calls
+        # into a device's context are serialised, and each thread's fp8_autocast is its own. Under
+        # current scaling a call's result depends on its input alone.
+        torch.manual_seed(0)
+        m = torch.nn.ModuleDict(dict(body=torch.nn.Sequential(
+            torch.nn.LayerNorm(64), torch.nn.Linear(64, 128), torch.nn.GELU(approximate="tanh"),
+            torch.nn.Linear(128, 64)))).to(DEVICE)
+        lt.convert_model(m, recipe=lt.Recipe(backend="te", scaling="current", **FP8), **ALL)
+        xs = [torch.randn(16 * (1 + k % 3), 64, device=DEVICE) for k in range(6)]
+        with torch.no_grad(), lt.fp8_autocast():
+            want = [m.body(x) for x in xs]
+        with torch.no_grad():
+            plain = [m.body(x) for x in xs]
+        errors, wrong = [], []
+
+        def work(k):
+            try:
+                for i in range(20):
+                    with torch.no_grad(), lt.fp8_autocast(enabled=k % 2 == 0):
+                        y = m.body(xs[k])
+                    if not torch.equal(y, want[k] if k % 2 == 0 else plain[k]):
+                        wrong.append((k, i))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual((errors, wrong), ([], []))
 
 
 class OverheadTest(unittest.TestCase):

@@ -25,6 +25,12 @@ libfp8.so.0.
 fp8_context_set_allocator is declared here but wrapped only by libfp8.torch (Context.set_allocator
 takes ctypes callbacks that the caller keeps alive; libfp8 may call them from any thread that uses
 or destroys the context's objects, so they must not raise: return None for "no memory").
+
+As in C, objects are externally synchronised: one thread at a time per Context and what was made
+from it (libfp8.torch serialises its own calls per device). libfp8 cannot tell its handles apart,
+so every wrapper checks that each object it passes is of the kind the call takes (TypeError naming
+the argument otherwise). Objects that own a handle cannot be copied or pickled (a copy would
+destroy the handle twice); copy.copy(recipe) clones a Recipe.
 """
 import ctypes
 import os
@@ -48,6 +54,7 @@ _lib = ctypes.CDLL(LIBRARY_PATH)
 
 # Pinned values of fp8.h, named as there without the FP8_ prefix (test_fp8.py checks every one
 # against the header).
+VERSION_MAJOR = 0
 OK = 0
 ERR_BUFFER_TOO_SMALL = 13
 DEVICE_CPU = -1
@@ -92,6 +99,10 @@ def _declare(name, restype, *argtypes):
 
 
 _declare("fp8_version_string", ctypes.c_char_p)
+_declare("fp8_version_number", ctypes.c_uint32)
+if _lib.fp8_version_number() // 10000 != VERSION_MAJOR:  # the values pinned above hold within one major version
+    raise ImportError(f"libfp8: {LIBRARY_PATH} is libfp8 {_lib.fp8_version_string().decode()}; this binding is for "
+                      f"{VERSION_MAJOR}.x")
 _declare("fp8_status_string", ctypes.c_char_p, _i32)
 _declare("fp8_last_error_message", ctypes.c_char_p)
 _declare("fp8_encode", _u8, _f32, _i32)
@@ -100,6 +111,7 @@ _declare("fp8_dtype_size", _size, _i32)
 for _name, _args in {
     "fp8_context_create": (ctypes.POINTER(_p), _i32),
     "fp8_recipe_create": (ctypes.POINTER(_p),),
+    "fp8_recipe_clone": (ctypes.POINTER(_p), _p),
     "fp8_recipe_set_int": (_p, _i32, _i64),
     "fp8_recipe_get_int": (_p, _i32, ctypes.POINTER(_i64)),
     "fp8_recipe_parse": (_p, ctypes.c_char_p),
@@ -214,6 +226,26 @@ def _check(status):
         raise Fp8Error(status)
 
 
+def _arg(obj, cls, where, optional=False):
+    """obj's C handle, once obj is checked to be a `cls` (None allowed where optional): libfp8 cannot
+    tell its handles apart, so a handle of another kind (a Model passed as a Tensor) would be read
+    as this one. TypeError naming the argument (`where`: "quantize: out") otherwise."""
+    if obj is None and optional:
+        return None
+    if not isinstance(obj, cls):
+        names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+        raise TypeError(f"{where} is {type(obj).__name__}; expected a libfp8.{names}" +
+                        (" or None" if optional else ""))
+    return obj.handle
+
+
+def _path(path, where):
+    """A file name (str, bytes or os.PathLike) as the UTF-8 bytes libfp8 takes."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{where}: path is {type(path).__name__}; expected a str or os.PathLike")
+    return os.fsencode(path)
+
+
 def version():
     return _lib.fp8_version_string().decode()
 
@@ -227,6 +259,8 @@ def decode(code, dtype=DTYPE_E4M3):
 
 
 class _Handle:
+    """Owns one C handle, destroyed with the object. Not copyable: a copy would own the same handle
+    and destroy it a second time (Recipe copies through fp8_recipe_clone)."""
     _destroy = None
 
     def __init__(self):
@@ -236,6 +270,15 @@ class _Handle:
         if self._destroy and getattr(self, "handle", None) and self.handle.value:
             getattr(_lib, self._destroy)(self.handle)
             self.handle = _p()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"libfp8.{type(self).__name__} cannot be copied or pickled (it owns a libfp8 handle)")
+
+    def __copy__(self):
+        self.__reduce_ex__(0)
+
+    def __deepcopy__(self, memo):
+        return self.__copy__()
 
 
 class Context(_Handle):
@@ -276,7 +319,24 @@ class Recipe(_Handle):
             self.parse(text)
 
     def parse(self, text):
+        if not isinstance(text, str):
+            raise TypeError(f"Recipe.parse: text is {type(text).__name__}; expected a str (\"key=value, ...\")")
         _check(_lib.fp8_recipe_parse(self.handle, text.encode()))
+
+    def __copy__(self):
+        """An independent copy (fp8_recipe_clone)."""
+        new = Recipe.__new__(Recipe)
+        _Handle.__init__(new)
+        _check(_lib.fp8_recipe_clone(ctypes.byref(new.handle), self.handle))
+        return new
+
+    @classmethod
+    def from_checkpoint(cls, path):
+        """The recipe a checkpoint's model was converted with (fp8_checkpoint_read_recipe): rebuild
+        the model, convert it with this, then load the checkpoint."""
+        recipe = cls()
+        _check(_lib.fp8_checkpoint_read_recipe(_path(path, "Recipe.from_checkpoint"), recipe.handle))
+        return recipe
 
     def __getitem__(self, attr):
         v = _i64()
@@ -302,11 +362,12 @@ class Tensor(_Handle):
 
     def __init__(self, ctx, dtype, shape):
         super().__init__()
+        ctx_handle = _arg(ctx, Context, "Tensor: ctx")
         self.ctx, self.dtype, self.shape = ctx, dtype, tuple(shape)
-        dims = (_i64 * len(shape))(*shape)
-        _check(_lib.fp8_tensor_create(ctypes.byref(self.handle), ctx.handle, dtype, len(shape), dims))
+        dims = (_i64 * len(self.shape))(*self.shape)
+        _check(_lib.fp8_tensor_create(ctypes.byref(self.handle), ctx_handle, dtype, len(self.shape), dims))
         self.nbytes = _lib.fp8_dtype_size(dtype)
-        for d in shape:
+        for d in self.shape:
             self.nbytes *= d
 
     def write(self, data):
@@ -388,30 +449,37 @@ class Scaling(_Handle):
     def __init__(self, ctx, recipe, role=ROLE_FORWARD):
         super().__init__()
         self.ctx = ctx
-        _check(_lib.fp8_scaling_create(ctypes.byref(self.handle), ctx.handle, recipe.handle, role))
+        _check(_lib.fp8_scaling_create(ctypes.byref(self.handle), _arg(ctx, Context, "Scaling: ctx"),
+                                       _arg(recipe, Recipe, "Scaling: recipe"), role))
 
     def set_scale(self, scale):
         _check(_lib.fp8_scaling_set_scale(self.handle, scale))
 
 
 def quantize(ctx, x, out, scaling, out_transposed=None):
-    _check(_lib.fp8_quantize(ctx.handle, x.handle, out.handle, out_transposed.handle if out_transposed else None,
-                             scaling.handle))
+    w = "quantize: "
+    _check(_lib.fp8_quantize(_arg(ctx, Context, w + "ctx"), _arg(x, Tensor, w + "x"), _arg(out, Tensor, w + "out"),
+                             _arg(out_transposed, Tensor, w + "out_transposed", True),
+                             _arg(scaling, Scaling, w + "scaling")))
 
 
 def dequantize(ctx, q, out):
-    _check(_lib.fp8_dequantize(ctx.handle, q.handle, out.handle))
+    _check(_lib.fp8_dequantize(_arg(ctx, Context, "dequantize: ctx"), _arg(q, Tensor, "dequantize: q"),
+                               _arg(out, Tensor, "dequantize: out")))
 
 
 def scaling_update(ctx, states, recipe):
-    arr = (_p * len(states))(*[s.handle.value for s in states])
-    _check(_lib.fp8_scaling_update(ctx.handle, arr, len(states), recipe.handle))
+    arr = (_p * len(states))(*[_arg(s, Scaling, f"scaling_update: states[{k}]").value for k, s in enumerate(states)])
+    _check(_lib.fp8_scaling_update(_arg(ctx, Context, "scaling_update: ctx"), arr, len(states),
+                                   _arg(recipe, Recipe, "scaling_update: recipe")))
 
 
 def gemm(ctx, a, b, d, bias=None, d_scaling=None):
     """d = a * b^T (+ bias), the default options (see fp8_gemm in fp8.h)."""
-    _check(_lib.fp8_gemm(ctx.handle, a.handle, b.handle, bias.handle if bias else None, d.handle,
-                         d_scaling.handle if d_scaling else None, None))
+    w = "gemm: "
+    _check(_lib.fp8_gemm(_arg(ctx, Context, w + "ctx"), _arg(a, Tensor, w + "a"), _arg(b, Tensor, w + "b"),
+                         _arg(bias, Tensor, w + "bias", True), _arg(d, Tensor, w + "d"),
+                         _arg(d_scaling, Scaling, w + "d_scaling", True), None))
 
 
 def scale_grid_shape(mode, rows, cols):
@@ -428,20 +496,27 @@ def quantize_scaled(ctx, x, mode, recipe, out, out_scales, out_transposed=None, 
     the [cols, rows] copy along its own rows and its grid (fp8_quantize_scaled)."""
     if (out_transposed is None) != (out_t_scales is None):
         raise ValueError("quantize_scaled: out_transposed and out_t_scales come together; expected both or neither")
-    _check(_lib.fp8_quantize_scaled(ctx.handle, x.handle, mode, recipe.handle, out.handle, out_scales.handle,
-                                    out_transposed.handle if out_transposed else None,
-                                    out_t_scales.handle if out_t_scales else None))
+    w = "quantize_scaled: "
+    _check(_lib.fp8_quantize_scaled(_arg(ctx, Context, w + "ctx"), _arg(x, Tensor, w + "x"), mode,
+                                    _arg(recipe, Recipe, w + "recipe"), _arg(out, Tensor, w + "out"),
+                                    _arg(out_scales, Tensor, w + "out_scales"),
+                                    _arg(out_transposed, Tensor, w + "out_transposed", True),
+                                    _arg(out_t_scales, Tensor, w + "out_t_scales", True)))
 
 
 def gemm_scaled(ctx, a, a_mode, a_scales, b, b_mode, b_scales, d, bias=None):
     """d = a * b^T (+ bias) with grids of scales (fp8_gemm_scaled; the default options)."""
-    _check(_lib.fp8_gemm_scaled(ctx.handle, a.handle, a_mode, a_scales.handle, b.handle, b_mode, b_scales.handle,
-                                bias.handle if bias else None, d.handle, None))
+    w = "gemm_scaled: "
+    _check(_lib.fp8_gemm_scaled(_arg(ctx, Context, w + "ctx"), _arg(a, Tensor, w + "a"), a_mode,
+                                _arg(a_scales, Tensor, w + "a_scales"), _arg(b, Tensor, w + "b"), b_mode,
+                                _arg(b_scales, Tensor, w + "b_scales"), _arg(bias, Tensor, w + "bias", True),
+                                _arg(d, Tensor, w + "d"), None))
 
 
 def activation_forward(ctx, activation, x, y, y_scaling=None):
-    _check(_lib.fp8_activation_forward(ctx.handle, activation, x.handle, y.handle,
-                                       y_scaling.handle if y_scaling else None))
+    w = "activation_forward: "
+    _check(_lib.fp8_activation_forward(_arg(ctx, Context, w + "ctx"), activation, _arg(x, Tensor, w + "x"),
+                                       _arg(y, Tensor, w + "y"), _arg(y_scaling, Scaling, w + "y_scaling", True)))
 
 
 def _text(call):
@@ -465,7 +540,7 @@ class Model(_Handle):
         # The inputs of the latest forwards (per layer id; None for run), which the backward reads:
         # kept alive here, since the C model holds on to their memory until then.
         self._inputs = {}
-        _check(_lib.fp8_model_create(ctypes.byref(self.handle), ctx.handle))
+        _check(_lib.fp8_model_create(ctypes.byref(self.handle), _arg(ctx, Context, "Model: ctx")))
 
     def _add(self, fn, name, *args):
         layer_id = _i32()
@@ -544,7 +619,7 @@ class Model(_Handle):
             opts = (ctypes.c_uint32 * 5)(20, 0, 1, 1, 1)  # fp8_convert_options_t with to_fp8 = 0
             _check(_lib.fp8_convert_model(self.handle, None, ctypes.cast(opts, _p)))
         else:
-            _check(_lib.fp8_convert_model(self.handle, recipe.handle, None))
+            _check(_lib.fp8_convert_model(self.handle, _arg(recipe, Recipe, "Model.convert: recipe"), None))
 
     @property
     def has_fp8_layers(self):
@@ -580,17 +655,20 @@ class Model(_Handle):
 
     def forward(self, layer_id, x, y):
         """One layer: y = layer(x). x is kept (the layer's backward reads it)."""
-        _check(_lib.fp8_layer_forward(self.handle, layer_id, x.handle, y.handle))
+        _check(_lib.fp8_layer_forward(self.handle, layer_id, _arg(x, Tensor, "Model.forward: x"),
+                                      _arg(y, Tensor, "Model.forward: y")))
         self._inputs[layer_id] = x
 
     def backward(self, layer_id, dy, dx=None):
-        _check(_lib.fp8_layer_backward(self.handle, layer_id, dy.handle, dx.handle if dx else None))
+        _check(_lib.fp8_layer_backward(self.handle, layer_id, _arg(dy, Tensor, "Model.backward: dy"),
+                                       _arg(dx, Tensor, "Model.backward: dx", True)))
 
     def forward_saved(self, layer_id, x, y):
         """y = layer(x), returning the Saved state of exactly this forward (fp8_layer_forward_saved):
         any number may be in flight, each differentiated once, in any order, by backward_saved."""
+        x_handle, y_handle = _arg(x, Tensor, "Model.forward_saved: x"), _arg(y, Tensor, "Model.forward_saved: y")
         saved = Saved(self, layer_id, x)
-        _check(_lib.fp8_layer_forward_saved(self.handle, layer_id, x.handle, y.handle, ctypes.byref(saved.handle)))
+        _check(_lib.fp8_layer_forward_saved(self.handle, layer_id, x_handle, y_handle, ctypes.byref(saved.handle)))
         if not saved.needs_input:
             saved.x = None  # an FP8 Linear's state kept x's FP8 copy: x may go
         return saved
@@ -599,44 +677,49 @@ class Model(_Handle):
         """Backward of the forward that made `saved` (fp8_layer_backward_saved); dx=None only for a
         Linear whose input needs no gradient; accumulate_dx: dx += the input gradient. Consumes
         `saved` (a second backward of it raises FP8_ERR_INVALID_STATE)."""
-        _check(_lib.fp8_layer_backward_saved(self.handle, layer_id, saved.handle, dy.handle,
-                                             dx.handle if dx else None,
+        w = "Model.backward_saved: "
+        _check(_lib.fp8_layer_backward_saved(self.handle, layer_id, _arg(saved, Saved, w + "saved"),
+                                             _arg(dy, Tensor, w + "dy"), _arg(dx, Tensor, w + "dx", True),
                                              BACKWARD_ACCUMULATE_DX if accumulate_dx else 0))
         saved.x = None  # consumed: the C state no longer reads x
 
     def save_checkpoint(self, path, optimizer=None, gradients=False):
         """Everything needed to resume (fp8_checkpoint_save), written atomically."""
-        _check(_lib.fp8_checkpoint_save(self.handle, optimizer.handle if optimizer else None, path.encode(),
-                                        CHECKPOINT_GRADIENTS if gradients else 0))
+        w = "Model.save_checkpoint"
+        _check(_lib.fp8_checkpoint_save(self.handle, _arg(optimizer, Optimizer, w + ": optimizer", True),
+                                        _path(path, w), CHECKPOINT_GRADIENTS if gradients else 0))
 
     def load_checkpoint(self, path, optimizer=None):
         """All or nothing (fp8_checkpoint_load)."""
-        _check(_lib.fp8_checkpoint_load(self.handle, optimizer.handle if optimizer else None, path.encode()))
+        w = "Model.load_checkpoint"
+        _check(_lib.fp8_checkpoint_load(self.handle, _arg(optimizer, Optimizer, w + ": optimizer", True),
+                                        _path(path, w)))
 
     def export_safetensors(self, path):
-        _check(_lib.fp8_model_export_safetensors(self.handle, path.encode()))
+        _check(_lib.fp8_model_export_safetensors(self.handle, _path(path, "Model.export_safetensors")))
 
     def import_safetensors(self, path, part=False):
         """Every parameter from a safetensors file; part=True: a file that may hold other tensors
         too (fp8_model_import_safetensors_part). All or nothing."""
         f = _lib.fp8_model_import_safetensors_part if part else _lib.fp8_model_import_safetensors
-        _check(f(self.handle, path.encode()))
+        _check(f(self.handle, _path(path, "Model.import_safetensors")))
 
     def run(self, x, y):
         """The whole model, layers in order (fp8_model_forward). x is kept (the backward reads it)."""
-        _check(_lib.fp8_model_forward(self.handle, x.handle, y.handle))
+        _check(_lib.fp8_model_forward(self.handle, _arg(x, Tensor, "Model.run: x"), _arg(y, Tensor, "Model.run: y")))
         self._inputs[None] = x
 
     def run_backward(self, dy, dx=None):
         """Backward of the latest run (fp8_model_backward); dx=None when the input needs no gradient."""
-        _check(_lib.fp8_model_backward(self.handle, dy.handle, dx.handle if dx else None))
+        _check(_lib.fp8_model_backward(self.handle, _arg(dy, Tensor, "Model.run_backward: dy"),
+                                       _arg(dx, Tensor, "Model.run_backward: dx", True)))
 
     def report(self):
         return _text(lambda buf, cap, needed: _lib.fp8_model_report(self.handle, buf, cap, needed))
 
     def set_comm(self, comm):
         """Data-parallel over `comm` (collective: every rank calls it), or single-rank with None."""
-        _check(_lib.fp8_model_set_comm(self.handle, comm.handle if comm else None))
+        _check(_lib.fp8_model_set_comm(self.handle, _arg(comm, Comm, "Model.set_comm: comm", True)))
         self.comm = comm  # the model uses the communicator until it goes
 
     def sync_grads(self):
@@ -661,7 +744,8 @@ class Comm(_Handle):
     @classmethod
     def local(cls, ctxs):
         handles = (_p * len(ctxs))()
-        _check(_lib.fp8_comm_create_local(handles, (_p * len(ctxs))(*[c.handle.value for c in ctxs]), len(ctxs)))
+        ctx_handles = [_arg(c, Context, f"Comm.local: ctxs[{k}]").value for k, c in enumerate(ctxs)]
+        _check(_lib.fp8_comm_create_local(handles, (_p * len(ctxs))(*ctx_handles), len(ctxs)))
         comms = []
         for k, ctx in enumerate(ctxs):
             c = cls.__new__(cls)
@@ -732,7 +816,7 @@ class LayerReport(ctypes.Structure):
 
 def layer_report(model, layer_id):
     r = LayerReport(struct_size=ctypes.sizeof(LayerReport))
-    _check(_lib.fp8_layer_get_report(model.handle, layer_id, ctypes.byref(r)))
+    _check(_lib.fp8_layer_get_report(_arg(model, Model, "layer_report: model"), layer_id, ctypes.byref(r)))
     return r
 
 
@@ -755,16 +839,21 @@ class Optimizer(_Handle):
     def __init__(self, model, kind=OPTIMIZER_ADAMW, **attrs):
         super().__init__()
         self.model = model  # the optimizer must not outlive its model
-        _check(_lib.fp8_optimizer_create(ctypes.byref(self.handle), model.handle, kind))
+        _check(_lib.fp8_optimizer_create(ctypes.byref(self.handle), _arg(model, Model, "Optimizer: model"), kind))
         for name, value in attrs.items():
             self[name] = value
 
+    def _attr(self, name):
+        if name not in self._attrs:
+            raise KeyError(f"Optimizer: no hyper-parameter {name!r}; expected one of {', '.join(self._attrs)}")
+        return self._attrs[name]
+
     def __setitem__(self, name, value):
-        _check(_lib.fp8_optimizer_set_float(self.handle, self._attrs[name], value))
+        _check(_lib.fp8_optimizer_set_float(self.handle, self._attr(name), value))
 
     def __getitem__(self, name):
         v = ctypes.c_double()
-        _check(_lib.fp8_optimizer_get_float(self.handle, self._attrs[name], ctypes.byref(v)))
+        _check(_lib.fp8_optimizer_get_float(self.handle, self._attr(name), ctypes.byref(v)))
         return v.value
 
     def step(self):
@@ -775,8 +864,9 @@ class Optimizer(_Handle):
         other_sumsq, a one-element F32 Tensor holding their sum of squares; clip_coef (optional) a
         one-element F32 Tensor that receives the clip factor for them (clip_grad_norm_'s, also when
         a non-finite norm skips the step: 0 for inf, NaN for NaN)."""
-        _check(_lib.fp8_optimizer_step_joint(self.handle, other_sumsq.handle,
-                                             clip_coef.handle if clip_coef is not None else None))
+        w = "Optimizer.step_joint: "
+        _check(_lib.fp8_optimizer_step_joint(self.handle, _arg(other_sumsq, Tensor, w + "other_sumsq"),
+                                             _arg(clip_coef, Tensor, w + "clip_coef", True)))
 
     def zero_grad(self):
         _check(_lib.fp8_optimizer_zero_grad(self.handle))

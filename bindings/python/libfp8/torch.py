@@ -31,13 +31,24 @@ Each layer call is a torch.autograd.Function over fp8_layer_forward_saved / fp8_
 so a module may be used several times in a step, recomputed by torch.utils.checkpoint, and
 accumulate gradients over micro-batches. On CUDA the work goes on torch.cuda.current_stream() with
 no host synchronisation, and libfp8's device memory comes from torch's caching allocator.
+
+Threads: all libfp8 models of a torch device share one libfp8 context, whose objects libfp8 lets
+one thread use at a time; libfp8.torch holds a lock per device around each call into it, so modules
+may be called from several threads (they run one at a time on that device), each thread under its
+own fp8_autocast. Frozen parameters (requires_grad=False) stay frozen through convert_model;
+libfp8.torch.Optimizer refuses them (libfp8's optimizer updates every parameter of its model).
+Resume training with torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}) and
+the matching load_state_dict calls: the optimizer's state holds libfp8's checkpoint (scaling states
+and amax histories, m and v in their stored types). Converted modules cannot be deep-copied.
 """
 import collections
 import contextlib
 import ctypes
 import json
 import math
+import os
 import struct
+import tempfile
 import threading
 import types
 import weakref
@@ -78,8 +89,9 @@ class Recipe:
     the tensor it casts; "rowwise": one scale per row along K; "block": 1x128 blocks of activations
     and gradients, 128x128 blocks of weights).
 
-    Immutable once made; equal recipes compare equal. A bad value raises ValueError (TypeError for
-    a wrong type) naming the field and what it accepts."""
+    Immutable once made (copies are the recipe itself; pickling keeps the fields); equal recipes
+    compare equal. A bad value raises ValueError (TypeError for a wrong type) naming the field and
+    what it accepts."""
 
     __slots__ = ("backend", "opt_level", "margin", "interval", "fp8_format", "amax_history_len",
                  "amax_compute_algo", "override_linear_precision", "use_autocast_during_eval",
@@ -125,7 +137,8 @@ class Recipe:
         s(self, "override_linear_precision", tuple(flag("override_linear_precision", v) for v in olp))
         s(self, "use_autocast_during_eval", flag("use_autocast_during_eval", use_autocast_during_eval))
         s(self, "small_layer_fallback", flag("small_layer_fallback", small_layer_fallback))
-        s(self, "power_2_scales", "auto" if power_2_scales == "auto" else flag("power_2_scales", power_2_scales))
+        auto = isinstance(power_2_scales, str) and power_2_scales.lower() == "auto"
+        s(self, "power_2_scales", "auto" if auto else flag("power_2_scales", power_2_scales))
         s(self, "scaling", choice("scaling", scaling))
         c = _f.Recipe(self.text())  # libfp8 checks it again
         s(self, "_c", c)
@@ -140,6 +153,15 @@ class Recipe:
 
     def __setattr__(self, name, value):
         raise AttributeError("Recipe is immutable: make a new one")
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (_recipe_from_fields, ({f: getattr(self, f) for f in self.__slots__ if not f.startswith("_")},))
 
     @property
     def level(self):
@@ -166,6 +188,10 @@ class Recipe:
 
     def __repr__(self):
         return f"Recipe({self.text()})"
+
+
+def _recipe_from_fields(fields):
+    return Recipe(**fields)
 
 
 def _recipe_arg(recipe, what):
@@ -202,7 +228,15 @@ class _Device:
     past a call (a saved forward keeps x's pointer, and autograd keeps x alive), so a handle can be
     reused for whatever tensor torch places at that address with that dtype and shape, and the
     caching allocator gives the same addresses step after step. That takes the wrap (and on CUDA
-    its pointer check) out of the per-call cost."""
+    its pointer check) out of the per-call cost.
+
+    Every operation on the context (a layer call, a backward, an optimizer step) runs inside
+    `with device:`, which holds its lock: libfp8's objects are externally synchronised (one thread at
+    a time per context and everything made from it, fp8.h), while torch lets several threads call
+    modules (a server's threads, one model per thread), and all the models of a torch device share
+    this context. The outermost entry also tidies up, where no handle taken from the cache can be on
+    its way into a call: it empties a full cache, and destroys the saved states let go meanwhile
+    (_Saved.__del__ runs wherever the garbage collector does)."""
 
     def __init__(self, device):
         self.device = device
@@ -212,6 +246,9 @@ class _Device:
         self.cuda = device.type == "cuda"
         self.stream = 0
         self._wraps = {}
+        self.lock = threading.RLock()
+        self._depth = 0  # nested entries of the thread holding the lock
+        self._dead = []  # fp8_saved_t handles to destroy at the next entry
         if self.cuda:
             self._set_torch_allocator()
 
@@ -242,13 +279,38 @@ class _Device:
                 self.ctx.set_stream(s)
                 self.stream = s
 
+    def __enter__(self):
+        self.lock.acquire()
+        self._depth += 1
+        if self._depth == 1 and (self._dead or len(self._wraps) >= _WRAP_CACHE_LIMIT):
+            while self._dead:
+                _lib.fp8_saved_destroy(self._dead.pop())
+            if len(self._wraps) >= _WRAP_CACHE_LIMIT:
+                self.clear()
+        return self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        self.lock.release()
+
+    def destroy_saved(self, handle):
+        """fp8_saved_destroy now where no call of this context is under way (this thread holds no
+        entry, and no other thread does), else at the next entry."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if self._depth == 0:
+                    _lib.fp8_saved_destroy(handle)
+                    return
+            finally:
+                self.lock.release()
+        self._dead.append(handle)
+
     def wrap(self, t):
-        """A borrowed handle over contiguous tensor t (f32, f16, bf16; uint8 taken as E4M3)."""
+        """A borrowed handle over contiguous tensor t (f32, f16, bf16; uint8 taken as E4M3), valid
+        until the outermost `with self:` is entered again (the cache is emptied only there)."""
         key = (t.data_ptr(), t.dtype, t.shape)
         h = self._wraps.get(key)
         if h is None:
-            if len(self._wraps) >= _WRAP_CACHE_LIMIT:
-                self.clear()
             dtype = _f.DTYPE_E4M3 if t.dtype == torch.uint8 else _TORCH_DTYPES[t.dtype]
             shape = (_i64 * max(t.dim(), 1))(*t.shape)
             h = _p()
@@ -269,6 +331,7 @@ class _Device:
 
 
 _devices = {}
+_devices_lock = threading.Lock()
 
 
 def _device_for(device):
@@ -279,15 +342,25 @@ def _device_for(device):
     if d is None:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"libfp8.torch: device {device}; expected cpu (libfp8's reference backend) or cuda")
-        d = _devices[device] = _Device(device)
+        with _devices_lock:
+            d = _devices.get(device)
+            if d is None:
+                d = _devices[device] = _Device(device)
     return d
 
 
 def to_torch(tensor):
     """A torch tensor sharing a libfp8 tensor's memory (fp8_tensor_to_dlpack; FP8 as uint8 codes).
-    `tensor` is a handle (ctypes c_void_p) or a libfp8.Tensor. The memory stays alive as long as the
-    torch tensor, even past the libfp8 tensor or its model."""
-    handle = tensor.handle if isinstance(tensor, _f._Handle) else tensor
+    `tensor` is a libfp8.Tensor (a model's Parameter too) or an fp8_tensor_t handle (ctypes
+    c_void_p). The memory stays alive as long as the torch tensor, even past the libfp8 tensor or
+    its model."""
+    if isinstance(tensor, _f.Tensor):
+        handle = tensor.handle
+    elif isinstance(tensor, ctypes.c_void_p) and tensor.value:
+        handle = tensor
+    else:
+        raise TypeError(f"to_torch: tensor is {type(tensor).__name__}; expected a libfp8.Tensor or a non-NULL "
+                        "fp8_tensor_t handle (ctypes.c_void_p)")
     managed = _p()
     _check(_lib.fp8_tensor_to_dlpack(handle, ctypes.byref(managed)))
     return torch.utils.dlpack.from_dlpack(_capsule_new(managed, ctypes.addressof(_DLTENSOR), None))
@@ -301,9 +374,10 @@ class BorrowedTensor(_f.Tensor):
         _f._Handle.__init__(self)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"from_torch: t is {type(t).__name__}; expected a torch.Tensor")
+        ctx_handle = _f._arg(ctx, _f.Context, "from_torch: ctx")
         capsule = torch.utils.dlpack.to_dlpack(t.detach())
         managed = _capsule_get(capsule, _DLTENSOR.value)
-        _check(_lib.fp8_tensor_from_dlpack(ctypes.byref(self.handle), ctx.handle, managed))
+        _check(_lib.fp8_tensor_from_dlpack(ctypes.byref(self.handle), ctx_handle, managed))
         _capsule_set_name(capsule, ctypes.addressof(_USED_DLTENSOR))  # libfp8 owns it now
         self.ctx, self.dtype, self.shape = ctx, _TORCH_DTYPES[t.dtype], tuple(t.shape)
         self.nbytes = t.numel() * t.element_size()
@@ -315,7 +389,11 @@ def from_torch(t, ctx=None):
     another device are refused by libfp8 with Fp8Error naming what it expected."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_torch: t is {type(t).__name__}; expected a torch.Tensor")
-    return BorrowedTensor(ctx if ctx is not None else _device_for(t.device).ctx, t)
+    if ctx is not None:
+        return BorrowedTensor(ctx, t)
+    dev = _device_for(t.device)
+    with dev:
+        return BorrowedTensor(dev.ctx, t)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -356,8 +434,8 @@ def fp8_autocast(enabled=True, recipe=None):
         yield
     finally:
         _local.region = outer
-        for group in region.opened:
-            group.close_region()
+        for group in list(region.opened):
+            group.close_region(region)
 
 
 def checkpoint(function, *args, **kwargs):
@@ -407,16 +485,17 @@ def apply_fp8_autowrap(module, recipe=None):
 
 
 class _Saved:
-    """Owns an fp8_saved_t (destroyed with autograd's ctx, differentiated or not)."""
-    __slots__ = ("handle",)
+    """Owns an fp8_saved_t (destroyed with autograd's ctx, differentiated or not: through its device,
+    since the garbage collector may let it go on another thread, or inside a call of its model)."""
+    __slots__ = ("handle", "dev")
 
-    def __init__(self):
-        self.handle = _p()
+    def __init__(self, dev):
+        self.handle, self.dev = _p(), dev
 
     def __del__(self):
-        if self.handle:
-            _lib.fp8_saved_destroy(self.handle)
-            self.handle = None
+        handle, self.handle = self.handle, None
+        if handle:
+            self.dev.destroy_saved(handle)
 
 
 class _Group:
@@ -451,8 +530,12 @@ class _Group:
         elif not want and self.region is not None:
             self.close_region()
 
-    def close_region(self):
-        if self.region is not None:
+    def close_region(self, region=None):
+        """Ends the model's libfp8 region (updating the scales it recorded): the one open, or only
+        `region`'s (another thread's region may have taken the model since)."""
+        with self.dev:
+            if self.region is None or (region is not None and self.region is not region):
+                return
             region, self.region = self.region, None
             if self in region.opened:
                 region.opened.remove(self)
@@ -481,7 +564,7 @@ def _layer_forward(module, x, need_backward):
                                             ctypes.byref(saved)))
         _lib.fp8_saved_destroy(saved)  # its pool buffers go back now
         return y, None
-    saved = _Saved()
+    saved = _Saved(group.dev)
     _check(_lib.fp8_layer_forward_saved(group.model.handle, module._layer_id, wrap(x), wrap(y),
                                         ctypes.byref(saved.handle)))
     return y, saved
@@ -526,15 +609,16 @@ class _LayerFunction(torch.autograd.Function):
         _check_backward(ctx, f"layer '{module._fp8_name}'")
         group = module._group
         dev = group.dev
-        dev.follow_stream()
-        module._alias_grads()
         dy = dy.to(ctx.y_dtype).contiguous()
         need_dx = ctx.needs_input_grad[1] or not module._dx_optional
         # A Linear's dx has its activation dtype (y's); a norm's has x's.
         dx_dtype = ctx.y_dtype if module._dx_optional else ctx.x_dtype
         dx = torch.empty(ctx.x_shape, dtype=dx_dtype, device=dy.device) if need_dx else None
-        _check(_lib.fp8_layer_backward_saved(group.model.handle, module._layer_id, ctx.saved.handle, dev.wrap(dy),
-                                             dev.wrap(dx) if dx is not None else None, 0))
+        with dev:
+            dev.follow_stream()
+            module._alias_grads()
+            _check(_lib.fp8_layer_backward_saved(group.model.handle, module._layer_id, ctx.saved.handle,
+                                                 dev.wrap(dy), dev.wrap(dx) if dx is not None else None, 0))
         ctx.saved = ctx.x = None
         return (None, dx if ctx.needs_input_grad[1] else None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
@@ -548,10 +632,12 @@ class _Module(torch.nn.Module):
         self._group, self._layer_id, self._fp8_name = group, layer_id, name
         self._lent = []  # (torch name, Parameter, value view, grad view or None, index, dtype of grad)
 
-    def _lend_parameters(self, first_index, names):
-        """Registers libfp8's parameters first_index.. as torch Parameters named `names`."""
+    def _lend_parameters(self, first_index, names, frozen=()):
+        """Registers libfp8's parameters first_index.. as torch Parameters named `names`; those in
+        `frozen` (requires_grad=False in torch's module) stay frozen."""
         model = self._group.model
         self._lent = []
+        self._frozen_at_conversion = set(frozen)
         for k, name in enumerate(names):
             index = first_index + k
             value, grad = _p(), _p()
@@ -559,16 +645,29 @@ class _Module(torch.nn.Module):
             v = to_torch(value)
             g = to_torch(grad)
             trains_in_torch = v.dtype == torch.float32 and g.dtype == torch.float32
-            p = torch.nn.Parameter(v, requires_grad=trains_in_torch)
-            if trains_in_torch:
+            p = torch.nn.Parameter(v, requires_grad=trains_in_torch and name not in frozen)
+            if p.requires_grad:
                 p.grad = g
             setattr(self, name, p)
             self._lent.append((name, p, v, g, index, grad))
         self._plist = [p for _, p, *_ in self._lent]
         self._device = self._plist[0].device
         self._seen = self._versions()
-        self._anchor = None if any(p.requires_grad for _, p, *_ in self._lent) else \
+        # An anchor that requires grad where nothing else would make autograd run the backward of a
+        # weight that trains in libfp8 (FP8 gradient, MS-AMP levels).
+        libfp8_trained = any(g.dtype != torch.float32 and name not in frozen for name, _, _, g, *_ in self._lent)
+        self._anchor = None if any(p.requires_grad for p in self._plist) or not libfp8_trained else \
             torch.zeros(0, device=self._lent[0][1].device, requires_grad=True)
+
+    def _frozen(self):
+        """The names of the parameters that do not train: frozen in torch's module when it was
+        converted, or FP32 ones whose requires_grad was turned off since."""
+        return [name for name, p, v, g, *_ in self._lent if name in self._frozen_at_conversion or
+                (v.dtype == torch.float32 and g.dtype == torch.float32 and not p.requires_grad)]
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"libfp8 layer '{self._fp8_name}': a module made by convert_model cannot be copied (its "
+                        "parameters are its libfp8 model's memory); copy the torch module before convert_model")
 
     def _versions(self):
         return [p._version for p in self._plist]
@@ -591,6 +690,8 @@ class _Module(torch.nn.Module):
                 else:
                     g.copy_(p.grad)
                 p.grad = g
+            elif not p.requires_grad and p.grad is g:
+                p.grad = None  # frozen since the conversion: a torch optimizer must not step it
 
     def _out_dtype(self, x):
         return x.dtype
@@ -599,14 +700,15 @@ class _Module(torch.nn.Module):
         group = getattr(self, "_group", None)
         if group is None:
             raise RuntimeError("this libfp8 module was not made by libfp8.torch.convert_model")
-        self._notice_writes()
         x = self._cast_input(x).contiguous()
-        group.enter(self.training)
-        if torch.is_grad_enabled() and self.training:
-            params = self._autograd_params()
-            if x.requires_grad or params:
-                return _LayerFunction.apply(self, x, *params)
-        return _layer_forward(self, x, False)[0]
+        with group.dev:
+            self._notice_writes()
+            group.enter(self.training)
+            if torch.is_grad_enabled() and self.training:
+                params = self._autograd_params()
+                if x.requires_grad or params:
+                    return _LayerFunction.apply(self, x, *params)
+            return _layer_forward(self, x, False)[0]
 
     def _notice_writes(self):
         """Tells libfp8 once of parameter writes from torch since the last look (every module of the
@@ -770,7 +872,7 @@ class _StackRun:
         group = self.layers[0]._group
         wrap = group.dev.wrap
         act = _autocast_dtype(x) or x.dtype
-        saved = _Saved()
+        saved = _Saved(group.dev)
         if r is None:
             features = self.out_features or x.shape[-1]
             y = torch.empty(x.shape[:-1] + (features,), dtype=act, device=x.device)
@@ -870,6 +972,11 @@ class _StackFunction(torch.autograd.Function):
     def backward(ctx, dy):  # pylint: disable=arguments-differ
         run = ctx.run
         _check_backward(ctx, run.what)
+        with run.layers[0]._group.dev:
+            return _StackFunction._backward(ctx, run, dy)
+
+    @staticmethod
+    def _backward(ctx, run, dy):
         group = run.layers[0]._group
         group.dev.follow_stream()
         for m in run.layers:
@@ -935,7 +1042,8 @@ class Sequential(torch.nn.Sequential):
         run = self._stack_run
         # (a backward hook on this module would see a residual's gradient handed to it: none then)
         hooked = bool(self._backward_hooks or getattr(torch.nn.modules.module, "_global_backward_hooks", None))
-        return run.call(run.enter(x, self.training), None, self.training, offer_base=not hooked)
+        with run.layers[0]._group.dev:
+            return run.call(run.enter(x, self.training), None, self.training, offer_base=not hooked)
 
 
 def _residual_run(module):
@@ -977,8 +1085,9 @@ def residual(module, x, residual=None):  # pylint: disable=redefined-outer-name
     if (not isinstance(x, torch.Tensor) or r.shape != x.shape[:-1] + (run.out_features,) or
             (r.dtype == torch.bfloat16 and (_autocast_dtype(x) or x.dtype) == torch.float32)):
         return r + module(x)
-    x_in = run.enter(x, module.training)
-    return run.call(x_in, x_in if x_in is r else r, module.training)
+    with run.layers[0]._group.dev:
+        x_in = run.enter(x, module.training)
+        return run.call(x_in, x_in if x_in is r else r, module.training)
 
 
 _ACTIVATIONS = {"GELU": _f.ACTIVATION_GELU, "ReLU": _f.ACTIVATION_RELU}
@@ -1189,6 +1298,11 @@ def _stacks(root, chosen):
 
 def _build_group(root, device, recipe, items):
     group = _Group(device, recipe)
+    with group.dev:  # (the device's context is every group's on it)
+        return _fill_group(group, root, device, recipe, items)
+
+
+def _fill_group(group, root, device, recipe, items):
     model = group.model
     first = []  # the index of each layer's first parameter
     count = 0
@@ -1227,7 +1341,7 @@ def _build_group(root, device, recipe, items):
             src = getattr(m, pname).detach().to(device="cpu", dtype=torch.float32).contiguous()
             _check(_lib.fp8_model_write_parameter(model.handle, index + k, _f.DTYPE_F32,
                                                   ctypes.c_void_p(src.data_ptr()), src.numel() * 4))
-        new._lend_parameters(index, names)
+        new._lend_parameters(index, names, frozen={n for n in names if not getattr(m, n).requires_grad})
         new._orig_dtype = next(m.parameters()).dtype
         new.train(m.training)
         group.modules.append(new)
@@ -1264,10 +1378,12 @@ def _convert_back(root, linear, norm, report_):
             new = torch.nn.LayerNorm(m.normalized_shape, eps=m.eps, device=device, dtype=dtype)
         else:
             new = torch.nn.RMSNorm(m.normalized_shape, eps=m.eps, device=device, dtype=dtype)
-        m._group.dev.follow_stream()
-        with torch.no_grad():
+        frozen = m._frozen()
+        with m._group.dev, torch.no_grad():
+            m._group.dev.follow_stream()
             for pname, p, *_ in m._lent:
                 getattr(new, pname).copy_(p)
+                getattr(new, pname).requires_grad_(pname not in frozen)
         new.train(m.training)
         _set_child(root, name, new)
         report_.converted.append((name, kind))
@@ -1278,7 +1394,11 @@ def has_fp8_layers(module):
     has_transformer_engine_layers)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"has_fp8_layers: module is {type(module).__name__}; expected a torch.nn.Module")
-    return any(isinstance(m, _Module) and m._group.model.has_fp8_layers for m in module.modules())
+    for g in _groups(module):
+        with g.dev:
+            if g.model.has_fp8_layers:
+                return True
+    return False
 
 
 def _groups(module):
@@ -1293,7 +1413,11 @@ def _groups(module):
 def report(module):
     """libfp8's table of every converted layer (kind, shape, precision of the latest calls, FP8 and
     fallback counts, the latest fallback's reason), per libfp8 model in `module`."""
-    return "\n".join(g.model.report() for g in _groups(module))
+    texts = []
+    for g in _groups(module):
+        with g.dev:
+            texts.append(g.model.report())
+    return "\n".join(texts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1369,7 +1493,8 @@ def load_safetensors(module, path, strict=True):
         keys = [f"{qualified.get(id(m))}.{n}" for m in g.modules for n, *_ in m._lent]
         if (all(qualified.get(id(m)) == m._fp8_name for m in g.modules) and
                 all(k in header and header[k][0] in ("F32", "F16", "BF16") for k in keys)):
-            g.model.import_safetensors(path, part=True)
+            with g.dev:
+                g.model.import_safetensors(path, part=True)
             by_libfp8.update(keys)
     with open(path, "rb") as f, torch.no_grad():
         for k, t in state.items():
@@ -1408,7 +1533,13 @@ class Optimizer:
 
     step() and zero_grad() queue work on the current stream without synchronising; set_lr() is
     synchronous for libfp8's part (call it between steps). FP8 weight gradients (O1, O2) are zeroed
-    by zero_grad() here, not by torch's module.zero_grad()."""
+    by zero_grad() here, not by torch's module.zero_grad().
+
+    libfp8's optimizer updates every parameter of its model, so a converted layer with a frozen
+    parameter (requires_grad=False, before or after convert_model) is refused, at creation and at
+    each step, naming it: convert only what trains, or train with a torch optimizer (te).
+    state_dict() and load_state_dict() save and restore everything a resumed run needs (libfp8's
+    checkpoint of each libfp8 model and torch's optimizer state), for torch.save and torch.load."""
 
     def __init__(self, module, kind="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None,
                  momentum=0.0, max_grad_norm=0.0):
@@ -1434,10 +1565,13 @@ class Optimizer:
             attrs["momentum"] = momentum
         else:
             attrs.update(beta1=betas[0], beta2=betas[1], eps=eps)
+        self._refuse_frozen()
         for g in self.groups:
             if g.fp8_optimizer is not None and g.fp8_optimizer() is not None:
                 raise RuntimeError("Optimizer: the module's libfp8 layers already have an optimizer (one per model)")
-            o = _f.Optimizer(g.model, _KINDS[kind], **attrs)
+        for g in self.groups:
+            with g.dev:
+                o = _f.Optimizer(g.model, _KINDS[kind], **attrs)
             g.fp8_optimizer = weakref.ref(self)
             self._fp8.append((g, o))
         lent = {id(p) for g in self.groups for m in g.modules for _, p, *_ in m._lent}
@@ -1470,16 +1604,33 @@ class Optimizer:
         if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
             raise ValueError(f"Optimizer: max_grad_norm={value!r}; expected a number >= 0")
         if self._joint:  # libfp8's step clips (synchronous for libfp8's part, as set_lr)
-            for _, o in self._fp8:
-                o["max_grad_norm"] = float(value)
+            for g, o in self._fp8:
+                with g.dev:
+                    o["max_grad_norm"] = float(value)
         self._max_grad_norm = float(value)
 
     def set_lr(self, lr):
-        for _, o in self._fp8:
-            o["lr"] = lr
+        """The learning rate of every parameter from the next step on (a number >= 0)."""
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = lr.item()
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0 or math.isinf(lr):
+            raise ValueError(f"Optimizer: lr={lr!r}; expected a finite number >= 0")
+        for g, o in self._fp8:
+            with g.dev:
+                o["lr"] = float(lr)
         if self.torch_optimizer:
             for pg in self.torch_optimizer.param_groups:
                 pg["lr"] = lr
+
+    def _refuse_frozen(self):
+        for g in self.groups:
+            for m in g.modules:
+                frozen = m._frozen()
+                if frozen:
+                    raise RuntimeError(
+                        f"Optimizer: libfp8 layer '{m._fp8_name}': parameter '{frozen[0]}' is frozen (requires_grad="
+                        "False), but libfp8's optimizer updates every parameter of its model; convert only the layers "
+                        "that train (convert_model on a submodule), or train with a torch optimizer (te)")
 
     def _fp32_lent(self, g):
         """(module, Parameter, grad view) of a group's FP32 gradients (te: all; O1/O2: biases, norms)."""
@@ -1521,11 +1672,12 @@ class Optimizer:
             return
         device, sq = self.groups[0].dev.device, []
         for g, _ in self._fp8:
-            g.dev.follow_stream()
-            for _, p, gv in self._fp32_lent(g):
-                sq.append(gv.pow(2).sum().to(device))
-            for _, handle, shape in self._fp8_lent(g):
-                sq.append(self._decoded(g, handle, shape).pow(2).sum().to(device))
+            with g.dev:
+                g.dev.follow_stream()
+                for _, p, gv in self._fp32_lent(g):
+                    sq.append(gv.pow(2).sum().to(device))
+                for _, handle, shape in self._fp8_lent(g):
+                    sq.append(self._decoded(g, handle, shape).pow(2).sum().to(device))
         grads = self._torch_grads()
         total = (torch.stack(sq).sum() + self._sumsq(grads, device)).sqrt()
         coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
@@ -1533,55 +1685,126 @@ class Optimizer:
             _scale_(group, coef.to(dev, dtype))
         for g, _ in self._fp8:
             c = coef.to(g.dev.device)
-            for _, _, gv in self._fp32_lent(g):
-                gv.mul_(c)
-            for index, handle, shape in self._fp8_lent(g):
-                # grad += (coef - 1) grad: libfp8 requantises the sum in one pass (fp8_model_accumulate_grad).
-                d = self._decoded(g, handle, shape)
-                d.mul_(c - 1)
-                _check(_lib.fp8_model_accumulate_grad(g.model.handle, index, g.dev.wrap(d.view(-1))))
+            with g.dev:
+                for _, _, gv in self._fp32_lent(g):
+                    gv.mul_(c)
+                for index, handle, shape in self._fp8_lent(g):
+                    # grad += (coef - 1) grad: libfp8 requantises the sum in one pass (fp8_model_accumulate_grad).
+                    d = self._decoded(g, handle, shape)
+                    d.mul_(c - 1)
+                    _check(_lib.fp8_model_accumulate_grad(g.model.handle, index, g.dev.wrap(d.view(-1))))
 
     def step(self):
+        self._refuse_frozen()
         for g, _ in self._fp8:
-            g.close_region()  # a step inside an autocast block: the region's scales update first
-            g.dev.follow_stream()
-            for _, p, gv in self._fp32_lent(g):  # a dropped .grad holds nothing of this step: libfp8's must not either
-                if p.requires_grad and p.grad is None:
-                    gv.zero_()
-                    p.grad = gv
+            with g.dev:
+                g.close_region()  # a step inside an autocast block: the region's scales update first
+                g.dev.follow_stream()
+                # A dropped .grad holds nothing of this step: libfp8's must not either.
+                for _, p, gv in self._fp32_lent(g):
+                    if p.requires_grad and p.grad is None:
+                        gv.zero_()
+                        p.grad = gv
         clip = self._max_grad_norm > 0
         if clip and not self._joint:
             self._clip_across_models()
         for g, o in self._fp8:  # (each context follows torch's stream since the first loop)
-            if clip and self._joint:
-                grads = self._torch_grads()
-                self._other_sumsq.copy_(self._sumsq(grads, g.dev.device).reshape(1))
-                _check(_lib.fp8_optimizer_step_joint(o.handle, g.dev.wrap(self._other_sumsq),
-                                                     g.dev.wrap(self._clip_coef)))
-                for (dev, dtype), group in grads.items():
-                    _scale_(group, self._clip_coef.to(dev, dtype))
-            else:
-                o.step()
-            # torch sees no write to the lent values: take the versions as they are (libfp8 knows).
-            for m in g.modules:
-                m._seen = m._versions()
+            with g.dev:
+                if clip and self._joint:
+                    grads = self._torch_grads()
+                    self._other_sumsq.copy_(self._sumsq(grads, g.dev.device).reshape(1))
+                    _check(_lib.fp8_optimizer_step_joint(o.handle, g.dev.wrap(self._other_sumsq),
+                                                         g.dev.wrap(self._clip_coef)))
+                    for (dev, dtype), group in grads.items():
+                        _scale_(group, self._clip_coef.to(dev, dtype))
+                else:
+                    o.step()
+                # torch sees no write to the lent values: take the versions as they are (libfp8 knows).
+                for m in g.modules:
+                    m._seen = m._versions()
         if self.torch_optimizer:
             self.torch_optimizer.step()
 
     def zero_grad(self, set_to_none=True):
         for g, o in self._fp8:
-            g.dev.follow_stream()
-            o.zero_grad()
-            for _, p, gv in self._fp32_lent(g):
-                if p.requires_grad:
-                    p.grad = gv  # zeroed by libfp8; stays aliased
+            with g.dev:
+                g.dev.follow_stream()
+                o.zero_grad()
+                for _, p, gv in self._fp32_lent(g):
+                    if p.requires_grad:
+                        p.grad = gv  # zeroed by libfp8; stays aliased
         if self.torch_optimizer:
             self.torch_optimizer.zero_grad(set_to_none=set_to_none)
 
     def stats(self):
         """libfp8's optimizer statistics (steps, skipped steps, level, bytes), one per libfp8 model.
         Synchronous."""
-        return [o.stats() for _, o in self._fp8]
+        stats = []
+        for g, o in self._fp8:
+            with g.dev:
+                stats.append(o.stats())
+        return stats
+
+    def state_dict(self):
+        """Everything a resumed run needs, for torch.save: per libfp8 model its checkpoint (fp8.h,
+        "Checkpoints": parameters in their stored types, scaling states with their amax histories,
+        the step count, m and v, the hyper-parameters) as a uint8 tensor, and torch's optimizer's
+        state_dict for the other parameters. Synchronous; closes an open fp8_autocast region of the
+        models first, as step() does."""
+        blobs = []
+        with tempfile.TemporaryDirectory(prefix="libfp8-") as tmp:
+            path = os.path.join(tmp, "optimizer.fp8ckpt")
+            for g, o in self._fp8:
+                with g.dev:
+                    g.close_region()
+                    g.dev.follow_stream()
+                    g.model.save_checkpoint(path, o)
+                with open(path, "rb") as f:
+                    blobs.append(torch.frombuffer(bytearray(f.read()), dtype=torch.uint8))
+        return {"kind": self.kind, "max_grad_norm": self._max_grad_norm, "libfp8": blobs,
+                "torch": self.torch_optimizer.state_dict() if self.torch_optimizer is not None else None}
+
+    def load_state_dict(self, state_dict):
+        """Restores what state_dict() saved, into an Optimizer of the same kind over a module built and
+        converted the same way (recipe, layers, names and shapes; libfp8 checks, and refuses a
+        mismatch naming it, leaving that model as it was). The libfp8 layers' parameters take the
+        saved values too (they are part of libfp8's checkpoint) and their gradients are zeroed;
+        training then goes on bit for bit as it would have. Synchronous."""
+        if not isinstance(state_dict, dict) or not {"kind", "libfp8", "torch"} <= set(state_dict):
+            raise TypeError("Optimizer.load_state_dict: expected a dict from libfp8.torch.Optimizer.state_dict()")
+        if state_dict["kind"] != self.kind:
+            raise ValueError(f"Optimizer.load_state_dict: the state is of kind {state_dict['kind']!r}; this optimizer "
+                             f"is {self.kind!r}")
+        blobs = state_dict["libfp8"]
+        if len(blobs) != len(self._fp8):
+            raise ValueError(f"Optimizer.load_state_dict: the state holds {len(blobs)} libfp8 models; this optimizer "
+                             f"trains {len(self._fp8)}")
+        if (state_dict["torch"] is None) != (self.torch_optimizer is None):
+            raise ValueError("Optimizer.load_state_dict: " + (
+                "the state has no torch optimizer state; this optimizer trains torch parameters"
+                if state_dict["torch"] is None else
+                "the state has torch optimizer state; this optimizer trains no torch parameter"))
+        with tempfile.TemporaryDirectory(prefix="libfp8-") as tmp:
+            path = os.path.join(tmp, "optimizer.fp8ckpt")
+            for (g, o), blob in zip(self._fp8, blobs):
+                if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
+                    raise TypeError("Optimizer.load_state_dict: state_dict['libfp8'] holds a "
+                                    f"{type(blob).__name__}; expected uint8 tensors")
+                with open(path, "wb") as f:
+                    blob = blob.cpu().contiguous()
+                    f.write(ctypes.string_at(blob.data_ptr(), blob.numel()) if blob.numel() else b"")
+                with g.dev:
+                    g.close_region()
+                    g.dev.follow_stream()
+                    g.model.load_checkpoint(path, o)
+                    # The checkpoint set the model's training mode to the saved one: back to the modules'.
+                    _check(_lib.fp8_model_set_training(g.model.handle, int(g.training)))
+                    for m in g.modules:
+                        m._check_storage()
+                        m._seen = m._versions()
+        if self.torch_optimizer is not None:
+            self.torch_optimizer.load_state_dict(state_dict["torch"])
+        self.max_grad_norm = state_dict.get("max_grad_norm", self._max_grad_norm)
 
 
 def _by_device_and_dtype(tensors):
