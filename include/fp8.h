@@ -426,8 +426,10 @@ struct DLManagedTensor;
  * tensor over managed's memory (byte_offset applied). Checked: the device (kDLCUDA with the
  * context's device id, or kDLCUDAManaged; kDLCPU or kDLCUDAHost for a CPU context:
  * FP8_ERR_INVALID_ARGUMENT naming both), the dtype (float32, float16 or bfloat16: FP8_ERR_DTYPE
- * naming it), ndim <= FP8_MAX_DIMS, and the strides (NULL or those of a contiguous row-major tensor,
- * any stride on a size-1 dimension; FP8_ERR_SHAPE naming them otherwise). On success the tensor
+ * naming it), ndim <= FP8_MAX_DIMS, the strides (NULL or those of a contiguous row-major tensor,
+ * any stride on a size-1 dimension and any at all on an empty tensor, which torch exports with
+ * strides such as [1, 1]; FP8_ERR_SHAPE naming them otherwise), and, as fp8_tensor_wrap checks
+ * them, the sizes (none negative) and the data's alignment to the dtype's size. On success the tensor
  * owns `managed`: its deleter runs when the tensor is destroyed (or, if the tensor was lent on with
  * fp8_tensor_to_dlpack, when the last consumer is done). On failure `managed` stays the caller's.
  * Allocates no device memory and never synchronises.
@@ -436,7 +438,8 @@ FP8_API fp8_status_t fp8_tensor_from_dlpack(fp8_tensor_t **out, fp8_context_t *c
 /**
  * Lends `tensor` as a DLPack tensor: [out] out, its data, shape and contiguous strides on its device
  * (kDLCUDA and the device id, or kDLCPU), dtype float32, float16 or bfloat16, and E4M3/E5M2 as
- * their uint8 codes (DLPack 0.6 has no FP8 type; the scale_inv stays with
+ * their uint8 codes (DLPack 0.6, the version libfp8 builds against, has no FP8 type; 1.1's FP8 type
+ * codes are not used; the scale_inv stays with
  * fp8_tensor_get_scale_inv). The consumer calls out->deleter when it is done (frameworks do).
  * Memory libfp8 owns (fp8_tensor_create, a model's parameters and gradients, a tensor from
  * fp8_tensor_from_dlpack) stays allocated until then, even after the tensor or its model is

@@ -88,6 +88,29 @@ TEST(DlPack, AnEmptyTensorIsTakenWhateverItsStrides) {
   EXPECT_EQ(p.deleted, 1);
 }
 
+// What fp8_tensor_wrap checks, fp8_tensor_from_dlpack checks too: a data pointer (with its
+// byte_offset) not aligned to the dtype's size, and a negative size.
+TEST(DlPack, MisalignedDataAndNegativeSizesAreRefused) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  fp8_tensor_t* t = nullptr;
+  {
+    Produced p({2, 3});
+    p.managed.dl_tensor.byte_offset = 2;  // half a float in
+    const fp8_status_t st = fp8_tensor_from_dlpack(&t, ctx.get(), &p.managed);
+    EXPECT_NE(st, FP8_OK);
+    EXPECT_NE(std::string(fp8_last_error_message()).find("align"), std::string::npos) << fp8_last_error_message();
+    EXPECT_EQ(t, nullptr);
+    EXPECT_EQ(p.deleted, 0);
+  }
+  {
+    Produced p({2, 3});
+    p.shape[0] = -2;
+    EXPECT_REFUSED(fp8_tensor_from_dlpack(&t, ctx.get(), &p.managed), FP8_ERR_SHAPE, "fp8_tensor_from_dlpack", "-2");
+    EXPECT_EQ(t, nullptr);
+    EXPECT_EQ(p.deleted, 0);
+  }
+}
+
 TEST(DlPack, RefusalsNameWhatTheyGotAndLeaveTheTensorWithTheCaller) {
   Context ctx = make_context(FP8_DEVICE_CPU);
   fp8_tensor_t* t = nullptr;
