@@ -27,14 +27,30 @@
 //!
 //! # Ownership and lifetimes
 //! Each handle kind is an owning type that destroys its object when dropped: [`Context`],
-//! [`Recipe`], [`Tensor`], [`Scaling`], [`Model`], [`Optimizer`], [`Saved`], [`Comm`]. Objects made
+//! [`Recipe`], [`Tensor`], [`Scaling`], [`Model`], [`Optimizer`], [`Saved`], [`StackSaved`],
+//! [`Comm`], [`ManagedTensor`] (which runs its deleter). Objects made
 //! from a context borrow it (`Tensor<'c>`, `Model<'c>`); a model's parameters are
 //! [`TensorRef<'m>`] borrowed from the model; an [`Optimizer<'m>`] borrows its model (fp8.h:
 //! destroy it first); a forward that awaits its backward ([`ForwardPass`], [`LayerPass`],
-//! [`Saved`]) borrows the forward's input, which the backward reads. libfp8 keeps one whole-model
+//! [`Saved`], [`StackSaved`]) borrows the forward's input, which the backward reads. libfp8 keeps one whole-model
 //! forward and one `fp8_layer_forward` per layer, so a [`ForwardPass`] superseded by a later
 //! `Model::forward` refuses its backward, and a layer's `Model::layer_forward` is refused while a
 //! [`LayerPass`] of it is alive: a backward never reads another forward's input.
+//! [`Model::convert`], [`Model::convert_with`] and [`Model::to_high_precision`] take `&mut self`:
+//! a conversion may move the parameter storage, so no borrow of the model lives across it.
+//!
+//! # Stacks
+//! [`Model::stack_forward_saved`] runs a range of layers as one operation (PyTorch's
+//! `nn.Sequential`), [`Model::stack_forward_residual`] adds a residual in the last Linear's GEMM;
+//! each hands back a [`StackSaved`] that borrows x, for [`Model::stack_backward_saved`] (or
+//! `_add`). [`DxMode`] says what a backward does with dx: write it, accumulate into it, or make it
+//! dy + the gradient (a residual that is x itself).
+//!
+//! # DLPack
+//! [`Tensor::to_dlpack`] and [`TensorRef::to_dlpack`] lend a tensor as a [`ManagedTensor`] (hand
+//! its raw `DLManagedTensor` to the consumer with [`ManagedTensor::into_raw`]: the consumer calls
+//! the deleter); [`Tensor::from_managed`] and the `unsafe` [`Tensor::from_dlpack`] take one in.
+//! The C layouts are in [`dlpack`].
 //!
 //! # Scaling recipes
 //! The recipe keys `scaling` (delayed, current, rowwise, block) and `power_2_scales` are
@@ -56,6 +72,7 @@
 
 mod comm;
 mod context;
+pub mod dlpack;
 mod error;
 mod model;
 mod optimizer;
@@ -67,10 +84,11 @@ pub use fp8_sys as sys;
 
 pub use comm::{Comm, CommId, Rank};
 pub use context::{device_count, device_info, Context, DeviceInfo};
+pub use dlpack::ManagedTensor;
 pub use error::{Error, Result, Status};
 pub use model::{
-    Activation, Autocast, ConvertOptions, ForwardPass, LayerId, LayerKind, LayerPass, LayerReport, Model, Parameter,
-    Precision, Saved, ScalingSlot, StorageRole,
+    Activation, Autocast, ConvertOptions, DxMode, ForwardPass, LayerId, LayerKind, LayerPass, LayerReport, Model,
+    Parameter, Precision, Saved, ScalingSlot, StackSaved, StorageRole,
 };
 pub use optimizer::{OptimAttr, Optimizer, OptimizerKind, OptimizerStats};
 pub use recipe::{AttrBounds, Recipe, RecipeAttr, Role};
@@ -133,6 +151,65 @@ pub fn version() -> &'static str {
 /// pass.backward(&dy, None).unwrap();
 /// ```
 ///
+/// Nor the input of a stack forward, whose first layer's backward may read it:
+/// ```compile_fail,E0502
+/// let ctx = fp8::Context::cpu().unwrap();
+/// let mut model = fp8::Model::new(&ctx).unwrap();
+/// model.add_linear("fc", 4, 4, true).unwrap();
+/// let mut x = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let mut y = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let dy = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let mut saved = model.stack_forward_saved(.., &x, &mut y).unwrap();
+/// x.copy_from_host(&[0.0f32; 4]).unwrap();
+/// model.stack_backward_saved(&mut saved, &dy, None, fp8::DxMode::Write).unwrap();
+/// ```
+///
+/// x cannot be its own backward's dx (fp8.h: dx must not overlap the x the backward reads):
+/// ```compile_fail,E0502
+/// let ctx = fp8::Context::cpu().unwrap();
+/// let mut model = fp8::Model::new(&ctx).unwrap();
+/// model.add_linear("fc", 4, 4, true).unwrap();
+/// let mut x = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let mut y = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let dy = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let mut saved = model.stack_forward_saved(.., &x, &mut y).unwrap();
+/// model.stack_backward_saved(&mut saved, &dy, Some(&mut x), fp8::DxMode::Write).unwrap();
+/// ```
+///
+/// A stack's state goes to the stack's backward, a layer's to the layer's (libfp8 refuses the
+/// other; here the compiler does):
+/// ```compile_fail,E0308
+/// let ctx = fp8::Context::cpu().unwrap();
+/// let mut model = fp8::Model::new(&ctx).unwrap();
+/// model.add_linear("fc", 4, 4, true).unwrap();
+/// let x = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let mut y = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let mut saved = model.stack_forward_saved(.., &x, &mut y).unwrap();
+/// model.backward_saved(0, &mut saved, &y, None, fp8::DxMode::Write).unwrap();
+/// ```
+/// ```compile_fail,E0308
+/// let ctx = fp8::Context::cpu().unwrap();
+/// let mut model = fp8::Model::new(&ctx).unwrap();
+/// model.add_linear("fc", 4, 4, true).unwrap();
+/// let x = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let mut y = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 4]).unwrap();
+/// let mut saved = model.forward_saved(0, &x, &mut y).unwrap();
+/// model.stack_backward_saved(&mut saved, &y, None, fp8::DxMode::Write).unwrap();
+/// ```
+///
+/// A DLPack view of a tensor over the caller's buffer cannot outlive the buffer (libfp8 keeps
+/// only the memory it allocated alive for its consumers):
+/// ```compile_fail,E0597
+/// let ctx = fp8::Context::cpu().unwrap();
+/// let lent;
+/// {
+///     let mut buf = vec![0.0f32; 4];
+///     let t = fp8::Tensor::wrap_host(&ctx, fp8::DType::F32, &[4], &mut buf).unwrap();
+///     lent = t.to_dlpack().unwrap();
+/// }
+/// drop(lent);
+/// ```
+///
 /// An optimizer cannot outlive its model (fp8.h: destroy it first):
 /// ```compile_fail,E0505
 /// let ctx = fp8::Context::cpu().unwrap();
@@ -170,6 +247,13 @@ pub fn version() -> &'static str {
 /// let model = fp8::Model::new(&ctx).unwrap();
 /// let opt = fp8::Optimizer::new(&model, fp8::OptimizerKind::AdamW).unwrap();
 /// send(&opt);
+/// ```
+///
+/// ```compile_fail,E0277
+/// fn send<T: Send>(_: &T) {}
+/// let ctx = fp8::Context::cpu().unwrap();
+/// let t = fp8::Tensor::new(&ctx, fp8::DType::F32, &[4]).unwrap();
+/// send(&t.to_dlpack().unwrap());
 /// ```
 ///
 /// Nothing is Sync (externally synchronised objects):

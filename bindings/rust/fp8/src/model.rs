@@ -11,6 +11,7 @@ use fp8_sys as sys;
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::ops::{Bound, RangeBounds};
 use std::ptr::{self, NonNull};
 
 /// A layer's id: 0, 1, ... in the order the layers were added.
@@ -130,6 +131,34 @@ pub enum ScalingSlot {
     GradOutput = sys::FP8_SCALING_GRAD_OUTPUT,
     /// Norm / activation: the FP8 y.
     Output = sys::FP8_SCALING_OUTPUT,
+}
+
+/// What a backward writes into dx: the `FP8_BACKWARD_*` flags of `Model::backward_saved` and
+/// `Model::stack_backward_saved`, one at a time (fp8.h: "Not both"; libfp8 refuses the pair).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DxMode {
+    /// dx = the input gradient (flags 0).
+    #[default]
+    Write,
+    /// dx = round(float(dx) + the input gradient) (`FP8_BACKWARD_ACCUMULATE_DX`): x feeds more than
+    /// one branch (a residual connection) and dx already holds another branch's gradient.
+    Accumulate,
+    /// dx = round(float(dy) + the input gradient) (`FP8_BACKWARD_ADD_DY`): the gradient of
+    /// y = x + f(x), whose residual is x itself (`Model::stack_forward_residual` with residual =
+    /// x), in the same pass. dx takes dy's shape and dtype, dy must be 16-byte aligned (tensors from
+    /// `Tensor::new` are) and dx is required.
+    AddDy,
+}
+
+impl DxMode {
+    /// The `FP8_BACKWARD_*` flags of this mode.
+    pub fn flags(self) -> u32 {
+        match self {
+            DxMode::Write => 0,
+            DxMode::Accumulate => sys::FP8_BACKWARD_ACCUMULATE_DX,
+            DxMode::AddDy => sys::FP8_BACKWARD_ADD_DY,
+        }
+    }
 }
 
 /// A parameter of a model: its name ("fc1.weight"), value and gradient, borrowed from the model.
@@ -333,12 +362,54 @@ impl<'c> Model<'c> {
     }
 
     /// Converts every Linear, norm and activation layer to FP8 under `recipe` (copied).
-    pub fn convert(&self, recipe: &Recipe) -> Result<()> {
+    ///
+    /// Takes `&mut self` because a conversion may move the parameter storage (the first one, or
+    /// one that changes the storage level, frees the old memory): no borrow of the model may live
+    /// across it (parameter [`TensorRef`]s, passes, autocast regions, optimizers), and a parameter
+    /// fetched before must be fetched again after. A [`Saved`] or [`StackSaved`] borrows only its
+    /// forward's x, so one made before a conversion can outlive it; libfp8 refuses its backward.
+    ///
+    /// These must not compile. A parameter kept across the conversion:
+    /// ```compile_fail,E0502
+    /// let ctx = fp8::Context::cpu().unwrap();
+    /// let mut model = fp8::Model::new(&ctx).unwrap();
+    /// model.add_linear("fc", 16, 16, true).unwrap();
+    /// let weight = model.parameter("fc.weight").unwrap().0;
+    /// model.convert(&fp8::Recipe::from_text("backend=te").unwrap()).unwrap();
+    /// weight.to_vec::<f32>().unwrap(); // would read freed memory
+    /// ```
+    /// A parameter as the x of another model's saved forward, which keeps only x's data pointer:
+    /// ```compile_fail,E0502
+    /// let ctx = fp8::Context::cpu().unwrap();
+    /// let mut a = fp8::Model::new(&ctx).unwrap();
+    /// a.add_linear("fc", 16, 16, false).unwrap();
+    /// let mut b = fp8::Model::new(&ctx).unwrap();
+    /// b.add_linear("fc", 16, 16, false).unwrap();
+    /// let weight = a.parameter("fc.weight").unwrap().0;
+    /// let mut y = fp8::Tensor::new(&ctx, fp8::DType::F32, &[16, 16]).unwrap();
+    /// let mut saved = b.forward_saved(0, &weight, &mut y).unwrap();
+    /// a.convert(&fp8::Recipe::from_text("backend=te").unwrap()).unwrap();
+    /// b.backward_saved(0, &mut saved, &y, None, fp8::DxMode::Write).unwrap(); // would read freed memory
+    /// ```
+    /// A forward awaiting its backward:
+    /// ```compile_fail,E0502
+    /// let ctx = fp8::Context::cpu().unwrap();
+    /// let mut model = fp8::Model::new(&ctx).unwrap();
+    /// model.add_linear("fc", 16, 16, true).unwrap();
+    /// let x = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 16]).unwrap();
+    /// let mut y = fp8::Tensor::new(&ctx, fp8::DType::F32, &[1, 16]).unwrap();
+    /// let pass = model.forward(&x, &mut y).unwrap();
+    /// model.convert(&fp8::Recipe::from_text("backend=te").unwrap()).unwrap();
+    /// pass.backward(&y, None).unwrap();
+    /// ```
+    pub fn convert(&mut self, recipe: &Recipe) -> Result<()> {
         check(unsafe { sys::fp8_convert_model(self.ptr(), recipe.as_ptr(), ptr::null()) })
     }
 
     /// Converts the layers `options` chooses; `recipe` may be None when `options.to_fp8` is false.
-    pub fn convert_with(&self, recipe: Option<&Recipe>, options: &ConvertOptions) -> Result<()> {
+    /// Takes `&mut self` as [`Self::convert`] does: a conversion may move the parameter storage,
+    /// so no borrow of the model may live across it.
+    pub fn convert_with(&mut self, recipe: Option<&Recipe>, options: &ConvertOptions) -> Result<()> {
         let mut o = sys::fp8_convert_options_t::default();
         unsafe { sys::fp8_convert_options_init(&mut o) };
         o.to_fp8 = options.to_fp8 as i32;
@@ -348,8 +419,10 @@ impl<'c> Model<'c> {
         check(unsafe { sys::fp8_convert_model(self.ptr(), recipe.map_or(ptr::null(), |r| r.as_ptr()), &o) })
     }
 
-    /// Every layer back to high precision (parameters and gradients kept).
-    pub fn to_high_precision(&self) -> Result<()> {
+    /// Every layer back to high precision (parameters and gradients kept). Takes `&mut self` as
+    /// [`Self::convert`] does: a conversion may move the parameter storage, so no borrow of the
+    /// model may live across it.
+    pub fn to_high_precision(&mut self) -> Result<()> {
         self.convert_with(None, &ConvertOptions { to_fp8: false, ..ConvertOptions::default() })
     }
 
@@ -438,19 +511,178 @@ impl<'c> Model<'c> {
         Ok(Saved { raw: created(raw, "fp8_layer_forward_saved")?, _x: PhantomData })
     }
 
-    /// Backward of exactly the forward that made `saved` (consumed on success: a second backward
-    /// is refused). `dx` may be None only for a Linear; `accumulate_dx`: dx += the gradient.
+    /// Backward of exactly the forward that made `saved` (`fp8_layer_backward_saved`; consumed on
+    /// success: a second backward is refused). `dx` may be None only for a Linear (and not with
+    /// `DxMode::AddDy`); `mode` says whether dx is written, accumulated into or made dy + the
+    /// gradient. Parameter gradients accumulate. Refused before anything runs for another model's
+    /// or layer's state, an eval-mode one, or when the layer was converted or its weights changed
+    /// since the forward.
     pub fn backward_saved<DY: AsTensor + ?Sized>(
         &self,
         layer: LayerId,
         saved: &mut Saved<'_>,
         dy: &DY,
         dx: Option<&mut dyn AsTensor>,
-        accumulate_dx: bool,
+        mode: DxMode,
     ) -> Result<()> {
-        let flags = if accumulate_dx { sys::FP8_BACKWARD_ACCUMULATE_DX } else { 0 };
         check(unsafe {
-            sys::fp8_layer_backward_saved(self.ptr(), layer, saved.raw.as_ptr(), dy.as_ptr(), opt_mut(dx), flags)
+            sys::fp8_layer_backward_saved(self.ptr(), layer, saved.raw.as_ptr(), dy.as_ptr(), opt_mut(dx), mode.flags())
+        })
+    }
+
+    /* ---- stacks ---- */
+
+    /// (first_layer, layer_count) of a range of layer ids; `..` is every layer. An empty range
+    /// goes to libfp8, which refuses it with its own message.
+    fn layer_range(&self, layers: &impl RangeBounds<LayerId>) -> Result<(i32, i32)> {
+        let start = match layers.start_bound() {
+            Bound::Included(&s) => i64::from(s),
+            Bound::Excluded(&s) => i64::from(s) + 1,
+            Bound::Unbounded => 0,
+        };
+        let end = match layers.end_bound() {
+            Bound::Included(&e) => i64::from(e) + 1,
+            Bound::Excluded(&e) => i64::from(e),
+            Bound::Unbounded => self.layer_count()? as i64,
+        };
+        let bad = || Error::new(Status::InvalidArgument, format!("layers {start}..{end}: not a range of layer ids"));
+        let first = i32::try_from(start).map_err(|_| bad())?;
+        let count = i32::try_from(end - start).map_err(|_| bad())?;
+        if count < 0 {
+            return Err(bad());
+        }
+        Ok((first, count))
+    }
+
+    /// y = layers(x): the layers of `layers` (`2..5`, `..`) as one sequential stack, each one's
+    /// y the next one's x, as `forward` runs the whole model (the same checks, the same E4M3
+    /// hand-offs and activation folds under FP8), with what the backward needs handed to the
+    /// caller (`fp8_stack_forward_saved`): the activations between the layers that their
+    /// backwards read and each layer's state, on loan from the model's pool. Any number of stack
+    /// forwards may be in flight; differentiate each with `stack_backward_saved` (or
+    /// `stack_backward_saved_add`).
+    ///
+    /// x: F32 or BF16 `[.., in_features of the first layer]`, of y's dtype unless the first layer
+    /// is a norm (which takes either); y: the last layer's output shape, F32 or BF16, the dtype of
+    /// every activation between the layers. The state borrows x, which the first layer's backward
+    /// may read ("x must stay alive and unchanged until the backward"): x cannot be written or
+    /// dropped, nor be the backward's dx, while the state lives.
+    pub fn stack_forward_saved<'x, X, Y>(
+        &self,
+        layers: impl RangeBounds<LayerId>,
+        x: &'x X,
+        y: &mut Y,
+    ) -> Result<StackSaved<'x>>
+    where
+        X: AsTensor + ?Sized,
+        Y: AsTensor + ?Sized,
+    {
+        let (first, count) = self.layer_range(&layers)?;
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::fp8_stack_forward_saved(self.ptr(), first, count, x.as_ptr(), y.as_ptr(), &mut raw) })?;
+        Ok(StackSaved { raw: created(raw, "fp8_stack_forward_saved")?, _x: PhantomData })
+    }
+
+    /// y = residual + layers(x) (`fp8_stack_forward_residual`): `stack_forward_saved` with the
+    /// residual added by the last layer's GEMM, which must be a Linear (`Status::Unsupported`
+    /// otherwise). residual and y: the stack's output shape, one dtype (F32 or BF16, a
+    /// transformer's residual stream); `act_dtype` (F32 or BF16): the activations between the
+    /// layers and x's dtype (either when the first layer is a norm); a BF16 residual takes BF16
+    /// activations. The residual may be x itself (pass the same tensor twice: a block
+    /// y = x + f(x), whose backward adds dy into dx with `DxMode::AddDy`); for residual = y use
+    /// `stack_forward_residual_in_place`; otherwise libfp8 refuses a residual overlapping y. The
+    /// backward reads no residual: only x is borrowed by the state. Its backward is
+    /// `stack_backward_saved` with dy of y's dtype (the residual's gradient is dy itself).
+    pub fn stack_forward_residual<'x, X, R, Y>(
+        &self,
+        layers: impl RangeBounds<LayerId>,
+        x: &'x X,
+        residual: &R,
+        y: &mut Y,
+        act_dtype: DType,
+    ) -> Result<StackSaved<'x>>
+    where
+        X: AsTensor + ?Sized,
+        R: AsTensor + ?Sized,
+        Y: AsTensor + ?Sized,
+    {
+        let (first, count) = self.layer_range(&layers)?;
+        // SAFETY: residual is only read, during the call.
+        unsafe { self.stack_residual(first, count, x.as_ptr(), residual.as_ptr(), y.as_ptr(), act_dtype) }
+    }
+
+    /// y += layers(x) (`fp8_stack_forward_residual` with residual = y itself): y holds the residual
+    /// stream on entry and the sum on return. As `stack_forward_residual` otherwise.
+    pub fn stack_forward_residual_in_place<'x, X, Y>(
+        &self,
+        layers: impl RangeBounds<LayerId>,
+        x: &'x X,
+        y: &mut Y,
+        act_dtype: DType,
+    ) -> Result<StackSaved<'x>>
+    where
+        X: AsTensor + ?Sized,
+        Y: AsTensor + ?Sized,
+    {
+        let (first, count) = self.layer_range(&layers)?;
+        let y = y.as_ptr();
+        // SAFETY: fp8.h allows the residual to be y itself.
+        unsafe { self.stack_residual(first, count, x.as_ptr(), y, y, act_dtype) }
+    }
+
+    /// # Safety
+    /// Handles of live tensors (the callers' borrows).
+    unsafe fn stack_residual<'x>(
+        &self,
+        first: i32,
+        count: i32,
+        x: *mut sys::fp8_tensor_t,
+        residual: *mut sys::fp8_tensor_t,
+        y: *mut sys::fp8_tensor_t,
+        act_dtype: DType,
+    ) -> Result<StackSaved<'x>> {
+        let mut raw = ptr::null_mut();
+        check(sys::fp8_stack_forward_residual(self.ptr(), first, count, x, residual, y, act_dtype.raw(), &mut raw))?;
+        Ok(StackSaved { raw: created(raw, "fp8_stack_forward_residual")?, _x: PhantomData })
+    }
+
+    /// Backward of the stack forward that made `saved` (`fp8_stack_backward_saved`; consumed on
+    /// success: a second backward is refused). dy: y's shape and dtype; dx: x's shape and dtype, or
+    /// None when x needs no gradient (not with `DxMode::AddDy`), written as `mode` says.
+    /// Parameter gradients accumulate. Refused before anything runs for another model's state, an
+    /// eval-mode one, or when a layer of the stack was converted or its weights changed since the
+    /// forward (an optimizer step, a parameter write). A layer's `Saved` is another type: the
+    /// compiler refuses it here, as libfp8 would.
+    pub fn stack_backward_saved<DY: AsTensor + ?Sized>(
+        &self,
+        saved: &mut StackSaved<'_>,
+        dy: &DY,
+        dx: Option<&mut dyn AsTensor>,
+        mode: DxMode,
+    ) -> Result<()> {
+        check(unsafe {
+            sys::fp8_stack_backward_saved(self.ptr(), saved.raw.as_ptr(), dy.as_ptr(), opt_mut(dx), mode.flags())
+        })
+    }
+
+    /// `stack_backward_saved` with dx = round(float(base) + the stack's input gradient)
+    /// (`fp8_stack_backward_saved_add`): x's gradient from elsewhere (the dy of a residual that is
+    /// x, a second consumer of x) added in the first layer's own pass. base: dx's shape and dtype,
+    /// 16-byte aligned, not overlapping dx (base = dx itself is `DxMode::Accumulate`).
+    pub fn stack_backward_saved_add<DY, B, DX>(
+        &self,
+        saved: &mut StackSaved<'_>,
+        dy: &DY,
+        base: &B,
+        dx: &mut DX,
+    ) -> Result<()>
+    where
+        DY: AsTensor + ?Sized,
+        B: AsTensor + ?Sized,
+        DX: AsTensor + ?Sized,
+    {
+        check(unsafe {
+            sys::fp8_stack_backward_saved_add(self.ptr(), saved.raw.as_ptr(), dy.as_ptr(), base.as_ptr(), dx.as_ptr())
         })
     }
 
@@ -650,6 +882,38 @@ impl Saved<'_> {
 impl Drop for Saved<'_> {
     fn drop(&mut self) {
         unsafe { sys::fp8_saved_destroy(self.raw.as_ptr()) }
+    }
+}
+
+/// What one stack forward keeps for its backward (`fp8_saved_t` from `Model::stack_forward_saved`
+/// or `Model::stack_forward_residual`): each layer's state and the activations between the layers
+/// that their backwards read, on loan from the model's pool until the backward or the drop. It
+/// borrows the forward's x, which the first layer's backward may read; it may outlive its model.
+/// A separate type from a layer's [`Saved`], so that neither reaches the other's backward.
+pub struct StackSaved<'x> {
+    raw: NonNull<sys::fp8_saved_t>,
+    _x: PhantomData<&'x ()>,
+}
+
+impl StackSaved<'_> {
+    /// Whether this state's backward reads the forward's x (`fp8_saved_needs_input`: the first
+    /// layer's rule); false once consumed or for an eval-mode forward.
+    pub fn needs_input(&self) -> Result<bool> {
+        let mut needs = 0i32;
+        check(unsafe { sys::fp8_saved_needs_input(self.raw.as_ptr(), &mut needs) })?;
+        Ok(needs != 0)
+    }
+}
+
+impl Drop for StackSaved<'_> {
+    fn drop(&mut self) {
+        unsafe { sys::fp8_saved_destroy(self.raw.as_ptr()) }
+    }
+}
+
+impl std::fmt::Debug for StackSaved<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StackSaved").field("needs_input", &self.needs_input().ok()).finish()
     }
 }
 

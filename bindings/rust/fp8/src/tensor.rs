@@ -1,6 +1,7 @@
 //! Tensors: owned (`Tensor`) and lent by a model (`TensorRef`).
 
 use crate::context::Context;
+use crate::dlpack::{DLManagedTensor, ManagedTensor};
 use crate::error::{check, created, static_str, Error, Result, Status};
 use fp8_sys as sys;
 use std::ffi::c_void;
@@ -266,6 +267,56 @@ impl<'c> Tensor<'c> {
     pub fn set_scale_inv(&mut self, scale_inv: f32) -> Result<()> {
         check(unsafe { sys::fp8_tensor_set_scale_inv(self.raw.as_ptr(), scale_inv) })
     }
+
+    /// Lends the tensor as a DLPack tensor (`fp8_tensor_to_dlpack`): its data, shape and compact
+    /// row-major strides, `kDLCPU` 0 or `kDLCUDA` and the ordinal, dtype float32, float16 or
+    /// bfloat16, and E4M3/E5M2 as their uint8 codes (the scale_inv stays with [`Self::scale_inv`]).
+    /// Hand it on with [`ManagedTensor::into_raw`]: the consumer calls its deleter. Memory libfp8
+    /// allocated stays allocated until then, even after this tensor is dropped; the view borrows
+    /// what the tensor borrows (`'c`: the context, and the buffer of a [`Self::wrap_host`] tensor).
+    /// Work queued on the context may still be writing the memory: order the consumer after it.
+    pub fn to_dlpack(&self) -> Result<ManagedTensor<'c>> {
+        to_dlpack(self.raw)
+    }
+
+    /// Takes a DLPack tensor in (`fp8_tensor_from_dlpack`): a tensor over its memory (byte_offset
+    /// applied) that owns it: the deleter runs when the tensor is dropped, or, if the tensor was
+    /// lent on with [`Self::to_dlpack`], when the last consumer is done. Checked: the device
+    /// (`kDLCPU` or `kDLCUDAHost` for a CPU context, `kDLCUDA` with the context's ordinal or
+    /// `kDLCUDAManaged` for a CUDA one: `Status::InvalidArgument`), the dtype (float32, float16 or
+    /// bfloat16: `Status::Dtype`), at most `FP8_MAX_DIMS` dimensions and compact row-major strides
+    /// (any stride on a size-1 dimension; `Status::Shape`). On failure `managed` is dropped, so its
+    /// deleter runs (use [`Self::from_dlpack`] to keep a refused pointer).
+    pub fn from_managed(ctx: &'c Context, managed: ManagedTensor<'c>) -> Result<Tensor<'c>> {
+        // SAFETY: ManagedTensor's invariant (from_raw's contract, or lent by libfp8).
+        let t = unsafe { Tensor::from_dlpack(ctx, managed.as_ptr()) }?;
+        std::mem::forget(managed); // the tensor owns it now
+        Ok(t)
+    }
+
+    /// [`Self::from_managed`] from a raw pointer, as C has it: on success the tensor owns
+    /// `managed` (its deleter runs when the tensor, and any view lent on, is gone); on failure
+    /// `managed` stays the caller's, deleter not run.
+    ///
+    /// # Safety
+    /// `managed` must point to a valid `DLManagedTensor` whose `dl_tensor` (shape, strides) and data
+    /// stay valid until its deleter runs and for `'c`, whose deleter nobody else will call once
+    /// this succeeds and may be called from this thread, and whose data meets [`Self::wrap`]'s
+    /// conditions: memory of the context's device (host memory on the CPU backend), aligned to the
+    /// dtype, holding every element the shape and strides reach, and accessed by nobody else (the
+    /// producing framework included) in a way that conflicts with libfp8's reads and writes while
+    /// the tensor or a view lent on exists. A raw pointer cannot be checked for any of this.
+    pub unsafe fn from_dlpack(ctx: &'c Context, managed: *mut DLManagedTensor) -> Result<Tensor<'c>> {
+        let mut raw = ptr::null_mut();
+        check(sys::fp8_tensor_from_dlpack(&mut raw, ctx.as_ptr(), managed.cast()))?;
+        Ok(Tensor { raw: created(raw, "fp8_tensor_from_dlpack")?, _ctx: PhantomData })
+    }
+}
+
+fn to_dlpack<'a>(t: NonNull<sys::fp8_tensor_t>) -> Result<ManagedTensor<'a>> {
+    let mut out = ptr::null_mut();
+    check(unsafe { sys::fp8_tensor_to_dlpack(t.as_ptr(), &mut out) })?;
+    ManagedTensor::lent(out)
 }
 
 impl Drop for Tensor<'_> {
@@ -296,5 +347,16 @@ impl TensorRef<'_> {
     /// `Model::write_parameter`. Synchronous.
     pub fn copy_from_host<T: HostElement>(&self, src: &[T]) -> Result<()> {
         check(unsafe { sys::fp8_tensor_copy_from_host(self.raw.as_ptr(), src.as_ptr().cast(), bytes_of(src)) })
+    }
+}
+
+impl<'m> TensorRef<'m> {
+    /// Lends the parameter as a DLPack tensor, as [`Tensor::to_dlpack`] does: a view of the
+    /// model's flat storage. libfp8 keeps that memory allocated until the deleter runs, but when
+    /// the storage moves (the first conversion, a level change, `Model::set_comm`) the view keeps
+    /// the old memory and no longer sees the model's: take it again. It borrows the model (`'m`),
+    /// through which it borrows the context.
+    pub fn to_dlpack(&self) -> Result<ManagedTensor<'m>> {
+        to_dlpack(self.raw)
     }
 }

@@ -205,7 +205,7 @@ fn values(m: &Model<'_>) -> Vec<Vec<f32>> {
 #[test]
 fn model_training_surface() {
     let ctx = Context::cpu().unwrap();
-    let m = small_model(&ctx);
+    let mut m = small_model(&ctx);
     assert_eq!(m.layer_count().unwrap(), 3);
     assert_eq!(m.find_layer("fc2").unwrap(), 2);
     assert_eq!(m.layer_name(1).unwrap(), "act");
@@ -222,6 +222,9 @@ fn model_training_surface() {
     m.convert(&recipe).unwrap();
     assert!(m.has_fp8_layers().unwrap());
     assert_eq!(m.storage_level().unwrap(), 0);
+    // Fetched again: the conversion moved the parameter storage (which is why it takes &mut self
+    // and the refs fetched before it cannot live across it).
+    let g = m.parameter("fc1.weight").unwrap().1;
     let mut opt = Optimizer::new(&m, OptimizerKind::AdamW).unwrap().with(OptimAttr::Lr, 1e-2).unwrap();
     opt.set(OptimAttr::MaxGradNorm, 1.0).unwrap();
     assert_eq!(opt.get(OptimAttr::Lr).unwrap(), 1e-2);
@@ -266,7 +269,7 @@ fn model_training_surface() {
 #[test]
 fn ms_amp_levels_store_fp8() {
     let ctx = Context::cpu().unwrap();
-    let m = small_model(&ctx);
+    let mut m = small_model(&ctx);
     m.convert(&Recipe::from_text("backend=msamp, opt_level=O2, small_layer_fallback=0").unwrap()).unwrap();
     assert_eq!(m.storage_level().unwrap(), 2);
     let (w, g) = m.parameter("fc1.weight").unwrap();
@@ -311,7 +314,7 @@ fn checkpoints_resume_exactly() {
         }
     };
     // Train 2 steps, save, train 2 more: the reference.
-    let a = small_model(&ctx);
+    let mut a = small_model(&ctx);
     a.convert(&recipe).unwrap();
     let mut opt_a = Optimizer::new(&a, OptimizerKind::Adam).unwrap();
     train(&a, &mut opt_a, 0..2);
@@ -320,7 +323,7 @@ fn checkpoints_resume_exactly() {
     // A fresh model built and converted the same way, loaded, trained the same 2 steps.
     let saved_recipe = Recipe::from_checkpoint(&path).unwrap();
     assert_eq!(saved_recipe.get(RecipeAttr::OptLevel).unwrap(), 1);
-    let b = small_model(&ctx);
+    let mut b = small_model(&ctx);
     b.convert(&saved_recipe).unwrap();
     let mut opt_b = Optimizer::new(&b, OptimizerKind::Adam).unwrap();
     b.load_checkpoint(&path, Some(&mut opt_b)).unwrap();
@@ -339,11 +342,11 @@ fn checkpoints_resume_exactly() {
     // safetensors round trip.
     let st = dir.join("model.safetensors");
     b.export_safetensors(&st).unwrap();
-    let c = small_model(&ctx);
+    let mut c = small_model(&ctx);
     c.convert(&saved_recipe).unwrap();
     c.import_safetensors(&st).unwrap();
     assert_eq!(bytes(&c), bytes(&b));
-    let d = small_model(&ctx);
+    let mut d = small_model(&ctx);
     d.convert(&saved_recipe).unwrap();
     d.import_safetensors_part(&st).unwrap();
     assert_eq!(bytes(&d), bytes(&b));
@@ -353,7 +356,7 @@ fn checkpoints_resume_exactly() {
 #[test]
 fn per_layer_and_saved_forwards() {
     let ctx = Context::cpu().unwrap();
-    let m = small_model(&ctx);
+    let mut m = small_model(&ctx);
     let (x, _) = batch(&ctx, 1);
     let mut h = Tensor::new(&ctx, DType::F32, &[8, 32]).unwrap();
     let dh = Tensor::from_host(&ctx, DType::F32, &[8, 32], &[0.01f32; 8 * 32]).unwrap();
@@ -368,15 +371,28 @@ fn per_layer_and_saved_forwards() {
     let mut s2 = m.forward_saved(0, &x, &mut h2).unwrap();
     // Not converted: the weight gradient runs in high precision from x, which the state reads.
     assert!(s1.needs_input().unwrap());
-    m.backward_saved(0, &mut s2, &dh, None, false).unwrap();
+    m.backward_saved(0, &mut s2, &dh, None, DxMode::Write).unwrap();
     assert!(!s2.needs_input().unwrap(), "a consumed state reads nothing");
-    m.backward_saved(0, &mut s1, &dh, None, false).unwrap();
+    m.backward_saved(0, &mut s1, &dh, None, DxMode::Write).unwrap();
     let g2 = m.parameter("fc1.weight").unwrap().1.to_vec::<f32>().unwrap();
     for (a, b) in g1.iter().zip(&g2) {
         assert!((2.0 * a - b).abs() <= 1e-6 * a.abs().max(1e-3), "{a} {b}");
     }
     // A second backward of one forward is refused.
-    assert_eq!(m.backward_saved(0, &mut s1, &dh, None, false).unwrap_err().status(), Status::InvalidState);
+    assert_eq!(m.backward_saved(0, &mut s1, &dh, None, DxMode::Write).unwrap_err().status(), Status::InvalidState);
+    // A conversion after the forward. A state borrows x, not the model, so it can live across a
+    // conversion (which takes &mut self); libfp8 refuses its backward. Both directions.
+    let mut s = m.forward_saved(0, &x, &mut h).unwrap();
+    m.convert(&Recipe::from_text("backend=te, small_layer_fallback=0").unwrap()).unwrap();
+    let err = m.backward_saved(0, &mut s, &dh, None, DxMode::Write).unwrap_err();
+    assert_eq!(err.status(), Status::InvalidState, "{err}");
+    let mut s = m.forward_saved(0, &x, &mut h).unwrap();
+    m.to_high_precision().unwrap();
+    let err = m.backward_saved(0, &mut s, &dh, None, DxMode::Write).unwrap_err();
+    assert_eq!(err.status(), Status::InvalidState, "{err}");
+    // A fresh forward after the conversion is differentiated as usual.
+    let mut s = m.forward_saved(0, &x, &mut h).unwrap();
+    m.backward_saved(0, &mut s, &dh, None, DxMode::Write).unwrap();
 }
 
 #[test]
@@ -502,7 +518,7 @@ fn scaling_recipes_train() {
         ("scaling=rowwise", sys::FP8_SCALING_ROWWISE),
         ("scaling=block", sys::FP8_SCALING_BLOCK),
     ] {
-        let m = small_model(&ctx);
+        let mut m = small_model(&ctx);
         m.convert(&Recipe::from_text(&format!("{text}, backend=msamp, opt_level=O2, small_layer_fallback=0")).unwrap())
             .unwrap();
         let mut opt = Optimizer::new(&m, OptimizerKind::AdamW).unwrap();
@@ -590,4 +606,554 @@ fn scale_grids() {
     let m = ScaleMode::Block128x128;
     let err = ctx.gemm_scaled(&qa, m, &sa, &qb, m, &sb, None, &mut d, None).unwrap_err();
     assert!(!err.message().is_empty(), "{err}");
+}
+
+/* ---- stacks ----------------------------------------------------------------------------------- */
+
+fn bits(t: &Tensor<'_>) -> Vec<u8> {
+    t.to_vec::<u8>().unwrap()
+}
+
+fn grads(m: &Model<'_>) -> Vec<Vec<u8>> {
+    m.parameters().unwrap().iter().map(|p| p.grad.to_vec::<u8>().unwrap()).collect()
+}
+
+/// `data` as a tensor of `dtype` (F32, or BF16 by truncating each value's bits).
+fn tensor_of<'c>(ctx: &'c Context, dtype: DType, shape: &[i64], data: &[f32]) -> Tensor<'c> {
+    match dtype {
+        DType::F32 => Tensor::from_host(ctx, dtype, shape, data).unwrap(),
+        DType::BF16 => {
+            let h: Vec<u16> = data.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            Tensor::from_host(ctx, dtype, shape, &h).unwrap()
+        }
+        _ => unreachable!(),
+    }
+}
+
+fn pattern(n: usize, seed: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|i| (((i + seed) * 29 % 19) as f32 - 9.0) * scale).collect()
+}
+
+/// fp8.h: a stack runs its layers "as fp8_model_forward runs the whole model", each layer's y the
+/// next one's x; outside FP8 there are no E4M3 hand-offs or folds, so a stack forward and backward
+/// are the layers' own calls one by one: the same bits (F32 and BF16 activations).
+#[test]
+fn stacks_equal_their_layers_outside_fp8() {
+    let ctx = Context::cpu().unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let m = small_model(&ctx);
+        let x = tensor_of(&ctx, dtype, &[8, 16], &pattern(8 * 16, 1, 0.1));
+        let dy = tensor_of(&ctx, dtype, &[8, 16], &pattern(8 * 16, 2, 0.01));
+        // Layer by layer.
+        let mut h1 = Tensor::new(&ctx, dtype, &[8, 32]).unwrap();
+        let mut h2 = Tensor::new(&ctx, dtype, &[8, 32]).unwrap();
+        let mut y1 = Tensor::new(&ctx, dtype, &[8, 16]).unwrap();
+        let mut s0 = m.forward_saved(0, &x, &mut h1).unwrap();
+        let mut s1 = m.forward_saved(1, &h1, &mut h2).unwrap();
+        let mut s2 = m.forward_saved(2, &h2, &mut y1).unwrap();
+        let mut dh2 = Tensor::new(&ctx, dtype, &[8, 32]).unwrap();
+        let mut dh1 = Tensor::new(&ctx, dtype, &[8, 32]).unwrap();
+        let mut dx1 = Tensor::new(&ctx, dtype, &[8, 16]).unwrap();
+        m.backward_saved(2, &mut s2, &dy, Some(&mut dh2), DxMode::Write).unwrap();
+        m.backward_saved(1, &mut s1, &dh2, Some(&mut dh1), DxMode::Write).unwrap();
+        m.backward_saved(0, &mut s0, &dh1, Some(&mut dx1), DxMode::Write).unwrap();
+        let g1 = grads(&m);
+        m.zero_grad().unwrap();
+        // The whole model as one stack.
+        let mut y2 = Tensor::new(&ctx, dtype, &[8, 16]).unwrap();
+        let mut dx2 = Tensor::new(&ctx, dtype, &[8, 16]).unwrap();
+        let mut s = m.stack_forward_saved(.., &x, &mut y2).unwrap();
+        assert!(s.needs_input().unwrap(), "a high-precision weight gradient reads x");
+        m.stack_backward_saved(&mut s, &dy, Some(&mut dx2), DxMode::Write).unwrap();
+        assert!(!s.needs_input().unwrap(), "consumed");
+        assert_eq!(bits(&y2), bits(&y1), "{dtype:?} y");
+        assert_eq!(bits(&dx2), bits(&dx1), "{dtype:?} dx");
+        assert_eq!(grads(&m), g1, "{dtype:?} parameter gradients");
+        m.zero_grad().unwrap();
+        // A part of it (GELU, fc2), from the layers' own h1, without dx.
+        let mut y3 = Tensor::new(&ctx, dtype, &[8, 16]).unwrap();
+        let mut s = m.stack_forward_saved(1..=2, &h1, &mut y3).unwrap();
+        m.stack_backward_saved(&mut s, &dy, None, DxMode::Write).unwrap();
+        assert_eq!(bits(&y3), bits(&y1));
+        let g3 = grads(&m);
+        assert_eq!(g3[2..], g1[2..], "fc2's gradients");
+        assert!(g3[0].iter().all(|&b| b == 0), "fc1 is not in the stack");
+    }
+}
+
+/// Under FP8 (delayed scaling: E4M3 hand-offs, GELU folded into fc2's casts) fp8.h promises the
+/// stack "as fp8_model_forward runs the whole model", and the backward as fp8_model_backward: the
+/// same bits as a whole-model run of an identical model.
+#[test]
+fn stack_under_fp8_equals_the_whole_model_run() {
+    let ctx = Context::cpu().unwrap();
+    let recipe = Recipe::from_text("backend=te, small_layer_fallback=0").unwrap();
+    let (mut a, mut b) = (small_model(&ctx), small_model(&ctx));
+    a.convert(&recipe).unwrap();
+    b.convert(&recipe).unwrap();
+    // 16 tokens: a multiple of 16, so the weight gradients run in FP8 too.
+    let x = Tensor::from_host(&ctx, DType::F32, &[16, 16], &pattern(16 * 16, 4, 0.1)).unwrap();
+    let dy = Tensor::from_host(&ctx, DType::F32, &[16, 16], &pattern(16 * 16, 5, 0.01)).unwrap();
+    let new = || Tensor::new(&ctx, DType::F32, &[16, 16]).unwrap();
+    let (mut ya, mut yb, mut dxa, mut dxb) = (new(), new(), new(), new());
+    let region = a.autocast().unwrap();
+    let pass = a.forward(&x, &mut ya).unwrap();
+    region.end().unwrap();
+    pass.backward(&dy, Some(&mut dxa)).unwrap();
+    let region = b.autocast().unwrap();
+    let mut s = b.stack_forward_saved(.., &x, &mut yb).unwrap();
+    region.end().unwrap();
+    // fc1's weight gradient runs in FP8 from x's transposed copy: x is not read again.
+    assert!(!s.needs_input().unwrap());
+    b.stack_backward_saved(&mut s, &dy, Some(&mut dxb), DxMode::Write).unwrap();
+    for layer in [0, 2] {
+        let report = b.layer_report(layer).unwrap();
+        assert_eq!((report.fprop, report.dgrad, report.wgrad), (Precision::Fp8, Precision::Fp8, Precision::Fp8));
+    }
+    assert_eq!(bits(&yb), bits(&ya));
+    assert_eq!(bits(&dxb), bits(&dxa));
+    assert_eq!(grads(&b), grads(&a));
+}
+
+/// y = residual + stack(x), in place or not, residual = x with DxMode::AddDy, the `_add` variant,
+/// and DxMode on a layer's backward. The sums are one rounding of float(base) + the gradient
+/// (fp8.h), so each mode equals DxMode::Accumulate into a dx that held the base: the same bits.
+#[test]
+fn stack_residuals_and_dx_modes() {
+    let ctx = Context::cpu().unwrap();
+    let m = small_model(&ctx);
+    let (x, dy) = batch(&ctx, 5);
+    let r_host = pattern(8 * 16, 3, 0.5);
+    let r = Tensor::from_host(&ctx, DType::F32, &[8, 16], &r_host).unwrap();
+    let new = |shape: &[i64]| Tensor::new(&ctx, DType::F32, shape).unwrap();
+    let host = |t: &Tensor<'_>| t.to_vec::<f32>().unwrap();
+
+    let mut y0 = new(&[8, 16]);
+    let mut dx0 = new(&[8, 16]);
+    let mut s0 = m.stack_forward_saved(.., &x, &mut y0).unwrap();
+    m.stack_backward_saved(&mut s0, &dy, Some(&mut dx0), DxMode::Write).unwrap();
+    let g0 = grads(&m);
+    m.zero_grad().unwrap();
+
+    // The residual, added by fc2's GEMM (one rounding of the double sum: within an ulp of y0 + r).
+    let mut y1 = new(&[8, 16]);
+    let mut s1 = m.stack_forward_residual(.., &x, &r, &mut y1, DType::F32).unwrap();
+    for ((a, b), c) in host(&y1).iter().zip(host(&y0)).zip(&r_host) {
+        assert!((a - (b + c)).abs() <= 1e-6 * (b + c).abs().max(1.0), "{a} vs {b} + {c}");
+    }
+    let mut y2 = Tensor::from_host(&ctx, DType::F32, &[8, 16], &r_host).unwrap();
+    let mut s2 = m.stack_forward_residual_in_place(.., &x, &mut y2, DType::F32).unwrap();
+    assert_eq!(bits(&y2), bits(&y1), "residual = y: the same sum");
+    // The residual's gradient is dy itself: the stack's backward is the plain stack's.
+    let mut dx1 = new(&[8, 16]);
+    m.stack_backward_saved(&mut s1, &dy, Some(&mut dx1), DxMode::Write).unwrap();
+    assert_eq!(bits(&dx1), bits(&dx0));
+    assert_eq!(grads(&m), g0);
+    m.stack_backward_saved(&mut s2, &dy, None, DxMode::Write).unwrap();
+    m.zero_grad().unwrap();
+
+    // y = x + f(x): the residual is x itself; AddDy makes dx = dy + f's input gradient.
+    let mut y3 = new(&[8, 16]);
+    let mut s3 = m.stack_forward_residual(.., &x, &x, &mut y3, DType::F32).unwrap();
+    let mut dx3 = new(&[8, 16]);
+    m.stack_backward_saved(&mut s3, &dy, Some(&mut dx3), DxMode::AddDy).unwrap();
+    let mut y4 = new(&[8, 16]);
+    let mut s4 = m.stack_forward_residual(.., &x, &x, &mut y4, DType::F32).unwrap();
+    let mut dx4 = Tensor::from_host(&ctx, DType::F32, &[8, 16], &host(&dy)).unwrap();
+    m.stack_backward_saved(&mut s4, &dy, Some(&mut dx4), DxMode::Accumulate).unwrap();
+    assert_eq!(bits(&dx3), bits(&dx4));
+    for ((a, b), c) in host(&dx3).iter().zip(host(&dx0)).zip(host(&dy)) {
+        assert!((a - (b + c)).abs() <= 1e-6 * (b + c).abs().max(1e-3), "{a} vs {b} + {c}");
+    }
+    m.zero_grad().unwrap();
+
+    // The _add variant: dx = base + the input gradient.
+    let base = Tensor::from_host(&ctx, DType::F32, &[8, 16], &pattern(8 * 16, 7, 0.25)).unwrap();
+    let mut y5 = new(&[8, 16]);
+    let mut dx5 = new(&[8, 16]);
+    let mut s5 = m.stack_forward_saved(.., &x, &mut y5).unwrap();
+    m.stack_backward_saved_add(&mut s5, &dy, &base, &mut dx5).unwrap();
+    let mut y6 = new(&[8, 16]);
+    let mut dx6 = Tensor::from_host(&ctx, DType::F32, &[8, 16], &host(&base)).unwrap();
+    let mut s6 = m.stack_forward_saved(.., &x, &mut y6).unwrap();
+    m.stack_backward_saved(&mut s6, &dy, Some(&mut dx6), DxMode::Accumulate).unwrap();
+    assert_eq!(bits(&dx5), bits(&dx6));
+
+    // A layer's backward: GELU keeps the shape, so AddDy applies to it.
+    let h = Tensor::from_host(&ctx, DType::F32, &[8, 32], &pattern(8 * 32, 1, 0.2)).unwrap();
+    let dh = Tensor::from_host(&ctx, DType::F32, &[8, 32], &pattern(8 * 32, 2, 0.05)).unwrap();
+    let mut out = new(&[8, 32]);
+    let (mut a, mut b) = (new(&[8, 32]), Tensor::from_host(&ctx, DType::F32, &[8, 32], &host(&dh)).unwrap());
+    let mut sa = m.forward_saved(1, &h, &mut out).unwrap();
+    let mut sb = m.forward_saved(1, &h, &mut out).unwrap();
+    m.backward_saved(1, &mut sa, &dh, Some(&mut a), DxMode::AddDy).unwrap();
+    m.backward_saved(1, &mut sb, &dh, Some(&mut b), DxMode::Accumulate).unwrap();
+    assert_eq!(bits(&a), bits(&b));
+    assert_eq!(DxMode::default(), DxMode::Write);
+    assert_eq!(
+        [DxMode::Write.flags(), DxMode::Accumulate.flags(), DxMode::AddDy.flags()],
+        [0, sys::FP8_BACKWARD_ACCUMULATE_DX, sys::FP8_BACKWARD_ADD_DY]
+    );
+}
+
+/// Every refusal of fp8.h's stack contracts comes back as an error and changes nothing.
+#[test]
+fn stack_refusals() {
+    let ctx = Context::cpu().unwrap();
+    let mut m = small_model(&ctx);
+    let (x, dy) = batch(&ctx, 6);
+    let new = |shape: &[i64]| Tensor::new(&ctx, DType::F32, shape).unwrap();
+    let mut y = new(&[8, 16]);
+    let mut dx = new(&[8, 16]);
+    let status = |r: Result<StackSaved<'_>>| r.unwrap_err().status();
+    // Ranges.
+    assert_eq!(status(m.stack_forward_saved(1..1, &x, &mut y)), Status::InvalidArgument);
+    assert_eq!(status(m.stack_forward_saved(2..9, &x, &mut y)), Status::InvalidArgument);
+    #[allow(clippy::reversed_empty_ranges)]
+    let reversed = m.stack_forward_saved(2..=0, &x, &mut y);
+    assert_eq!(status(reversed), Status::InvalidArgument);
+    // Shapes, dtypes, the residual's last layer.
+    assert_eq!(status(m.stack_forward_saved(0..2, &x, &mut y)), Status::Shape);
+    let mut h = new(&[8, 32]);
+    let err = m.stack_forward_residual(0..2, &x, &h, &mut new(&[8, 32]), DType::F32).unwrap_err();
+    assert_eq!(err.status(), Status::Unsupported, "{err}");
+    let r16 = Tensor::new(&ctx, DType::BF16, &[8, 16]).unwrap();
+    let mut y16 = Tensor::new(&ctx, DType::BF16, &[8, 16]).unwrap();
+    assert_eq!(status(m.stack_forward_residual(.., &x, &r16, &mut y16, DType::F32)), Status::Dtype);
+    assert_eq!(status(m.stack_forward_residual(.., &x, &x, &mut y, DType::E4M3)), Status::Dtype);
+
+    // A refused backward runs nothing and leaves the state for a good one.
+    let mut s = m.stack_forward_saved(.., &x, &mut y).unwrap();
+    let err = m.stack_backward_saved(&mut s, &h, Some(&mut dx), DxMode::Write).unwrap_err();
+    assert_eq!(err.status(), Status::Shape, "{err}");
+    let err = m.stack_backward_saved(&mut s, &dy, None, DxMode::AddDy).unwrap_err();
+    assert_eq!(err.status(), Status::InvalidArgument, "{err}");
+    let err = m.stack_backward_saved_add(&mut s, &dy, &h, &mut dx).unwrap_err();
+    assert_eq!(err.status(), Status::Shape, "{err}");
+    assert!(grads(&m).iter().flatten().all(|&b| b == 0), "nothing ran");
+    m.stack_backward_saved(&mut s, &dy, Some(&mut dx), DxMode::Write).unwrap();
+    // One backward per forward.
+    let err = m.stack_backward_saved(&mut s, &dy, Some(&mut dx), DxMode::Write).unwrap_err();
+    assert_eq!(err.status(), Status::InvalidState);
+    assert!(err.message().contains("already differentiated"), "{err}");
+
+    // Another model's state.
+    let other = small_model(&ctx);
+    let mut s = other.stack_forward_saved(.., &x, &mut y).unwrap();
+    assert_eq!(m.stack_backward_saved(&mut s, &dy, None, DxMode::Write).unwrap_err().status(), Status::InvalidArgument);
+    other.stack_backward_saved(&mut s, &dy, None, DxMode::Write).unwrap();
+
+    // Weights changed since the forward (a write, as an optimizer step).
+    let mut s = m.stack_forward_saved(.., &x, &mut y).unwrap();
+    m.write_parameter(3, &[0.5f32; 16]).unwrap();
+    let err = m.stack_backward_saved(&mut s, &dy, None, DxMode::Write).unwrap_err();
+    assert_eq!(err.status(), Status::InvalidState, "{err}");
+    // An eval-mode forward keeps nothing to differentiate.
+    m.set_training(false).unwrap();
+    let mut s = m.stack_forward_saved(.., &x, &mut y).unwrap();
+    assert!(!s.needs_input().unwrap());
+    m.set_training(true).unwrap();
+    assert_eq!(m.stack_backward_saved(&mut s, &dy, None, DxMode::Write).unwrap_err().status(), Status::InvalidState);
+    // A conversion after the forward (expressible: the state borrows x, not the model).
+    let mut s = m.stack_forward_saved(.., &x, &mut y).unwrap();
+    m.convert(&Recipe::from_text("backend=te, small_layer_fallback=0").unwrap()).unwrap();
+    assert_eq!(m.stack_backward_saved(&mut s, &dy, None, DxMode::Write).unwrap_err().status(), Status::InvalidState);
+    // A state that outlives its model is still dropped safely.
+    let s = other.stack_forward_saved(.., &x, &mut h).map(|_| ()).unwrap_err();
+    assert_eq!(s.status(), Status::Shape);
+    let kept = other.stack_forward_saved(.., &x, &mut y).unwrap();
+    drop(other);
+    drop(kept);
+}
+
+/* ---- DLPack ----------------------------------------------------------------------------------- */
+
+use fp8::dlpack::{self, DLDataType, DLDevice, DLManagedTensor, DLTensor};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// A producer's tensor, as a framework's to_dlpack makes one: its memory, shape and strides live
+/// with the DLManagedTensor, and the deleter counts its calls.
+struct Producer {
+    managed: DLManagedTensor,
+    _shape: Vec<i64>,
+    _strides: Option<Vec<i64>>,
+    _data: Vec<f32>,
+    deleted: Arc<AtomicUsize>,
+}
+
+unsafe extern "C" fn delete_producer(m: *mut DLManagedTensor) {
+    let p = Box::from_raw((*m).manager_ctx.cast::<Producer>());
+    p.deleted.fetch_add(1, Ordering::SeqCst);
+}
+
+struct Made {
+    managed: *mut DLManagedTensor,
+    data: *mut f32,
+    deleted: Arc<AtomicUsize>,
+}
+
+fn produce(data: Vec<f32>, shape: &[i64], strides: Option<&[i64]>, device: DLDevice, dtype: DLDataType) -> Made {
+    let deleted = Arc::new(AtomicUsize::new(0));
+    let mut p = Box::new(Producer {
+        managed: DLManagedTensor {
+            dl_tensor: DLTensor {
+                data: std::ptr::null_mut(),
+                device,
+                ndim: shape.len() as i32,
+                dtype,
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_producer),
+        },
+        _shape: shape.to_vec(),
+        _strides: strides.map(<[i64]>::to_vec),
+        _data: data,
+        deleted: deleted.clone(),
+    });
+    let data = p._data.as_mut_ptr();
+    p.managed.dl_tensor.data = data.cast();
+    p.managed.dl_tensor.shape = p._shape.as_mut_ptr();
+    p.managed.dl_tensor.strides = p._strides.as_mut().map_or(std::ptr::null_mut(), |s| s.as_mut_ptr());
+    let p = Box::into_raw(p);
+    unsafe {
+        (*p).managed.manager_ctx = p.cast();
+        Made { managed: std::ptr::addr_of_mut!((*p).managed), data, deleted }
+    }
+}
+
+const CPU: DLDevice = DLDevice { device_type: dlpack::kDLCPU, device_id: 0 };
+const F32: DLDataType = DLDataType { code: dlpack::kDLFloat, bits: 32, lanes: 1 };
+
+/// The layouts of fp8::dlpack against the C compiler's, where dlpack/dlpack.h is installed.
+#[test]
+fn dlpack_layouts_match_c() {
+    use std::mem::{align_of, offset_of, size_of};
+    let include = std::env::var("DLPACK_INCLUDE").unwrap_or_else(|_| "/usr/include".into());
+    if !std::path::Path::new(&include).join("dlpack/dlpack.h").exists() {
+        eprintln!("SKIP dlpack_layouts_match_c: no dlpack/dlpack.h under {include}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fp8-dlpack-layout-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src, exe) = (dir.join("layout.c"), dir.join("layout"));
+    let c_fields = [
+        ("DLDevice", "device_type"),
+        ("DLDevice", "device_id"),
+        ("DLDataType", "code"),
+        ("DLDataType", "bits"),
+        ("DLDataType", "lanes"),
+        ("DLTensor", "data"),
+        ("DLTensor", "device"),
+        ("DLTensor", "ndim"),
+        ("DLTensor", "dtype"),
+        ("DLTensor", "shape"),
+        ("DLTensor", "strides"),
+        ("DLTensor", "byte_offset"),
+        ("DLManagedTensor", "dl_tensor"),
+        ("DLManagedTensor", "manager_ctx"),
+        ("DLManagedTensor", "deleter"),
+    ];
+    let mut program =
+        String::from("#include <stdio.h>\n#include <stddef.h>\n#include <dlpack/dlpack.h>\nint main(void) {\n");
+    for s in ["DLDevice", "DLDataType", "DLTensor", "DLManagedTensor"] {
+        program += &format!("  printf(\"{s} %zu %zu\\n\", sizeof({s}), _Alignof({s}));\n");
+    }
+    for (s, f) in c_fields {
+        program += &format!("  printf(\"{s}.{f} %zu %zu\\n\", offsetof({s}, {f}), sizeof((({s} *)0)->{f}));\n");
+    }
+    program += "  printf(\"codes %d %d %d %d %d %d %d\\n\", kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged, kDLInt, kDLUInt, kDLBfloat);\n  return 0;\n}\n";
+    std::fs::write(&src, program).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    match std::process::Command::new(&cc).args(["-std=c11", "-I", &include]).arg(&src).arg("-o").arg(&exe).output() {
+        Err(e) => {
+            eprintln!("SKIP dlpack_layouts_match_c: no C compiler ({cc}: {e})");
+            return;
+        }
+        Ok(o) if !o.status.success() => panic!("{cc}: {}", String::from_utf8_lossy(&o.stderr)),
+        Ok(_) => {}
+    }
+    let out = String::from_utf8(std::process::Command::new(&exe).output().unwrap().stdout).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let sz = |n: usize, a: usize| format!("{n} {a}");
+    let rust: Vec<String> = vec![
+        format!("DLDevice {}", sz(size_of::<DLDevice>(), align_of::<DLDevice>())),
+        format!("DLDataType {}", sz(size_of::<DLDataType>(), align_of::<DLDataType>())),
+        format!("DLTensor {}", sz(size_of::<DLTensor>(), align_of::<DLTensor>())),
+        format!("DLManagedTensor {}", sz(size_of::<DLManagedTensor>(), align_of::<DLManagedTensor>())),
+        format!("DLDevice.device_type {} 4", offset_of!(DLDevice, device_type)),
+        format!("DLDevice.device_id {} 4", offset_of!(DLDevice, device_id)),
+        format!("DLDataType.code {} 1", offset_of!(DLDataType, code)),
+        format!("DLDataType.bits {} 1", offset_of!(DLDataType, bits)),
+        format!("DLDataType.lanes {} 2", offset_of!(DLDataType, lanes)),
+        format!("DLTensor.data {} 8", offset_of!(DLTensor, data)),
+        format!("DLTensor.device {} {}", offset_of!(DLTensor, device), size_of::<DLDevice>()),
+        format!("DLTensor.ndim {} 4", offset_of!(DLTensor, ndim)),
+        format!("DLTensor.dtype {} {}", offset_of!(DLTensor, dtype), size_of::<DLDataType>()),
+        format!("DLTensor.shape {} 8", offset_of!(DLTensor, shape)),
+        format!("DLTensor.strides {} 8", offset_of!(DLTensor, strides)),
+        format!("DLTensor.byte_offset {} 8", offset_of!(DLTensor, byte_offset)),
+        format!("DLManagedTensor.dl_tensor {} {}", offset_of!(DLManagedTensor, dl_tensor), size_of::<DLTensor>()),
+        format!("DLManagedTensor.manager_ctx {} 8", offset_of!(DLManagedTensor, manager_ctx)),
+        format!("DLManagedTensor.deleter {} 8", offset_of!(DLManagedTensor, deleter)),
+        format!(
+            "codes {} {} {} {} {} {} {}",
+            dlpack::kDLCPU,
+            dlpack::kDLCUDA,
+            dlpack::kDLCUDAHost,
+            dlpack::kDLCUDAManaged,
+            dlpack::kDLInt,
+            dlpack::kDLUInt,
+            dlpack::kDLBfloat
+        ),
+    ];
+    let c: Vec<&str> = out.lines().collect();
+    assert_eq!(c, rust.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
+/// A libfp8 tensor lent out: the metadata fp8.h documents, the memory alive until the deleter runs
+/// (after its tensor and even its model are gone), and back into libfp8.
+#[test]
+fn dlpack_lends_tensors() {
+    let ctx = Context::cpu().unwrap();
+    let data: Vec<f32> = (0..6).map(|i| i as f32 - 1.5).collect();
+    let t = Tensor::from_host(&ctx, DType::F32, &[2, 3], &data).unwrap();
+    let lent = t.to_dlpack().unwrap();
+    assert_eq!(lent.device(), CPU);
+    assert_eq!(lent.dtype(), F32);
+    assert_eq!(lent.shape(), [2, 3]);
+    assert_eq!(lent.strides(), Some(&[3i64, 1][..]));
+    assert_eq!(lent.dl_tensor().byte_offset, 0);
+    assert_eq!(lent.data_ptr(), t.data_ptr().unwrap());
+    drop(t);
+    // SAFETY (test): CPU memory libfp8 keeps until the deleter; 6 floats; nothing writes it.
+    let seen = unsafe { std::slice::from_raw_parts(lent.data_ptr().cast::<f32>(), 6) }.to_vec();
+    assert_eq!(seen, data);
+    let back = Tensor::from_managed(&ctx, lent).unwrap();
+    assert_eq!(back.shape().unwrap(), [2, 3]);
+    assert_eq!(back.to_vec::<f32>().unwrap(), data);
+    // Lent again from a tensor that came in by DLPack, and into another context.
+    let other = Context::cpu().unwrap();
+    let again = Tensor::from_managed(&other, back.to_dlpack().unwrap()).unwrap();
+    drop(back);
+    assert_eq!(again.to_vec::<f32>().unwrap(), data);
+
+    // Each dtype's DLPack type; FP8 codes travel as uint8, which libfp8 does not take back.
+    for (dtype, code, bits) in [
+        (DType::F16, dlpack::kDLFloat, 16),
+        (DType::BF16, dlpack::kDLBfloat, 16),
+        (DType::E4M3, dlpack::kDLUInt, 8),
+        (DType::E5M2, dlpack::kDLUInt, 8),
+    ] {
+        let t = Tensor::new(&ctx, dtype, &[4]).unwrap();
+        let lent = t.to_dlpack().unwrap();
+        assert_eq!(lent.dtype(), DLDataType { code, bits, lanes: 1 }, "{dtype:?}");
+        if dtype.is_fp8() {
+            assert_eq!(Tensor::from_managed(&ctx, lent).unwrap_err().status(), Status::Dtype);
+        }
+    }
+    let scalar = Tensor::from_host(&ctx, DType::F32, &[], &[2.5f32]).unwrap().to_dlpack().unwrap();
+    assert_eq!((scalar.shape(), scalar.strides()), (&[][..], Some(&[][..])));
+    assert_eq!(Tensor::from_managed(&ctx, scalar).unwrap().to_vec::<f32>().unwrap(), [2.5]);
+
+    // A model's parameter: a view of its storage, kept alive past the model by the consumer.
+    let raw;
+    let weights: Vec<f32>;
+    {
+        let m = small_model(&ctx);
+        let (w, _) = m.parameter("fc1.weight").unwrap();
+        weights = w.to_vec().unwrap();
+        let lent = w.to_dlpack().unwrap();
+        assert_eq!((lent.shape(), lent.dtype()), (&[32i64, 16][..], F32));
+        raw = lent.into_raw(); // the consumer's now
+    }
+    // SAFETY (test): the consumer's view, valid until its deleter, which runs once.
+    unsafe {
+        let t = &(*raw).dl_tensor;
+        assert_eq!(std::slice::from_raw_parts(t.data.cast::<f32>(), 32 * 16), &weights[..]);
+        ((*raw).deleter.unwrap())(raw);
+    }
+}
+
+/// A producer's tensor taken in: its memory used in place, its deleter run exactly once, when the
+/// last holder (the tensor, or a view lent on) lets go; refusals leave it the caller's.
+#[test]
+fn dlpack_takes_tensors_in() {
+    let ctx = Context::cpu().unwrap();
+    let made = produce((0..12).map(|i| i as f32).collect(), &[3, 4], None, CPU, F32);
+    // SAFETY (test): a valid DLManagedTensor of host memory, handed over once.
+    let mut t = unsafe { Tensor::from_dlpack(&ctx, made.managed) }.unwrap();
+    assert_eq!(t.shape().unwrap(), [3, 4]);
+    assert_eq!(t.data_ptr().unwrap(), made.data.cast());
+    assert_eq!(t.to_vec::<f32>().unwrap(), (0..12).map(|i| i as f32).collect::<Vec<_>>());
+    t.copy_from_host(&[1.0f32; 12]).unwrap();
+    assert_eq!(unsafe { *made.data.add(11) }, 1.0, "the producer's memory, in place");
+    let lent = t.to_dlpack().unwrap();
+    drop(t);
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 0, "a view lent on keeps it");
+    drop(lent);
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 1);
+
+    // Strides: NULL, compact, anything on a size-1 dimension; and the byte offset.
+    let made = produce(vec![0.0, 1.0, 2.0, 3.0], &[1, 3], Some(&[99, 1]), CPU, F32);
+    unsafe { (*made.managed).dl_tensor.byte_offset = 4 };
+    let managed = unsafe { ManagedTensor::from_raw(made.managed) }.unwrap();
+    assert_eq!(managed.strides(), Some(&[99i64, 1][..]));
+    let t = Tensor::from_managed(&ctx, managed).unwrap();
+    assert_eq!(t.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+    drop(t);
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 1);
+    let made = produce(vec![0.0; 4], &[1, 4], None, DLDevice { device_type: dlpack::kDLCUDAHost, device_id: 0 }, F32);
+    drop(unsafe { Tensor::from_dlpack(&ctx, made.managed) }.unwrap());
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 1);
+    // A ManagedTensor never handed over runs its deleter when dropped.
+    let made = produce(vec![0.0; 4], &[4], None, CPU, F32);
+    drop(unsafe { ManagedTensor::from_raw(made.managed) }.unwrap());
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 1);
+    assert!(unsafe { ManagedTensor::from_raw(std::ptr::null_mut()) }.is_err());
+
+    // Refusals: from_dlpack leaves the tensor the caller's (deleter not run), from_managed drops it.
+    let bad = [
+        // (shape, strides, device, dtype, offset, status, what the message names)
+        (vec![2, 3], Some(vec![1, 2]), CPU, F32, 0, Status::Shape, "strides"),
+        (vec![3, 2], Some(vec![4, 2]), CPU, F32, 0, Status::Shape, "contiguous"),
+        (
+            vec![6],
+            None,
+            DLDevice { device_type: dlpack::kDLCUDA, device_id: 0 },
+            F32,
+            0,
+            Status::InvalidArgument,
+            "kDLCUDA",
+        ),
+        (
+            vec![6],
+            None,
+            DLDevice { device_type: dlpack::kDLROCM, device_id: 0 },
+            F32,
+            0,
+            Status::InvalidArgument,
+            "device",
+        ),
+        (vec![6], None, CPU, DLDataType { code: dlpack::kDLInt, bits: 32, lanes: 1 }, 0, Status::Dtype, "int32"),
+        (vec![6], None, CPU, DLDataType { code: dlpack::kDLUInt, bits: 8, lanes: 1 }, 0, Status::Dtype, "uint8"),
+        (vec![3], None, CPU, DLDataType { code: dlpack::kDLFloat, bits: 32, lanes: 2 }, 0, Status::Dtype, "float32x2"),
+        (vec![1; 9], None, CPU, F32, 0, Status::Shape, "dimensions"),
+        (vec![4], None, CPU, F32, 2, Status::InvalidArgument, "aligned"),
+        (vec![-1], None, CPU, F32, 0, Status::Shape, "shape"),
+    ];
+    for (shape, strides, device, dtype, offset, status, names) in bad {
+        let made = produce(vec![0.0; 8], &shape, strides.as_deref(), device, dtype);
+        unsafe { (*made.managed).dl_tensor.byte_offset = offset };
+        let err = unsafe { Tensor::from_dlpack(&ctx, made.managed) }.unwrap_err();
+        assert_eq!(err.status(), status, "{shape:?} {strides:?}: {err}");
+        assert!(err.message().contains(names), "{err}");
+        assert_eq!(made.deleted.load(Ordering::SeqCst), 0, "still the caller's");
+        let err = Tensor::from_managed(&ctx, unsafe { ManagedTensor::from_raw(made.managed) }.unwrap()).unwrap_err();
+        assert_eq!(err.status(), status);
+        assert_eq!(made.deleted.load(Ordering::SeqCst), 1, "dropped once");
+    }
 }
