@@ -60,15 +60,20 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_opt
     require_arg(model, "model");
     require_path(path);
     require_flags(flags);
-    require_model_optimizer(model, optimizer);
     const bool grads = (flags & FP8_CHECKPOINT_GRADIENTS) != 0;
     if (!model->comm) {
+      require_model_optimizer(model, optimizer);
       fp8::io::save_checkpoint(*model, optimizer, path, grads);
       return;
     }
     if (grads)
       fp8::fail(FP8_ERR_INVALID_STATE, "FP8_CHECKPOINT_GRADIENTS on a data-parallel model: each rank's gradients ",
                 "are its own until the step averages them; save after fp8_optimizer_step (without the flag)");
+    // (The arguments above are refused at once, as on every rank; this rank's state is agreed on, so
+    // that a rank refusing alone, inside autocast, does not leave the others waiting in the gather.)
+    fp8::dist::all_or_none(
+        *model->comm->transport, model->backend, "fp8_checkpoint_save",
+        [&] { require_model_optimizer(model, optimizer); }, [] {});
     rank0_writes(model, optimizer, "fp8_checkpoint_save", [&](const fp8::io::WholeState& whole) {
       fp8::io::save_checkpoint(*model, optimizer, path, false, &whole);
     });
@@ -78,16 +83,19 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_opt
 FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t* model, fp8_optimizer_t* optimizer, const char* path) {
   return guard("fp8_checkpoint_load", [&] {
     require_arg(model, "model");
-    require_path(path);
-    require_model_optimizer(model, optimizer);
     if (!model->comm) {
+      require_path(path);
+      require_model_optimizer(model, optimizer);
       fp8::io::load_checkpoint(*model, optimizer, path);
       return;
     }
-    // Collective: every rank reads and checks the file; they agree before any writes a byte.
+    // Collective: every rank reads and checks the file; they agree before any writes a byte. (This
+    // rank's own checks too: one refusing alone must not leave the others waiting in the agreement.)
     fp8::dist::Transport& t = *model->comm->transport;
     bool checked = false;
     try {
+      require_path(path);
+      require_model_optimizer(model, optimizer);
       fp8::io::load_checkpoint(*model, optimizer, path, [&] {
         checked = true;
         const fp8::dist::Agreement a = fp8::dist::agree(t, model->backend, FP8_OK);

@@ -512,9 +512,10 @@ void before_grad_write(fp8_model& m, int32_t first, int32_t count) {
       fail(FP8_ERR_INVALID_STATE, "the gradients were averaged across the ranks by fp8_model_sync_grads; step the ",
            "optimizer (or zero_grad) before writing them again");
     fail(FP8_ERR_INVALID_STATE, "parameter ", i, "'s gradient was already averaged across the ranks (with parameters ",
-         b.first, "..", b.last - 1, ", its bucket, once the backward had written them all: backward sync is on, so ",
-         "each backward is the last before the step). To accumulate micro-batches, turn backward sync off ",
-         "(fp8_model_set_backward_sync(model, 0)) for all but the last; or step (or zero_grad) first");
+         b.first, "..", b.last - 1, ", its bucket, once the backward had written them all: backward sync was on, so ",
+         "that backward was the last before the step; turning it off now does not undo that). To accumulate ",
+         "micro-batches, turn backward sync off (fp8_model_set_backward_sync(model, 0)) for all but the last; ",
+         "or step (or zero_grad) first");
   }
 }
 

@@ -646,6 +646,253 @@ TEST(DataParallelMisuse, ARankThatLeavesMakesTheOthersFailInsteadOfWaiting) {
   EXPECT_EQ(st[1], FP8_ERR_NCCL);
 }
 
+// A rank's F16 master share (O3; empty below O3).
+std::vector<unsigned char> master_bytes(const Rank& r) {
+  void* data = nullptr;
+  size_t bytes = 0;
+  EXPECT_OK(fp8_model_flat_storage(r.model.get(), FP8_STORAGE_MASTERS, FP8_DTYPE_F16, &data, &bytes));
+  const auto* p = static_cast<const unsigned char*>(data);
+  return std::vector<unsigned char>(p, p + bytes);
+}
+
+// Every rank's status and message of one collective call, each rank on its own thread.
+std::vector<Outcome> outcomes(int n, const std::function<fp8_status_t(int)>& call) {
+  std::vector<Outcome> out(static_cast<size_t>(n));
+  on_ranks(n, [&](int k) {
+    const fp8_status_t st = call(k);
+    out[k] = {st, fp8_last_error_message()};
+  });
+  return out;
+}
+
+// A bound on a regression that leaves ranks waiting: they fail after it, not after ten minutes.
+void bound_waits(Group& g, double seconds = 20.0) {
+  for (Rank& r : g.ranks) EXPECT_OK(fp8_comm_set_timeout(r.comm.get(), seconds));
+}
+
+// fp8.h: "if one fails, every rank fails and none changes". A checkpoint refused by one rank alone
+// (inside autocast, a bad path) fails on every rank at once instead of leaving the others waiting for
+// it; no rank changes, and no file is written.
+TEST(DataParallelMisuse, ACheckpointRefusedOnOneRankFailsOnEveryRankInsteadOfWaiting) {
+  const char* o3 = "backend=msamp, opt_level=O3, small_layer_fallback=0";
+  const std::string path = temp_path("refused_one.ckpt"), unwritten = temp_path("refused_unwritten.ckpt");
+  std::remove(path.c_str());
+  std::remove(unwritten.c_str());
+  Group g(2, o3);
+  bound_waits(g);
+  on_ranks(2, [&](int k) { train_step(g.ranks[k], 0, k); });
+  on_ranks(
+      2, [&](int k) { EXPECT_OK(fp8_checkpoint_save(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str(), 0)); });
+  on_ranks(2, [&](int k) { train_step(g.ranks[k], 1, k); });  // the file now differs from the models
+  std::vector<std::vector<unsigned char>> before(2), masters(2);
+  for (int k = 0; k < 2; ++k) before[k] = state_bytes(g.ranks[k], false), masters[k] = master_bytes(g.ranks[k]);
+  const auto unchanged = [&](const char* what) {
+    for (int k = 0; k < 2; ++k) {
+      EXPECT_EQ(state_bytes(g.ranks[k], false), before[k]) << what << ", rank " << k;
+      EXPECT_EQ(master_bytes(g.ranks[k]), masters[k]) << what << ", rank " << k;
+    }
+  };
+  const auto refused_by_rank_1 = [](const std::vector<Outcome>& o, fp8_status_t own, const char* why) {
+    EXPECT_EQ(o[1].status, own) << o[1].message;
+    EXPECT_NE(o[1].message.find(why), std::string::npos) << o[1].message;
+    EXPECT_EQ(o[0].status, FP8_ERR_INVALID_STATE) << o[0].message;
+    EXPECT_NE(o[0].message.find("failed on rank 1"), std::string::npos) << o[0].message;
+  };
+  // Rank 1 alone inside an autocast region: the load and the save.
+  EXPECT_OK(fp8_autocast_begin(g.ranks[1].model.get()));
+  auto o = outcomes(
+      2, [&](int k) { return fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str()); });
+  refused_by_rank_1(o, FP8_ERR_INVALID_STATE, "autocast");
+  EXPECT_NE(o[0].message.find("fp8_checkpoint_load:"), std::string::npos) << o[0].message;
+  unchanged("load refused by rank 1 inside autocast");
+  o = outcomes(2, [&](int k) {
+    return fp8_checkpoint_save(g.ranks[k].model.get(), g.ranks[k].opt.get(), unwritten.c_str(), 0);
+  });
+  refused_by_rank_1(o, FP8_ERR_INVALID_STATE, "autocast");
+  EXPECT_FALSE(std::filesystem::exists(unwritten)) << "rank 0 wrote a file the group refused";
+  unchanged("save refused by rank 1 inside autocast");
+  on_ranks(2, [&](int k) {  // (the region's end is collective: both ranks end one)
+    if (k == 0) EXPECT_OK(fp8_autocast_begin(g.ranks[k].model.get()));
+    EXPECT_OK(fp8_autocast_end(g.ranks[k].model.get()));
+  });
+  for (int k = 0; k < 2; ++k) before[k] = state_bytes(g.ranks[k], false), masters[k] = master_bytes(g.ranks[k]);
+  // Rank 1 alone with an empty path, or with the optimizer of another model.
+  o = outcomes(2, [&](int k) {
+    return fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), k == 1 ? "" : path.c_str());
+  });
+  refused_by_rank_1(o, FP8_ERR_INVALID_ARGUMENT, "path is empty");
+  unchanged("load refused by rank 1's empty path");
+  o = outcomes(2, [&](int k) {
+    return fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k == 1 ? 0 : k].opt.get(), path.c_str());
+  });
+  refused_by_rank_1(o, FP8_ERR_INVALID_ARGUMENT, "optimizer was made for another model");
+  unchanged("load refused by rank 1's optimizer of another model");
+  // The group still works: the file loads on both, and training goes on identically.
+  on_ranks(2,
+           [&](int k) { EXPECT_OK(fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str())); });
+  on_ranks(2, [&](int k) { train_step(g.ranks[k], 2, k); });
+  EXPECT_EQ(state_bytes(g.ranks[0], false), state_bytes(g.ranks[1], false));
+  std::remove(path.c_str());
+}
+
+// fp8.h: set_comm is refused while an optimizer of the model exists, on every rank, and agreed on:
+// an optimizer on one rank only fails every rank at once. Nothing changes.
+TEST(DataParallelMisuse, SetCommWithAnOptimizerIsRefusedOnEveryRank) {
+  const char* o2 = "backend=msamp, opt_level=O2, small_layer_fallback=0";
+  Group g(2, o2);
+  bound_waits(g);
+  on_ranks(2, [&](int k) { train_step(g.ranks[k], 0, k); });
+  const std::vector<unsigned char> before = state_bytes(g.ranks[0], true);
+  auto o = outcomes(2, [&](int k) { return fp8_model_set_comm(g.ranks[k].model.get(), g.ranks[k].comm.get()); });
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(o[k].status, FP8_ERR_INVALID_STATE) << o[k].message;
+    EXPECT_EQ(o[k].message.rfind("fp8_model_set_comm:", 0), 0u) << o[k].message;
+    EXPECT_NE(o[k].message.find("set the communicator before fp8_optimizer_create"), std::string::npos) << o[k].message;
+    EXPECT_EQ(state_bytes(g.ranks[k], true), before) << "rank " << k;
+  }
+  on_ranks(2, [&](int k) { train_step(g.ranks[k], 1, k); });  // still one group
+  EXPECT_EQ(state_bytes(g.ranks[0], true), state_bytes(g.ranks[1], true));
+
+  // An optimizer on rank 1 only (made before any communicator): both refuse, neither joins.
+  std::vector<Rank> ranks;
+  FP8_ASSERT_OK(join_ranks(ranks, {FP8_DEVICE_CPU, FP8_DEVICE_CPU}));
+  for (int k = 0; k < 2; ++k) {
+    ranks[k].model = build_model(ranks[k].ctx.get(), o2, static_cast<uint32_t>(k + 1));
+    EXPECT_OK(fp8_comm_set_timeout(ranks[k].comm.get(), 20.0));
+  }
+  ranks[1].opt = make_optimizer(ranks[1].model.get(), FP8_OPTIMIZER_ADAM);
+  std::vector<std::vector<unsigned char>> own(2);
+  for (int k = 0; k < 2; ++k) own[k] = state_bytes(ranks[k], true);
+  o = outcomes(2, [&](int k) { return fp8_model_set_comm(ranks[k].model.get(), ranks[k].comm.get()); });
+  EXPECT_EQ(o[1].status, FP8_ERR_INVALID_STATE) << o[1].message;
+  EXPECT_NE(o[1].message.find("fp8_optimizer_create"), std::string::npos) << o[1].message;
+  EXPECT_EQ(o[0].status, FP8_ERR_INVALID_STATE) << o[0].message;
+  EXPECT_NE(o[0].message.find("failed on rank 1"), std::string::npos) << o[0].message;
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(state_bytes(ranks[k], true), own[k]) << "rank " << k << " took rank 0's model";
+    EXPECT_REFUSED(fp8_model_set_backward_sync(ranks[k].model.get(), 1), FP8_ERR_INVALID_STATE,
+                   "fp8_model_set_backward_sync", "not data-parallel");
+  }
+}
+
+// fp8.h allows fp8_model_set_comm again on a replicated model (te..O2: rank 0's model again); a
+// sharded O3 model keeps its group: refused on every rank, naming the way out, nothing changed.
+TEST(DataParallelMisuse, SetCommTwiceReplicatesAgainButAShardedO3ModelKeepsItsGroup) {
+  for (const char* recipe :
+       {"backend=msamp, opt_level=O2, small_layer_fallback=0", "backend=msamp, opt_level=O3, small_layer_fallback=0"}) {
+    SCOPED_TRACE(recipe);
+    const bool o3 = std::string(recipe).find("O3") != std::string::npos;
+    std::vector<Rank> ranks;
+    FP8_ASSERT_OK(join_ranks(ranks, {FP8_DEVICE_CPU, FP8_DEVICE_CPU}));
+    for (int k = 0; k < 2; ++k) {
+      ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
+      EXPECT_OK(fp8_comm_set_timeout(ranks[k].comm.get(), 20.0));
+    }
+    on_ranks(2, [&](int k) { EXPECT_OK(fp8_model_set_comm(ranks[k].model.get(), ranks[k].comm.get())); });
+    std::vector<std::vector<unsigned char>> before(2), masters(2);
+    for (int k = 0; k < 2; ++k) before[k] = state_bytes(ranks[k], true), masters[k] = master_bytes(ranks[k]);
+    const auto again =
+        outcomes(2, [&](int k) { return fp8_model_set_comm(ranks[k].model.get(), ranks[k].comm.get()); });
+    for (int k = 0; k < 2; ++k) {
+      if (!o3) {
+        EXPECT_EQ(again[k].status, FP8_OK) << again[k].message;
+      } else {
+        EXPECT_EQ(again[k].status, FP8_ERR_INVALID_STATE) << again[k].message;
+        EXPECT_EQ(again[k].message.rfind("fp8_model_set_comm:", 0), 0u) << again[k].message;
+        EXPECT_NE(again[k].message.find("sharded over its 2 ranks"), std::string::npos) << again[k].message;
+        EXPECT_NE(again[k].message.find("Save a checkpoint"), std::string::npos) << again[k].message;
+        // Leaving alone is refused too, at once (it is local).
+        EXPECT_REFUSED(fp8_model_set_comm(ranks[k].model.get(), nullptr), FP8_ERR_INVALID_STATE, "fp8_model_set_comm",
+                       "sharded");
+      }
+      EXPECT_EQ(state_bytes(ranks[k], true), before[k]) << "rank " << k;
+      EXPECT_EQ(master_bytes(ranks[k]), masters[k]) << "rank " << k;
+    }
+    on_ranks(2, [&](int k) {
+      ranks[k].opt = make_optimizer(ranks[k].model.get(), FP8_OPTIMIZER_ADAM);
+      train_step(ranks[k], 0, k);
+    });
+    EXPECT_EQ(state_bytes(ranks[0], false), state_bytes(ranks[1], false));
+  }
+}
+
+// fp8.h: fp8_comm_destroy releases the handle; "the group is left when the models using it are
+// destroyed too". Models whose communicator handles are gone train on as one group.
+TEST(DataParallelMisuse, DestroyingTheCommunicatorKeepsItsModelsInTheGroup) {
+  Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU, 4096,
+          true);
+  bound_waits(g);
+  for (Rank& r : g.ranks) r.comm.reset();
+  on_ranks(2, [&](int k) {
+    train_step(g.ranks[k], 0, k);
+    forward_backward(g.ranks[k].ctx.get(), g.ranks[k].model.get(), batch_x(1, k), batch_dy(1, k));
+    EXPECT_OK(fp8_model_sync_grads(g.ranks[k].model.get()));
+  });
+  EXPECT_EQ(state_bytes(g.ranks[0], true), state_bytes(g.ranks[1], true));
+  on_ranks(2, [&](int k) {
+    EXPECT_OK(fp8_optimizer_step(g.ranks[k].opt.get()));
+    EXPECT_OK(fp8_optimizer_zero_grad(g.ranks[k].opt.get()));
+  });
+  EXPECT_EQ(state_bytes(g.ranks[0], false), state_bytes(g.ranks[1], false));
+}
+
+// Backward sync turned off after a backward has exchanged its buckets (mid-accumulation): the next
+// backward is still refused before it writes (the exchange happened), with a message that does not
+// claim sync is on; sync_grads inside autocast is refused; the step then goes on identically.
+TEST(DataParallelMisuse, BackwardSyncTurnedOffMidAccumulationStillRefusesRewritingAnExchangedBucket) {
+  Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU, 4096,
+          true);
+  bound_waits(g);
+  std::vector<std::vector<unsigned char>> before(2);
+  on_ranks(2, [&](int k) {
+    Rank& r = g.ranks[k];
+    forward_backward(r.ctx.get(), r.model.get(), batch_x(0, k), batch_dy(0, k));
+    EXPECT_OK(fp8_model_set_backward_sync(r.model.get(), 0));
+    Tensor x = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {kRows, kIn});
+    Tensor y = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {kRows, kOut});
+    Tensor dy = make_tensor(r.ctx.get(), FP8_DTYPE_F32, {kRows, kOut});
+    upload(x.get(), batch_x(1, k));
+    upload(dy.get(), batch_dy(1, k));
+    EXPECT_OK(fp8_model_forward(r.model.get(), x.get(), y.get()));
+    before[k] = state_bytes(r, true);  // (what the refused backward must leave as it is)
+    EXPECT_REFUSED_WORDS(fp8_model_backward(r.model.get(), dy.get(), nullptr), FP8_ERR_INVALID_STATE,
+                         "fp8_model_backward", "already averaged", "backward sync was on", "step (or zero_grad)");
+    EXPECT_EQ(std::string(fp8_last_error_message()).find("backward sync is on"), std::string::npos);
+  });
+  for (int k = 0; k < 2; ++k) EXPECT_EQ(state_bytes(g.ranks[k], true), before[k]) << "rank " << k;
+  Rank& r1 = g.ranks[1];
+  EXPECT_OK(fp8_autocast_begin(r1.model.get()));
+  EXPECT_REFUSED(fp8_model_sync_grads(r1.model.get()), FP8_ERR_INVALID_STATE, "fp8_model_sync_grads", "autocast");
+  on_ranks(2, [&](int k) {  // (the region's end is collective)
+    if (k == 0) EXPECT_OK(fp8_autocast_begin(g.ranks[k].model.get()));
+    EXPECT_OK(fp8_autocast_end(g.ranks[k].model.get()));
+    EXPECT_OK(fp8_optimizer_step(g.ranks[k].opt.get()));
+    EXPECT_OK(fp8_optimizer_zero_grad(g.ranks[k].opt.get()));
+    train_step(g.ranks[k], 2, k);  // sync off: the step exchanges
+  });
+  EXPECT_EQ(state_bytes(g.ranks[0], true), state_bytes(g.ranks[1], true));
+}
+
+// The bucket size's range: below FP8_MIN_BUCKET_BYTES refused naming the value and the minimum, and
+// the largest size_t one bucket for the whole model (no overflow).
+TEST(DataParallelMisuse, BucketBytesAtTheEndsOfTheirRange) {
+  Context ctx = make_context(FP8_DEVICE_CPU);
+  Model m = build_model(ctx.get(), nullptr, 1);
+  EXPECT_REFUSED_WORDS(fp8_model_set_bucket_bytes(m.get(), FP8_MIN_BUCKET_BYTES - 1), FP8_ERR_INVALID_ARGUMENT,
+                       "fp8_model_set_bucket_bytes", "bytes = 255", "FP8_MIN_BUCKET_BYTES (256)");
+  EXPECT_REFUSED_WORDS(fp8_model_set_bucket_bytes(m.get(), 0), FP8_ERR_INVALID_ARGUMENT, "fp8_model_set_bucket_bytes",
+                       "bytes = 0");
+  Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU,
+          std::numeric_limits<size_t>::max(), true);
+  bound_waits(g);
+  Group ref(2, "backend=msamp, opt_level=O2, small_layer_fallback=0");
+  on_ranks(2, [&](int k) {
+    train_step(g.ranks[k], 0, k);
+    train_step(ref.ranks[k], 0, k);
+  });
+  for (int k = 0; k < 2; ++k) EXPECT_EQ(state_bytes(g.ranks[k], false), state_bytes(ref.ranks[0], false)) << k;
+}
+
 TEST(DataParallelMisuse, BadArguments) {
   Context c0 = make_context(FP8_DEVICE_CPU), c1 = make_context(FP8_DEVICE_CPU);
   fp8_context_t* ctxs[2] = {c0.get(), c1.get()};
