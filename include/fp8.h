@@ -1585,9 +1585,10 @@ FP8_API fp8_status_t fp8_model_set_bucket_bytes(fp8_model_t *model, size_t bytes
  * same state (at O3 its share of it, gathered first: the file holds the whole state), so rank 0
  * writes the file and the ranks agree on the outcome (a failure on rank 0 fails the call on every
  * rank); FP8_CHECKPOINT_GRADIENTS is refused (FP8_ERR_INVALID_STATE), since each rank's gradients are
- * its own until the step averages them. Every rank reads and checks the file (its path must be
- * readable on every host) and the ranks agree before any of them changes anything: if one fails,
- * every rank fails and none changes. Each rank takes its share of sharded state. A file saved by any
+ * its own until the step averages them. The ranks pass the optimizer alike, all or none
+ * (FP8_ERR_INVALID_ARGUMENT on every rank otherwise). Every rank reads and checks the file (its path
+ * must be readable on every host) and the ranks agree before any of them changes anything: if one
+ * fails (its own checks included), every rank fails and none changes. Each rank takes its share of sharded state. A file saved by any
  * number of ranks (or by a model without a communicator) loads into any number, and trains on
  * bit-identically with the same data.
  * --------------------------------------------------------------------------------------------- */

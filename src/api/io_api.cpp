@@ -42,6 +42,15 @@ void rank0_writes(const fp8_model* model, const fp8_optimizer* optimizer, const 
       [] {}, "and the previous file under that name (if any) is kept");
 }
 
+// A data-parallel save or load takes the optimizer on every rank or on none (collective): with it on
+// some ranks only, they would run different collectives (O3 gathers its masters' shares) or end in
+// different states.
+void require_optimizer_alike(const fp8_model* model, const fp8_optimizer* optimizer) {
+  if (!fp8::dist::same_on_every_rank(*model->comm->transport, model->backend, optimizer != nullptr))
+    fp8::fail(FP8_ERR_INVALID_ARGUMENT, "optimizer is ", optimizer ? "given" : "NULL", " on this rank and ",
+              optimizer ? "NULL" : "given", " on another; a data-parallel model's ranks pass it alike (all or none)");
+}
+
 void require_model_optimizer(const fp8_model* model, const fp8_optimizer* optimizer) {
   if (optimizer) fp8::optim::model_of(*optimizer);  // refuses an optimizer whose model is gone
   if (optimizer && optimizer->model != model)
@@ -74,6 +83,7 @@ FP8_API fp8_status_t fp8_checkpoint_save(const fp8_model_t* model, const fp8_opt
     fp8::dist::all_or_none(
         *model->comm->transport, model->backend, "fp8_checkpoint_save",
         [&] { require_model_optimizer(model, optimizer); }, [] {});
+    require_optimizer_alike(model, optimizer);
     rank0_writes(model, optimizer, "fp8_checkpoint_save", [&](const fp8::io::WholeState& whole) {
       fp8::io::save_checkpoint(*model, optimizer, path, false, &whole);
     });
@@ -91,6 +101,7 @@ FP8_API fp8_status_t fp8_checkpoint_load(fp8_model_t* model, fp8_optimizer_t* op
     }
     // Collective: every rank reads and checks the file; they agree before any writes a byte. (This
     // rank's own checks too: one refusing alone must not leave the others waiting in the agreement.)
+    require_optimizer_alike(model, optimizer);
     fp8::dist::Transport& t = *model->comm->transport;
     bool checked = false;
     try {

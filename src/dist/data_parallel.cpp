@@ -699,4 +699,15 @@ Agreement agree(Transport& t, const std::shared_ptr<Backend>& be, fp8_status_t m
   return {static_cast<fp8_status_t>(worst >> 16), static_cast<int32_t>(worst & 0xFFFFu)};
 }
 
+bool same_on_every_rank(Transport& t, const std::shared_ptr<Backend>& be, bool mine) {
+  const uint32_t seen[2] = {mine ? 1u : 0u, mine ? 0u : 1u};  // the maxima say whether both values occur
+  nn::Arena buf(be, sizeof seen);
+  be->copy_from_host(buf.data(), seen, sizeof seen);
+  t.all_reduce(buf.data(), 2, ElemType::kU32, ReduceOp::kMax);
+  uint32_t any[2] = {};
+  be->copy_to_host(any, buf.data(), sizeof any);
+  t.check();
+  return !(any[0] && any[1]);
+}
+
 }  // namespace fp8::dist

@@ -80,6 +80,8 @@ struct Agreement {
   int32_t rank;
 };
 Agreement agree(Transport& t, const std::shared_ptr<Backend>& be, fp8_status_t mine);
+// Whether `mine` is the same on every rank (collective: every rank calls it at the same point).
+bool same_on_every_rank(Transport& t, const std::shared_ptr<Backend>& be, bool mine);
 
 // Runs `local` on this rank, then agrees: when it failed on any rank, every rank runs `undo` (which
 // may be collective) and throws: the failed ranks their own error, the others FP8_ERR_INVALID_STATE

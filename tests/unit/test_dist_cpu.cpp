@@ -727,6 +727,27 @@ TEST(DataParallelMisuse, ACheckpointRefusedOnOneRankFailsOnEveryRankInsteadOfWai
   });
   refused_by_rank_1(o, FP8_ERR_INVALID_ARGUMENT, "optimizer was made for another model");
   unchanged("load refused by rank 1's optimizer of another model");
+  // The optimizer on rank 0 only (O3's save would gather the masters on one rank alone): both calls
+  // refused on every rank, each naming what it passed.
+  const auto refused_as_unlike = [](const std::vector<Outcome>& o) {
+    for (int k = 0; k < 2; ++k) {
+      EXPECT_EQ(o[k].status, FP8_ERR_INVALID_ARGUMENT) << o[k].message;
+      EXPECT_NE(o[k].message.find(k == 0 ? "optimizer is given on this rank and NULL on another"
+                                         : "optimizer is NULL on this rank and given on another"),
+                std::string::npos)
+          << o[k].message;
+    }
+  };
+  o = outcomes(2, [&](int k) {
+    return fp8_checkpoint_save(g.ranks[k].model.get(), k == 0 ? g.ranks[k].opt.get() : nullptr, unwritten.c_str(), 0);
+  });
+  refused_as_unlike(o);
+  EXPECT_FALSE(std::filesystem::exists(unwritten)) << "rank 0 wrote a file the group refused";
+  o = outcomes(2, [&](int k) {
+    return fp8_checkpoint_load(g.ranks[k].model.get(), k == 0 ? g.ranks[k].opt.get() : nullptr, path.c_str());
+  });
+  refused_as_unlike(o);
+  unchanged("save and load with the optimizer on rank 0 only");
   // The group still works: the file loads on both, and training goes on identically.
   on_ranks(2,
            [&](int k) { EXPECT_OK(fp8_checkpoint_load(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str())); });
