@@ -1,6 +1,7 @@
 #include "dist/data_parallel.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -688,26 +689,30 @@ void check_comms(const Backend* backend) {
   for (const auto& t : comms_of(backend)) t->check();
 }
 
-Agreement agree(Transport& t, const std::shared_ptr<Backend>& be, fp8_status_t mine) {
-  const uint32_t code = (static_cast<uint32_t>(mine) << 16) | static_cast<uint32_t>(t.rank());
-  nn::Arena buf(be, sizeof code);
-  be->copy_from_host(buf.data(), &code, sizeof code);
-  t.all_reduce(buf.data(), 1, ElemType::kU32, ReduceOp::kMax);
-  uint32_t worst = 0;
-  be->copy_to_host(&worst, buf.data(), sizeof worst);
+namespace {
+
+// The maxima over the ranks of N host words (collective), through the backend's memory.
+template <size_t N>
+std::array<uint32_t, N> max_over_ranks(Transport& t, const std::shared_ptr<Backend>& be, std::array<uint32_t, N> v) {
+  nn::Arena buf(be, sizeof v);
+  be->copy_from_host(buf.data(), v.data(), sizeof v);
+  t.all_reduce(buf.data(), N, ElemType::kU32, ReduceOp::kMax);
+  be->copy_to_host(v.data(), buf.data(), sizeof v);
   t.check();
+  return v;
+}
+
+}  // namespace
+
+Agreement agree(Transport& t, const std::shared_ptr<Backend>& be, fp8_status_t mine) {
+  const uint32_t worst =
+      max_over_ranks<1>(t, be, {(static_cast<uint32_t>(mine) << 16) | static_cast<uint32_t>(t.rank())})[0];
   return {static_cast<fp8_status_t>(worst >> 16), static_cast<int32_t>(worst & 0xFFFFu)};
 }
 
 bool same_on_every_rank(Transport& t, const std::shared_ptr<Backend>& be, bool mine) {
-  const uint32_t seen[2] = {mine ? 1u : 0u, mine ? 0u : 1u};  // the maxima say whether both values occur
-  nn::Arena buf(be, sizeof seen);
-  be->copy_from_host(buf.data(), seen, sizeof seen);
-  t.all_reduce(buf.data(), 2, ElemType::kU32, ReduceOp::kMax);
-  uint32_t any[2] = {};
-  be->copy_to_host(any, buf.data(), sizeof any);
-  t.check();
-  return !(any[0] && any[1]);
+  const auto seen = max_over_ranks<2>(t, be, {mine ? 1u : 0u, mine ? 0u : 1u});  // whether each value occurs
+  return !(seen[0] && seen[1]);
 }
 
 }  // namespace fp8::dist
