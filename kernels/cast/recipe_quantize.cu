@@ -360,23 +360,28 @@ __device__ __forceinline__ void cast_column_strips(const uint32_t* strips, const
   }
 }
 
-// Two blocks per SM where the registers allow it without spilling (16-bit inputs: 128 registers);
-// F32 tiles take more.
-template <fp8_dtype_t DT>
-constexpr int kMinBlocks = DT == FP8_DTYPE_F32 ? 1 : 2;
+// The next whole tile's loads in flight while this one is reduced, cast and stored (as
+// cast_transpose does), two blocks an SM (16-bit inputs: 128 registers) -- except per-row and 1x128
+// with the transposed copy: no prefetch, three blocks an SM (<= 80 registers, no spills). Those
+// kernels stall on their own dependency chains (the strips' shared reads, the scales) more than on
+// the loads, and 24 warps an SM hide them better than 16 with a tile in flight. Same-call A/B on an
+// H200: per-row +T 73-74 -> 77% of copy at 8192x8192 and 79-80 -> 82-83% at 16384x8192, 1x128 +T
+// +0.5-1 point; per-tensor +T and 128x128 +T lost 1-2 points without the prefetch, and the modes
+// without +T nothing clear, so they keep it. F32 tiles take more registers (and +T, shared memory):
+// one block an SM, with the prefetch.
+template <fp8_dtype_t DT, ScaleMode MODE, bool WITH_T>
+constexpr bool kPrefetch = DT == FP8_DTYPE_F32 || !kPerColumn<MODE> || !WITH_T;
+template <fp8_dtype_t DT, ScaleMode MODE, bool WITH_T>
+constexpr int kMinBlocks = DT == FP8_DTYPE_F32 ? 1 : (kPrefetch<DT, MODE, WITH_T> ? 2 : 3);
 
-// Grid-stride over the tiles, the next whole tile's loads in flight while this one is reduced,
-// cast and stored (as cast_transpose does). (Staged into shared memory with cp.async instead, at
-// three blocks per SM and 80 registers, it ran at 60-70% of copy where this runs at 75-89%: the
-// L2's throughput, not the DRAM's, became the limit. In the per-column +T modes, issuing the next
-// tile's loads only after the row-major cast, so that the two tiles' registers are never live at
-// once, gave three blocks per SM at 80 registers but spilled 192 bytes a thread: 1x128 +T fell from
-// 69% to 58% of copy on an H200.)
+// Grid-stride over the tiles. (Staged into shared memory with cp.async instead, at three blocks per
+// SM and 80 registers, it ran at 60-70% of copy where this runs at 75-89%: the L2's throughput, not
+// the DRAM's, became the limit.)
 template <fp8_dtype_t DT, bool E5M2, ScaleMode MODE, bool WITH_T>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
+__global__ void __launch_bounds__(kThreads, (kMinBlocks<DT, MODE, WITH_T>))
     recipe_quantize_kernel(const typename Wide<DT>::Raw* __restrict__ in, const Params p) {
   constexpr int kChunks = Tile<DT>::kChunks;
-  constexpr bool per_column = kPerColumn<MODE>;
+  constexpr bool per_column = kPerColumn<MODE>, prefetch = kPrefetch<DT, MODE, WITH_T>;
   // The transposed copy's codes: through the shared code tile (one scale for both layouts), or cast
   // from column strips (per_column: the launch gives kStripBytes of dynamic memory).
   // Everything shared comes twice, alternate tiles using alternate copies, so that no barrier is
@@ -396,8 +401,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
   // stores might alias it).
   const uint32_t tensor_amax = MODE == ScaleMode::kTensor ? p.ws[0] : 0u;
   const float tensor_scale = recipe_scale(bits_float(tensor_amax), p.fp8_max, p.pow2);
-  Tile<DT> next;
-  if (blockIdx.x < tiles && whole(blockIdx.x))
+  Tile<DT> next;  // (prefetch: the next whole tile's loads)
+  if (prefetch && blockIdx.x < tiles && whole(blockIdx.x))
     next.issue(in, p.cols, (blockIdx.x / tiles_c) * kTile, (blockIdx.x % tiles_c) * kTile);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t tr = t / tiles_c, tc = t % tiles_c, R0 = tr * kTile, C0 = tc * kTile;
@@ -405,10 +410,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DT>)
     uint8_t* tile = code_tiles[parity];
     uint32_t* warp_max = warp_maxima[parity];
     Tile<DT> cur;
-    if (vector) cur = next;
-    else load_edge<DT>(cur, in, p.rows, p.cols, R0, C0);
+    if (vector) {
+      if constexpr (prefetch)
+        cur = next;
+      else
+        cur.issue(in, p.cols, R0, C0);
+    } else {
+      load_edge<DT>(cur, in, p.rows, p.cols, R0, C0);
+    }
     const int64_t t_next = t + gridDim.x;
-    if (t_next < tiles && whole(t_next)) next.issue(in, p.cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
+    if (prefetch && t_next < tiles && whole(t_next))
+      next.issue(in, p.cols, (t_next / tiles_c) * kTile, (t_next % tiles_c) * kTile);
 
     // Scales of this thread's rows (the out layout) ... Chunk k is row tid / 8 + 32 k for all 8
     // lanes of a row group. Spread: lane k of the group computes chunk k's scale (one division a
@@ -575,7 +587,8 @@ void recipe_quantize(const RecipeQuantizeJob& j, const LaunchLimits& lim, cudaSt
       auto* kernel = recipe_quantize_kernel<decltype(dt)::value, decltype(e5m2)::value, decltype(m)::value,
                                             decltype(with_t)::value>;
       constexpr size_t smem = kStripBytes<decltype(dt)::value, decltype(m)::value, decltype(with_t)::value>;
-      // Every resident slot filled (not a balanced grid): the prefetch needs the occupancy more.
+      // Every resident slot filled (not a balanced grid): the prefetch and the modes without it both
+      // want every warp they can get.
       const int grid = grid_size(reinterpret_cast<const void*>(kernel), kThreads, tiles, lim.sm_count, false, smem);
       kernel<<<grid, kThreads, smem, stream>>>(in, p);
     };
