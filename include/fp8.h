@@ -1536,8 +1536,10 @@ FP8_API fp8_status_t fp8_comm_set_timeout(fp8_comm_t *comm, double seconds);
 FP8_API fp8_status_t fp8_comm_get_timeout(const fp8_comm_t *comm, double *seconds);
 
 /** Makes `model` data-parallel over `comm` (collective; see above), or single-rank again with NULL
- *  (local). comm must be made from the model's context. Refused (FP8_ERR_INVALID_STATE) while an
- *  optimizer of the model exists or inside an autocast region: set the communicator first. */
+ *  (local). comm must be made from the model's context: a rank passing another context's is refused
+ *  with FP8_ERR_INVALID_ARGUMENT, and through that communicator's group the other ranks refuse too
+ *  (FP8_ERR_INVALID_STATE naming the rank), as for the checks below. Refused (FP8_ERR_INVALID_STATE)
+ *  while an optimizer of the model exists or inside an autocast region: set the communicator first. */
 FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t *model, fp8_comm_t *comm);
 /** Averages the model's gradients across its communicator now (collective; see above): the buckets
  *  not averaged since the last step or zero_grad; does nothing without a communicator.

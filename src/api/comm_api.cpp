@@ -143,9 +143,6 @@ FP8_API fp8_status_t fp8_comm_get_timeout(const fp8_comm_t* comm, double* second
 FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t* model, fp8_comm_t* comm) {
   return guard("fp8_model_set_comm", [&] {
     require_arg(model, "model");
-    if (comm && comm->backend != model->backend)  // (the arguments: refused at once, as on every rank)
-      fp8::fail(FP8_ERR_INVALID_ARGUMENT, "comm belongs to another context (device ", comm->backend->device(),
-                "); expected one made from the model's context (device ", model->backend->device(), ")");
     // The model's state: agreed on across the ranks below.
     const auto checks = [&] {
       if (!model->optimizer_links.empty())
@@ -165,8 +162,18 @@ FP8_API fp8_status_t fp8_model_set_comm(fp8_model_t* model, fp8_comm_t* comm) {
       return;
     }
     // Each rank's own checks first, agreed on: a rank that refuses does not leave the others waiting.
+    // (Through the communicator's own context: on a rank whose comm belongs to another context than
+    // its model, the group is still the comm's.)
     fp8::dist::Transport& t = *comm->transport;
-    fp8::dist::all_or_none(t, comm->backend, "fp8_model_set_comm", checks, [] {});
+    fp8::dist::all_or_none(
+        t, comm->backend, "fp8_model_set_comm",
+        [&] {
+          if (comm->backend != model->backend)
+            fp8::fail(FP8_ERR_INVALID_ARGUMENT, "comm belongs to another context (device ", comm->backend->device(),
+                      "); expected one made from the model's context (device ", model->backend->device(), ")");
+          checks();
+        },
+        [] {});
     fp8::dist::require_same_model(t, *model, nullptr, "fp8_model_set_comm");
     // Rank 0's model everywhere, then the shares (at O3 each rank keeps its share of those masters).
     fp8::dist::broadcast_model(t, *model);

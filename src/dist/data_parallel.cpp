@@ -705,9 +705,11 @@ std::array<uint32_t, N> max_over_ranks(Transport& t, const std::shared_ptr<Backe
 }  // namespace
 
 Agreement agree(Transport& t, const std::shared_ptr<Backend>& be, fp8_status_t mine) {
-  const uint32_t worst =
-      max_over_ranks<1>(t, be, {(static_cast<uint32_t>(mine) << 16) | static_cast<uint32_t>(t.rank())})[0];
-  return {static_cast<fp8_status_t>(worst >> 16), static_cast<int32_t>(worst & 0xFFFFu)};
+  const auto worst = static_cast<fp8_status_t>(max_over_ranks<1>(t, be, {static_cast<uint32_t>(mine)})[0]);
+  if (worst == FP8_OK) return {FP8_OK, -1};
+  // Which rank: a second collective, which every rank takes alike (they all saw the same worst).
+  const uint32_t rank = max_over_ranks<1>(t, be, {mine == worst ? static_cast<uint32_t>(t.rank()) : 0u})[0];
+  return {worst, static_cast<int32_t>(rank)};
 }
 
 bool same_on_every_rank(Transport& t, const std::shared_ptr<Backend>& be, bool mine) {

@@ -74,7 +74,7 @@ void gather_weights(fp8_model& m);
 io::WholeState gather_whole(const fp8_model& m, const fp8_optimizer* o, std::vector<nn::Arena>& keep);
 
 // Agrees on one status across the ranks after a step that could fail on some of them: returns the
-// worst (largest) status of any rank, and the rank that had it.
+// worst (largest) status of any rank and the highest rank that had it (-1 when every rank is FP8_OK).
 struct Agreement {
   fp8_status_t status;
   int32_t rank;
