@@ -418,9 +418,13 @@ FP8_API fp8_status_t fp8_tensor_wrap(fp8_tensor_t **out, fp8_context_t *ctx, fp8
 FP8_API fp8_status_t fp8_tensor_wrap_scaled(fp8_tensor_t **out, fp8_context_t *ctx, fp8_dtype_t dtype,
                                             int32_t ndim, const int64_t *shape, void *data, float *scale_inv);
 
-/* DLPack (dlpack/dlpack.h, version 0.6 or later, e.g. Debian's libdlpack-dev): the tensor exchange
- * of PyTorch, JAX, CuPy and others. fp8.h itself needs no DLPack header. */
+/* DLPack (dlpack/dlpack.h): the tensor exchange of PyTorch, JAX, CuPy, NumPy and others, in both of
+ * its managed structs: DLManagedTensor (DLPack 0.6 or later, e.g. Debian's libdlpack-dev; the
+ * Python capsules named "dltensor") and DLManagedTensorVersioned (DLPack 1.x, "dltensor_versioned",
+ * which frameworks export when asked for max_version (1, 0) or later, and which carries DLPack
+ * 1.1's FP8 type codes). fp8.h itself needs no DLPack header. */
 struct DLManagedTensor;
+struct DLManagedTensorVersioned;
 /**
  * Borrows a framework's tensor (torch.utils.dlpack.to_dlpack(t), t.__dlpack__()): [out] out, a
  * tensor over managed's memory (byte_offset applied). Checked: the device (kDLCUDA with the
@@ -438,8 +442,8 @@ FP8_API fp8_status_t fp8_tensor_from_dlpack(fp8_tensor_t **out, fp8_context_t *c
 /**
  * Lends `tensor` as a DLPack tensor: [out] out, its data, shape and contiguous strides on its device
  * (kDLCUDA and the device id, or kDLCPU), dtype float32, float16 or bfloat16, and E4M3/E5M2 as
- * their uint8 codes (DLPack 0.6, the version libfp8 builds against, has no FP8 type; 1.1's FP8 type
- * codes are not used; the scale_inv stays with
+ * their uint8 codes (DLPack 0.x has no FP8 type; fp8_tensor_to_dlpack_versioned lends them with
+ * DLPack 1.1's FP8 type codes; the scale_inv stays with
  * fp8_tensor_get_scale_inv). The consumer calls out->deleter when it is done (frameworks do).
  * Memory libfp8 owns (fp8_tensor_create, a model's parameters and gradients, a tensor from
  * fp8_tensor_from_dlpack) stays allocated until then, even after the tensor or its model is
@@ -449,6 +453,24 @@ FP8_API fp8_status_t fp8_tensor_from_dlpack(fp8_tensor_t **out, fp8_context_t *c
  * stream may still be writing the memory: order the consumer after it. Allocates no device memory.
  */
 FP8_API fp8_status_t fp8_tensor_to_dlpack(const fp8_tensor_t *tensor, struct DLManagedTensor **out);
+/**
+ * fp8_tensor_from_dlpack for DLPack 1.x's struct: the same checks, ownership and allocations, and
+ * besides: managed->version.major must be 1 (FP8_ERR_VERSION naming the version; any minor version is
+ * taken), the tensor must not be read-only (DLPACK_FLAG_BITMASK_READ_ONLY in managed->flags:
+ * FP8_ERR_INVALID_ARGUMENT, since libfp8 may write any tensor it is passed), and the dtype may also
+ * be float8_e4m3fn or float8_e5m2 (type codes 10 and 12, bits 8, lanes 1; torch.float8_e4m3fn and
+ * torch.float8_e5m2): an FP8_DTYPE_E4M3 or E5M2 tensor made as fp8_tensor_wrap makes one, with a
+ * scale_inv of 1.0 (set it with fp8_tensor_set_scale_inv; unlike the other dtypes this allocates
+ * that slot and synchronises).
+ */
+FP8_API fp8_status_t fp8_tensor_from_dlpack_versioned(fp8_tensor_t** out, fp8_context_t* ctx,
+                                                      struct DLManagedTensorVersioned* managed);
+/**
+ * fp8_tensor_to_dlpack as DLPack 1.x's struct: version 1.1, flags 0, the same memory and lifetime,
+ * and E4M3 / E5M2 as float8_e4m3fn / float8_e5m2 (type codes 10 and 12, bits 8; the scale_inv stays
+ * with fp8_tensor_get_scale_inv). The consumer calls out->deleter when it is done.
+ */
+FP8_API fp8_status_t fp8_tensor_to_dlpack_versioned(const fp8_tensor_t* tensor, struct DLManagedTensorVersioned** out);
 
 /** Releases a tensor from fp8_tensor_create, fp8_tensor_wrap(_scaled) (wrapped memory stays the
  *  caller's) or fp8_tensor_from_dlpack (the producer's deleter runs, unless the memory is lent on

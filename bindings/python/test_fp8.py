@@ -71,7 +71,8 @@ class BindingTest(unittest.TestCase):
                 check(re.sub(r"\w+$", "", param), py_type, f"{name} argument {i} ({param})")  # the type
         # What this binding wraps of the newer API, so that a rename in fp8.h fails here.
         for name in ["fp8_layer_forward_saved", "fp8_layer_backward_saved", "fp8_saved_destroy", "fp8_saved_needs_input",
-                     "fp8_model_write_parameter", "fp8_model_storage_level", "fp8_model_flat_storage"]:
+                     "fp8_model_write_parameter", "fp8_model_storage_level", "fp8_model_flat_storage",
+                     "fp8_tensor_from_dlpack_versioned", "fp8_tensor_to_dlpack_versioned"]:
             self.assertIn(name, fp8._declared)
         for name in ["fp8_context_set_allocator", "fp8_context_set_stream", "fp8_tensor_wrap",
                      "fp8_tensor_from_dlpack", "fp8_tensor_to_dlpack", "fp8_layer_get_report"]:

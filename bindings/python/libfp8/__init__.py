@@ -204,6 +204,8 @@ for _name, _args in {
     "fp8_tensor_wrap_scaled": (ctypes.POINTER(_p), _p, _i32, _i32, ctypes.POINTER(_i64), _p, _p),
     "fp8_tensor_from_dlpack": (ctypes.POINTER(_p), _p, _p),
     "fp8_tensor_to_dlpack": (_p, ctypes.POINTER(_p)),
+    "fp8_tensor_from_dlpack_versioned": (ctypes.POINTER(_p), _p, _p),
+    "fp8_tensor_to_dlpack_versioned": (_p, ctypes.POINTER(_p)),
     "fp8_saved_needs_input": (_p, ctypes.POINTER(_i32)),
     "fp8_optimizer_step_joint": (_p, _p, _p),
 }.items():

@@ -162,6 +162,10 @@ opaque!(
     /// DLPack's managed tensor (dlpack/dlpack.h).
     DLManagedTensor
 );
+opaque!(
+    /// DLPack 1.x's versioned managed tensor (dlpack/dlpack.h).
+    DLManagedTensorVersioned
+);
 
 /* ---- delayed scaling ------------------------------------------------------------------------ */
 
@@ -410,6 +414,15 @@ extern "C" {
         managed: *mut DLManagedTensor,
     ) -> fp8_status_t;
     pub fn fp8_tensor_to_dlpack(tensor: *const fp8_tensor_t, out: *mut *mut DLManagedTensor) -> fp8_status_t;
+    pub fn fp8_tensor_from_dlpack_versioned(
+        out: *mut *mut fp8_tensor_t,
+        ctx: *mut fp8_context_t,
+        managed: *mut DLManagedTensorVersioned,
+    ) -> fp8_status_t;
+    pub fn fp8_tensor_to_dlpack_versioned(
+        tensor: *const fp8_tensor_t,
+        out: *mut *mut DLManagedTensorVersioned,
+    ) -> fp8_status_t;
     pub fn fp8_tensor_destroy(tensor: *mut fp8_tensor_t);
     pub fn fp8_tensor_dtype(tensor: *const fp8_tensor_t, dtype: *mut fp8_dtype_t) -> fp8_status_t;
     pub fn fp8_tensor_shape(tensor: *const fp8_tensor_t, ndim: *mut i32, shape: *mut i64) -> fp8_status_t;
