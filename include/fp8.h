@@ -123,7 +123,7 @@ typedef int32_t fp8_status_t;
 #define FP8_ERR_UNSUPPORTED 9       /**< valid request this build or device cannot do */
 #define FP8_ERR_IO 10               /**< a file could not be opened, read or written */
 #define FP8_ERR_CORRUPT 11          /**< data failed its integrity checks */
-#define FP8_ERR_VERSION 12          /**< data written by a newer, incompatible format version */
+#define FP8_ERR_VERSION 12          /**< data of an incompatible format version (a newer file, a DLPack tensor of another major version) */
 #define FP8_ERR_BUFFER_TOO_SMALL 13 /**< a caller's buffer is too small; the needed size is returned */
 #define FP8_ERR_NO_DEVICE 14        /**< no CUDA device with that ordinal (or no driver) */
 #define FP8_ERR_INTERNAL 15         /**< a bug in libfp8; please report the message */
@@ -446,7 +446,7 @@ FP8_API fp8_status_t fp8_tensor_from_dlpack(fp8_tensor_t **out, fp8_context_t *c
  * DLPack 1.1's FP8 type codes; the scale_inv stays with
  * fp8_tensor_get_scale_inv). The consumer calls out->deleter when it is done (frameworks do).
  * Memory libfp8 owns (fp8_tensor_create, a model's parameters and gradients, a tensor from
- * fp8_tensor_from_dlpack) stays allocated until then, even after the tensor or its model is
+ * fp8_tensor_from_dlpack(_versioned)) stays allocated until then, even after the tensor or its model is
  * destroyed; memory a tensor wraps stays the caller's to keep. A model's parameters lent this way
  * view its flat storage: when the storage moves (see "Flat storage"), the lent views keep the old
  * memory alive but no longer see the model's, so take them again. Work queued on the context's
@@ -455,26 +455,26 @@ FP8_API fp8_status_t fp8_tensor_from_dlpack(fp8_tensor_t **out, fp8_context_t *c
 FP8_API fp8_status_t fp8_tensor_to_dlpack(const fp8_tensor_t *tensor, struct DLManagedTensor **out);
 /**
  * fp8_tensor_from_dlpack for DLPack 1.x's struct: the same checks, ownership and allocations, and
- * besides: managed->version.major must be 1 (FP8_ERR_VERSION naming the version; any minor version is
- * taken), the tensor must not be read-only (DLPACK_FLAG_BITMASK_READ_ONLY in managed->flags:
- * FP8_ERR_INVALID_ARGUMENT, since libfp8 may write any tensor it is passed), and the dtype may also
- * be float8_e4m3fn or float8_e5m2 (type codes 10 and 12, bits 8, lanes 1; torch.float8_e4m3fn and
- * torch.float8_e5m2): an FP8_DTYPE_E4M3 or E5M2 tensor made as fp8_tensor_wrap makes one, with a
- * scale_inv of 1.0 (set it with fp8_tensor_set_scale_inv; unlike the other dtypes this allocates
- * that slot and synchronises).
+ * besides: managed->version.major must be 1 (else FP8_ERR_VERSION naming the version, with nothing
+ * else of `managed` read; it stays the caller's to release, as on every failure), any minor version;
+ * not read-only (DLPACK_FLAG_BITMASK_READ_ONLY in managed->flags: FP8_ERR_INVALID_ARGUMENT, since
+ * libfp8 may write any tensor it is passed); and the dtype may also be float8_e4m3fn or float8_e5m2
+ * (type codes 10 and 12, bits 8, lanes 1; torch.float8_e4m3fn and torch.float8_e5m2): an
+ * FP8_DTYPE_E4M3 or E5M2 tensor made as fp8_tensor_wrap makes one, with a scale_inv of 1.0 (set it
+ * with fp8_tensor_set_scale_inv; unlike the other dtypes this allocates that slot and synchronises).
  */
-FP8_API fp8_status_t fp8_tensor_from_dlpack_versioned(fp8_tensor_t** out, fp8_context_t* ctx,
-                                                      struct DLManagedTensorVersioned* managed);
+FP8_API fp8_status_t fp8_tensor_from_dlpack_versioned(fp8_tensor_t **out, fp8_context_t *ctx,
+                                                      struct DLManagedTensorVersioned *managed);
 /**
  * fp8_tensor_to_dlpack as DLPack 1.x's struct: version 1.1, flags 0, the same memory and lifetime,
  * and E4M3 / E5M2 as float8_e4m3fn / float8_e5m2 (type codes 10 and 12, bits 8; the scale_inv stays
  * with fp8_tensor_get_scale_inv). The consumer calls out->deleter when it is done.
  */
-FP8_API fp8_status_t fp8_tensor_to_dlpack_versioned(const fp8_tensor_t* tensor, struct DLManagedTensorVersioned** out);
+FP8_API fp8_status_t fp8_tensor_to_dlpack_versioned(const fp8_tensor_t *tensor, struct DLManagedTensorVersioned **out);
 
 /** Releases a tensor from fp8_tensor_create, fp8_tensor_wrap(_scaled) (wrapped memory stays the
- *  caller's) or fp8_tensor_from_dlpack (the producer's deleter runs, unless the memory is lent on
- *  with fp8_tensor_to_dlpack: then with the last consumer's). A tensor the library lends out (a model's parameter value or gradient, from fp8_model_parameter
+ *  caller's) or fp8_tensor_from_dlpack(_versioned) (the producer's deleter runs, unless the memory is
+ *  lent on with fp8_tensor_to_dlpack(_versioned): then with the last consumer's). A tensor the library lends out (a model's parameter value or gradient, from fp8_model_parameter
  *  or fp8_model_parameter_at) belongs to its model: it is left as it is, and
  *  fp8_last_error_message() says that the model owns it (the function returns nothing). */
 FP8_API void fp8_tensor_destroy(fp8_tensor_t *tensor);

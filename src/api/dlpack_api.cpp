@@ -109,13 +109,25 @@ std::unique_ptr<fp8_tensor> borrow(fp8_context_t* ctx, const DLTensor& dl, bool 
   return fp8::make_tensor(ctx->backend, dtype, dl.ndim, dl.shape, true, data);
 }
 
-// From here the tensor owns `managed`: its deleter runs when the last holder lets go.
+// The owner of a borrowed managed struct: runs its deleter once, when the last holder lets go.
+template <class Managed>
+struct Owner {
+  explicit Owner(Managed* m) : managed(m) {}
+  Owner(const Owner&) = delete;
+  Owner& operator=(const Owner&) = delete;
+  ~Owner() {
+    if (managed->deleter) managed->deleter(managed);
+  }
+  Managed* managed;
+};
+
+// From here the tensor owns `managed`. (The owner is made before the tensor takes it: a
+// shared_ptr made from the pointer and a deleter would run the deleter if its own allocation
+// failed, and the caller keeps `managed` on failure.)
 template <class Managed>
 fp8_tensor_t* own(std::unique_ptr<fp8_tensor> t, Managed* managed) {
-  t->keeper = std::shared_ptr<void>(managed, [](void* p) {
-    auto* m = static_cast<Managed*>(p);
-    if (m->deleter) m->deleter(m);
-  });
+  auto owner = std::make_shared<Owner<Managed>>(managed);
+  t->keeper = std::shared_ptr<void>(owner, managed);
   return t.release();
 }
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <type_traits>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -691,12 +692,14 @@ void check_comms(const Backend* backend) {
 
 namespace {
 
-// The maxima over the ranks of N host words (collective), through the backend's memory.
-template <size_t N>
-std::array<uint32_t, N> max_over_ranks(Transport& t, const std::shared_ptr<Backend>& be, std::array<uint32_t, N> v) {
+// The maxima over the ranks of N host values (uint32_t or double; collective), through the
+// backend's memory.
+template <class T, size_t N>
+std::array<T, N> max_over_ranks(Transport& t, const std::shared_ptr<Backend>& be, std::array<T, N> v) {
+  static_assert(std::is_same_v<T, uint32_t> || std::is_same_v<T, double>, "a type the transports reduce");
   nn::Arena buf(be, sizeof v);
   be->copy_from_host(buf.data(), v.data(), sizeof v);
-  t.all_reduce(buf.data(), N, ElemType::kU32, ReduceOp::kMax);
+  t.all_reduce(buf.data(), N, std::is_same_v<T, double> ? ElemType::kF64 : ElemType::kU32, ReduceOp::kMax);
   be->copy_to_host(v.data(), buf.data(), sizeof v);
   t.check();
   return v;
@@ -705,15 +708,18 @@ std::array<uint32_t, N> max_over_ranks(Transport& t, const std::shared_ptr<Backe
 }  // namespace
 
 Agreement agree(Transport& t, const std::shared_ptr<Backend>& be, fp8_status_t mine) {
-  const auto worst = static_cast<fp8_status_t>(max_over_ranks<1>(t, be, {static_cast<uint32_t>(mine)})[0]);
-  if (worst == FP8_OK) return {FP8_OK, -1};
-  // Which rank: a second collective, which every rank takes alike (they all saw the same worst).
-  const uint32_t rank = max_over_ranks<1>(t, be, {mine == worst ? static_cast<uint32_t>(t.rank()) : 0u})[0];
-  return {worst, static_cast<int32_t>(rank)};
+  // One collective (every rank takes the same number, whatever fails): status * 2^32 + rank, exact
+  // in a double (statuses are small, ranks below 2^31), so the maximum is the worst status and the
+  // highest rank that had it.
+  constexpr double kRankSpan = 4294967296.0;
+  const double worst = max_over_ranks<double, 1>(t, be, {static_cast<double>(mine) * kRankSpan + t.rank()})[0];
+  const auto status = static_cast<fp8_status_t>(worst / kRankSpan);
+  return {status, status == FP8_OK ? -1 : static_cast<int32_t>(worst - static_cast<double>(status) * kRankSpan)};
 }
 
 bool same_on_every_rank(Transport& t, const std::shared_ptr<Backend>& be, bool mine) {
-  const auto seen = max_over_ranks<2>(t, be, {mine ? 1u : 0u, mine ? 0u : 1u});  // whether each value occurs
+  // whether each value occurs
+  const auto seen = max_over_ranks<uint32_t, 2>(t, be, {mine ? 1u : 0u, mine ? 0u : 1u});
   return !(seen[0] && seen[1]);
 }
 
