@@ -28,7 +28,7 @@
 //! # Ownership and lifetimes
 //! Each handle kind is an owning type that destroys its object when dropped: [`Context`],
 //! [`Recipe`], [`Tensor`], [`Scaling`], [`Model`], [`Optimizer`], [`Saved`], [`StackSaved`],
-//! [`Comm`], [`ManagedTensor`] (which runs its deleter). Objects made
+//! [`Comm`], [`ManagedTensor`] and [`ManagedTensorVersioned`] (which run their deleter). Objects made
 //! from a context borrow it (`Tensor<'c>`, `Model<'c>`); a model's parameters are
 //! [`TensorRef<'m>`] borrowed from the model; an [`Optimizer<'m>`] borrows its model (fp8.h:
 //! destroy it first); a forward that awaits its backward ([`ForwardPass`], [`LayerPass`],
@@ -50,7 +50,11 @@
 //! [`Tensor::to_dlpack`] and [`TensorRef::to_dlpack`] lend a tensor as a [`ManagedTensor`] (hand
 //! its raw `DLManagedTensor` to the consumer with [`ManagedTensor::into_raw`]: the consumer calls
 //! the deleter); [`Tensor::from_managed`] and the `unsafe` [`Tensor::from_dlpack`] take one in.
-//! The C layouts are in [`dlpack`].
+//! DLPack 1.x's `DLManagedTensorVersioned` goes the same ways as a [`ManagedTensorVersioned`]
+//! ([`Tensor::to_dlpack_versioned`], [`TensorRef::to_dlpack_versioned`],
+//! [`Tensor::from_managed_versioned`], `unsafe` [`Tensor::from_dlpack_versioned`]): version 1.x,
+//! flags, and FP8 as DLPack 1.1's float8_e4m3fn / float8_e5m2 both ways (the unversioned struct
+//! carries FP8 as uint8 codes, which libfp8 does not take back). The C layouts are in [`dlpack`].
 //!
 //! # Scaling recipes
 //! The recipe keys `scaling` (delayed, current, rowwise, block) and `power_2_scales` are
@@ -84,7 +88,7 @@ pub use fp8_sys as sys;
 
 pub use comm::{Comm, CommId, Rank};
 pub use context::{device_count, device_info, Context, DeviceInfo};
-pub use dlpack::ManagedTensor;
+pub use dlpack::{ManagedTensor, ManagedTensorVersioned};
 pub use error::{Error, Result, Status};
 pub use model::{
     Activation, Autocast, ConvertOptions, DxMode, ForwardPass, LayerId, LayerKind, LayerPass, LayerReport, Model,
@@ -209,6 +213,16 @@ pub fn version() -> &'static str {
 /// }
 /// drop(lent);
 /// ```
+/// ```compile_fail,E0597
+/// let ctx = fp8::Context::cpu().unwrap();
+/// let lent;
+/// {
+///     let mut buf = vec![0u8; 4];
+///     let t = fp8::Tensor::wrap_host(&ctx, fp8::DType::E4M3, &[4], &mut buf).unwrap();
+///     lent = t.to_dlpack_versioned().unwrap();
+/// }
+/// drop(lent);
+/// ```
 ///
 /// An optimizer cannot outlive its model (fp8.h: destroy it first):
 /// ```compile_fail,E0505
@@ -254,6 +268,12 @@ pub fn version() -> &'static str {
 /// let ctx = fp8::Context::cpu().unwrap();
 /// let t = fp8::Tensor::new(&ctx, fp8::DType::F32, &[4]).unwrap();
 /// send(&t.to_dlpack().unwrap());
+/// ```
+/// ```compile_fail,E0277
+/// fn send<T: Send>(_: &T) {}
+/// let ctx = fp8::Context::cpu().unwrap();
+/// let t = fp8::Tensor::new(&ctx, fp8::DType::F32, &[4]).unwrap();
+/// send(&t.to_dlpack_versioned().unwrap());
 /// ```
 ///
 /// Nothing is Sync (externally synchronised objects):

@@ -1,7 +1,9 @@
 //! Tensors: owned (`Tensor`) and lent by a model (`TensorRef`).
 
 use crate::context::Context;
-use crate::dlpack::{DLManagedTensor, ManagedTensor};
+use crate::dlpack::{
+    DLManagedTensor, DLManagedTensorVersioned, Managed, ManagedStruct, ManagedTensor, ManagedTensorVersioned,
+};
 use crate::error::{check, created, static_str, Error, Result, Status};
 use fp8_sys as sys;
 use std::ffi::c_void;
@@ -289,9 +291,7 @@ impl<'c> Tensor<'c> {
     /// deleter runs (use [`Self::from_dlpack`] to keep a refused pointer).
     pub fn from_managed(ctx: &'c Context, managed: ManagedTensor<'c>) -> Result<Tensor<'c>> {
         // SAFETY: ManagedTensor's invariant (from_raw's contract, or lent by libfp8).
-        let t = unsafe { Tensor::from_dlpack(ctx, managed.as_ptr()) }?;
-        std::mem::forget(managed); // the tensor owns it now
-        Ok(t)
+        take(managed, |m| unsafe { Tensor::from_dlpack(ctx, m) })
     }
 
     /// [`Self::from_managed`] from a raw pointer, as C has it: on success the tensor owns
@@ -311,12 +311,72 @@ impl<'c> Tensor<'c> {
         check(sys::fp8_tensor_from_dlpack(&mut raw, ctx.as_ptr(), managed.cast()))?;
         Ok(Tensor { raw: created(raw, "fp8_tensor_from_dlpack")?, _ctx: PhantomData })
     }
+
+    /// Lends the tensor as DLPack 1.x's struct (`fp8_tensor_to_dlpack_versioned`): as
+    /// [`Self::to_dlpack`] (the same memory, lifetime and borrows), with version 1.1, flags 0, and
+    /// E4M3/E5M2 as DLPack 1.1's float8_e4m3fn / float8_e5m2 ([`kDLFloat8_e4m3fn`] 10 and
+    /// [`kDLFloat8_e5m2`] 12, bits 8; the scale_inv stays with [`Self::scale_inv`]). Hand it on
+    /// with [`Managed::into_raw`]: the consumer calls its deleter.
+    ///
+    /// [`kDLFloat8_e4m3fn`]: crate::dlpack::kDLFloat8_e4m3fn
+    /// [`kDLFloat8_e5m2`]: crate::dlpack::kDLFloat8_e5m2
+    pub fn to_dlpack_versioned(&self) -> Result<ManagedTensorVersioned<'c>> {
+        to_dlpack_versioned(self.raw)
+    }
+
+    /// [`Self::from_managed`] for DLPack 1.x's struct (`fp8_tensor_from_dlpack_versioned`): the
+    /// same checks and ownership, and besides: the version's major must be 1 (`Status::Version`;
+    /// any minor is taken), the tensor must not be read-only
+    /// ([`DLPACK_FLAG_BITMASK_READ_ONLY`](crate::dlpack::DLPACK_FLAG_BITMASK_READ_ONLY):
+    /// `Status::InvalidArgument`, since libfp8 may write any tensor it is passed), and the dtype may
+    /// also be float8_e4m3fn or float8_e5m2 (codes 10 and 12, bits 8, lanes 1): an E4M3 or E5M2
+    /// tensor with a scale_inv of 1.0 (set it with [`Self::set_scale_inv`]; for these two this
+    /// allocates that slot and synchronises). On failure `managed` is dropped, so its deleter runs
+    /// (use [`Self::from_dlpack_versioned`] to keep a refused pointer).
+    pub fn from_managed_versioned(ctx: &'c Context, managed: ManagedTensorVersioned<'c>) -> Result<Tensor<'c>> {
+        // SAFETY: Managed's invariant (from_raw's contract, or lent by libfp8).
+        take(managed, |m| unsafe { Tensor::from_dlpack_versioned(ctx, m) })
+    }
+
+    /// [`Self::from_managed_versioned`] from a raw pointer, as C has it: on success the tensor owns
+    /// `managed` (its deleter runs when the tensor, and any view lent on, is gone); on failure
+    /// `managed` stays the caller's, deleter not run.
+    ///
+    /// # Safety
+    /// That of [`Self::from_dlpack`], for a `DLManagedTensorVersioned`: `version` is read first, and
+    /// the rest only when its major is 1 (another major version may lay the struct out otherwise
+    /// after `flags`; it is refused, and its deleter stays the caller's to call).
+    pub unsafe fn from_dlpack_versioned(
+        ctx: &'c Context,
+        managed: *mut DLManagedTensorVersioned,
+    ) -> Result<Tensor<'c>> {
+        let mut raw = ptr::null_mut();
+        check(sys::fp8_tensor_from_dlpack_versioned(&mut raw, ctx.as_ptr(), managed.cast()))?;
+        Ok(Tensor { raw: created(raw, "fp8_tensor_from_dlpack_versioned")?, _ctx: PhantomData })
+    }
+}
+
+/// Hands `managed` to `import` (a `from_dlpack` of its struct): the tensor owns it on success, and
+/// on failure it is dropped here (its deleter runs).
+fn take<'c, M: ManagedStruct>(
+    managed: Managed<'c, M>,
+    import: impl FnOnce(*mut M) -> Result<Tensor<'c>>,
+) -> Result<Tensor<'c>> {
+    let t = import(managed.as_ptr())?;
+    std::mem::forget(managed); // the tensor owns it now
+    Ok(t)
 }
 
 fn to_dlpack<'a>(t: NonNull<sys::fp8_tensor_t>) -> Result<ManagedTensor<'a>> {
     let mut out = ptr::null_mut();
     check(unsafe { sys::fp8_tensor_to_dlpack(t.as_ptr(), &mut out) })?;
     ManagedTensor::lent(out)
+}
+
+fn to_dlpack_versioned<'a>(t: NonNull<sys::fp8_tensor_t>) -> Result<ManagedTensorVersioned<'a>> {
+    let mut out = ptr::null_mut();
+    check(unsafe { sys::fp8_tensor_to_dlpack_versioned(t.as_ptr(), &mut out) })?;
+    ManagedTensorVersioned::lent(out)
 }
 
 impl Drop for Tensor<'_> {
@@ -358,5 +418,12 @@ impl<'m> TensorRef<'m> {
     /// through which it borrows the context.
     pub fn to_dlpack(&self) -> Result<ManagedTensor<'m>> {
         to_dlpack(self.raw)
+    }
+
+    /// Lends the parameter as DLPack 1.x's struct, as [`Tensor::to_dlpack_versioned`] does (version
+    /// 1.1, flags 0, FP8 storage as float8_e4m3fn / float8_e5m2), with [`Self::to_dlpack`]'s view
+    /// and borrows.
+    pub fn to_dlpack_versioned(&self) -> Result<ManagedTensorVersioned<'m>> {
+        to_dlpack_versioned(self.raw)
     }
 }

@@ -868,7 +868,7 @@ fn stack_refusals() {
 
 /* ---- DLPack ----------------------------------------------------------------------------------- */
 
-use fp8::dlpack::{self, DLDataType, DLDevice, DLManagedTensor, DLTensor};
+use fp8::dlpack::{self, DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLPackVersion, DLTensor};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -965,7 +965,23 @@ fn dlpack_layouts_match_c() {
     for (s, f) in c_fields {
         program += &format!("  printf(\"{s}.{f} %zu %zu\\n\", offsetof({s}, {f}), sizeof((({s} *)0)->{f}));\n");
     }
-    program += "  printf(\"codes %d %d %d %d %d %d %d\\n\", kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged, kDLInt, kDLUInt, kDLBfloat);\n  return 0;\n}\n";
+    program += "  printf(\"codes %d %d %d %d %d %d %d\\n\", kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged, kDLInt, kDLUInt, kDLBfloat);\n";
+    // DLPack 1.x's versioned struct and flags, and 1.1's FP8 codes, where the header has them.
+    // DLPack 1.0 and 1.1 declare `struct DLManagedTensorVersioned` without a typedef, later ones with.
+    let c_type = |s: &str| if s == "DLPackVersion" { s.to_string() } else { format!("struct {s}") };
+    program += "#ifdef DLPACK_MAJOR_VERSION\n";
+    for s in ["DLPackVersion", "DLManagedTensorVersioned"] {
+        let t = c_type(s);
+        program += &format!("  printf(\"{s} %zu %zu\\n\", sizeof({t}), _Alignof({t}));\n");
+    }
+    for (s, f) in VERSIONED_FIELDS {
+        let t = c_type(s);
+        program += &format!("  printf(\"{s}.{f} %zu %zu\\n\", offsetof({t}, {f}), sizeof((({t} *)0)->{f}));\n");
+    }
+    program += "  printf(\"flags %llu %llu\\n\", (unsigned long long)DLPACK_FLAG_BITMASK_READ_ONLY, (unsigned long long)DLPACK_FLAG_BITMASK_IS_COPIED);\n";
+    program += "#if DLPACK_MAJOR_VERSION > 1 || DLPACK_MINOR_VERSION >= 1\n";
+    program += "  printf(\"fp8 codes %d %d\\n\", kDLFloat8_e4m3fn, kDLFloat8_e5m2);\n#endif\n#endif\n";
+    program += "  return 0;\n}\n";
     std::fs::write(&src, program).unwrap();
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     match std::process::Command::new(&cc).args(["-std=c11", "-I", &include]).arg(&src).arg("-o").arg(&exe).output() {
@@ -979,7 +995,7 @@ fn dlpack_layouts_match_c() {
     let out = String::from_utf8(std::process::Command::new(&exe).output().unwrap().stdout).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
     let sz = |n: usize, a: usize| format!("{n} {a}");
-    let rust: Vec<String> = vec![
+    let mut rust: Vec<String> = vec![
         format!("DLDevice {}", sz(size_of::<DLDevice>(), align_of::<DLDevice>())),
         format!("DLDataType {}", sz(size_of::<DLDataType>(), align_of::<DLDataType>())),
         format!("DLTensor {}", sz(size_of::<DLTensor>(), align_of::<DLTensor>())),
@@ -1010,8 +1026,45 @@ fn dlpack_layouts_match_c() {
             dlpack::kDLBfloat
         ),
     ];
+    if out.lines().any(|l| l.starts_with("DLManagedTensorVersioned ")) {
+        rust.extend(versioned_layout_lines());
+    } else {
+        eprintln!("dlpack_layouts_match_c: {include}/dlpack/dlpack.h is DLPack 0.x (no DLManagedTensorVersioned)");
+    }
+    if out.lines().any(|l| l.starts_with("fp8 codes ")) {
+        rust.push(format!("fp8 codes {} {}", dlpack::kDLFloat8_e4m3fn, dlpack::kDLFloat8_e5m2));
+    }
     let c: Vec<&str> = out.lines().collect();
     assert_eq!(c, rust.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
+/// DLPack 1.x's structs and fields, as the C layout test prints them.
+const VERSIONED_FIELDS: [(&str, &str); 7] = [
+    ("DLPackVersion", "major"),
+    ("DLPackVersion", "minor"),
+    ("DLManagedTensorVersioned", "version"),
+    ("DLManagedTensorVersioned", "manager_ctx"),
+    ("DLManagedTensorVersioned", "deleter"),
+    ("DLManagedTensorVersioned", "flags"),
+    ("DLManagedTensorVersioned", "dl_tensor"),
+];
+
+/// The Rust side of VERSIONED_FIELDS and the flags, in the C program's order.
+fn versioned_layout_lines() -> Vec<String> {
+    use std::mem::{align_of, offset_of, size_of};
+    type V = DLManagedTensorVersioned;
+    vec![
+        format!("DLPackVersion {} {}", size_of::<DLPackVersion>(), align_of::<DLPackVersion>()),
+        format!("DLManagedTensorVersioned {} {}", size_of::<V>(), align_of::<V>()),
+        format!("DLPackVersion.major {} 4", offset_of!(DLPackVersion, major)),
+        format!("DLPackVersion.minor {} 4", offset_of!(DLPackVersion, minor)),
+        format!("DLManagedTensorVersioned.version {} {}", offset_of!(V, version), size_of::<DLPackVersion>()),
+        format!("DLManagedTensorVersioned.manager_ctx {} 8", offset_of!(V, manager_ctx)),
+        format!("DLManagedTensorVersioned.deleter {} 8", offset_of!(V, deleter)),
+        format!("DLManagedTensorVersioned.flags {} 8", offset_of!(V, flags)),
+        format!("DLManagedTensorVersioned.dl_tensor {} {}", offset_of!(V, dl_tensor), size_of::<DLTensor>()),
+        format!("flags {} {}", dlpack::DLPACK_FLAG_BITMASK_READ_ONLY, dlpack::DLPACK_FLAG_BITMASK_IS_COPIED),
+    ]
 }
 
 /// A libfp8 tensor lent out: the metadata fp8.h documents, the memory alive until the deleter runs
@@ -1155,5 +1208,304 @@ fn dlpack_takes_tensors_in() {
         let err = Tensor::from_managed(&ctx, unsafe { ManagedTensor::from_raw(made.managed) }.unwrap()).unwrap_err();
         assert_eq!(err.status(), status);
         assert_eq!(made.deleted.load(Ordering::SeqCst), 1, "dropped once");
+    }
+}
+
+/* ---- DLPack 1.x (DLManagedTensorVersioned) ---------------------------------------------------- */
+
+/// A DLPack 1.x producer's tensor: its bytes (8-byte aligned), shape and strides live with the
+/// DLManagedTensorVersioned, and the deleter counts its calls.
+struct VersionedProducer {
+    managed: DLManagedTensorVersioned,
+    _shape: Vec<i64>,
+    _strides: Option<Vec<i64>>,
+    _data: Vec<u64>,
+    deleted: Arc<AtomicUsize>,
+}
+
+unsafe extern "C" fn delete_versioned_producer(m: *mut DLManagedTensorVersioned) {
+    let p = Box::from_raw((*m).manager_ctx.cast::<VersionedProducer>());
+    p.deleted.fetch_add(1, Ordering::SeqCst);
+}
+
+struct MadeVersioned {
+    managed: *mut DLManagedTensorVersioned,
+    data: *mut u8,
+    deleted: Arc<AtomicUsize>,
+}
+
+fn produce_versioned(
+    bytes: &[u8],
+    shape: &[i64],
+    strides: Option<&[i64]>,
+    dtype: DLDataType,
+    version: DLPackVersion,
+    flags: u64,
+) -> MadeVersioned {
+    let deleted = Arc::new(AtomicUsize::new(0));
+    let mut storage = vec![0u64; bytes.len().div_ceil(8).max(1)];
+    // SAFETY (test): the storage holds at least bytes.len() bytes.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), storage.as_mut_ptr().cast::<u8>(), bytes.len()) };
+    let mut p = Box::new(VersionedProducer {
+        managed: DLManagedTensorVersioned {
+            version,
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_versioned_producer),
+            flags,
+            dl_tensor: DLTensor {
+                data: std::ptr::null_mut(),
+                device: CPU,
+                ndim: shape.len() as i32,
+                dtype,
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+        },
+        _shape: shape.to_vec(),
+        _strides: strides.map(<[i64]>::to_vec),
+        _data: storage,
+        deleted: deleted.clone(),
+    });
+    let data = p._data.as_mut_ptr().cast::<u8>();
+    p.managed.dl_tensor.data = data.cast();
+    p.managed.dl_tensor.shape = p._shape.as_mut_ptr();
+    p.managed.dl_tensor.strides = p._strides.as_mut().map_or(std::ptr::null_mut(), |s| s.as_mut_ptr());
+    let p = Box::into_raw(p);
+    unsafe {
+        (*p).managed.manager_ctx = p.cast();
+        MadeVersioned { managed: std::ptr::addr_of_mut!((*p).managed), data, deleted }
+    }
+}
+
+const V1_1: DLPackVersion = DLPackVersion { major: 1, minor: 1 };
+const E4M3FN: DLDataType = DLDataType { code: dlpack::kDLFloat8_e4m3fn, bits: 8, lanes: 1 };
+const E5M2: DLDataType = DLDataType { code: dlpack::kDLFloat8_e5m2, bits: 8, lanes: 1 };
+
+/// FP8 codes of `values` (distinct per format, so that a mix-up of the two shows).
+fn fp8_codes(values: &[f32], dtype: DType) -> Vec<u8> {
+    values.iter().map(|&x| encode(x, dtype)).collect()
+}
+
+/// The versioned struct's layout, where libfp8 (C++) writes it and Rust reads it: DLPack 1.x's
+/// offsets 0/8/16/24/32 on 64-bit, the constants of DLPack 1.1, and a lent struct read back by
+/// byte offset.
+#[test]
+fn dlpack_versioned_layout() {
+    use std::mem::{align_of, offset_of, size_of};
+    type V = DLManagedTensorVersioned;
+    let p = size_of::<*mut std::ffi::c_void>();
+    assert_eq!((size_of::<DLPackVersion>(), align_of::<DLPackVersion>()), (8, 4));
+    assert_eq!((offset_of!(DLPackVersion, major), offset_of!(DLPackVersion, minor)), (0, 4));
+    let offsets = [
+        offset_of!(V, version),
+        offset_of!(V, manager_ctx),
+        offset_of!(V, deleter),
+        offset_of!(V, flags),
+        offset_of!(V, dl_tensor),
+    ];
+    assert_eq!(offsets, [0, 8, 8 + p, 8 + 2 * p, 16 + 2 * p]);
+    assert_eq!(size_of::<V>(), 16 + 2 * p + size_of::<DLTensor>());
+    assert_eq!(align_of::<V>(), align_of::<u64>().max(align_of::<*mut u8>()));
+    #[cfg(target_pointer_width = "64")]
+    {
+        assert_eq!(offsets, [0, 8, 16, 24, 32]);
+        assert_eq!((size_of::<DLTensor>(), size_of::<V>()), (48, 80));
+    }
+    assert_eq!((dlpack::kDLFloat8_e4m3fn, dlpack::kDLFloat8_e5m2), (10, 12));
+    assert_eq!((dlpack::DLPACK_FLAG_BITMASK_READ_ONLY, dlpack::DLPACK_FLAG_BITMASK_IS_COPIED), (1, 2));
+
+    // What libfp8 wrote, read at DLPack 1.x's byte offsets rather than through the Rust fields.
+    let ctx = Context::cpu().unwrap();
+    let t = Tensor::from_host(&ctx, DType::E5M2, &[5], &[1u8, 2, 3, 4, 5]).unwrap();
+    let lent = t.to_dlpack_versioned().unwrap();
+    let base = lent.as_ptr().cast::<u8>();
+    // SAFETY (test): a struct libfp8 allocated with at least these many bytes, alive until dropped.
+    unsafe {
+        assert_eq!(base.cast::<[u32; 2]>().read_unaligned(), [1, 1], "version 1.1 at 0");
+        assert_eq!(base.add(8 + 2 * p).cast::<u64>().read_unaligned(), 0, "flags 0 at 8 + 2p");
+        let dl = base.add(16 + 2 * p);
+        assert_eq!(dl.cast::<*mut std::ffi::c_void>().read_unaligned(), t.data_ptr().unwrap(), "dl_tensor.data");
+        let dtype = dl.add(offset_of!(DLTensor, dtype)).cast::<[u8; 4]>().read_unaligned();
+        assert_eq!(dtype[..2], [dlpack::kDLFloat8_e5m2, 8], "dl_tensor.dtype");
+        assert!(base.add(8 + p).cast::<Option<unsafe extern "C" fn(*mut V)>>().read_unaligned().is_some());
+    }
+}
+
+/// E4M3 and E5M2 tensors lent as DLPack 1.x: version 1.1, flags 0, codes 10 and 12, the shape and
+/// compact strides; borrowed back as the same dtype over the same bytes (and the other dtypes).
+#[test]
+fn dlpack_versioned_lends_tensors() {
+    let ctx = Context::cpu().unwrap();
+    let values = [0.5f32, -1.0, 2.0, 3.5, -0.25, 96.0];
+    for (dtype, expect) in [(DType::E4M3, E4M3FN), (DType::E5M2, E5M2)] {
+        let codes = fp8_codes(&values, dtype);
+        let mut t = Tensor::from_host(&ctx, dtype, &[2, 3], &codes).unwrap();
+        t.set_scale_inv(0.5).unwrap();
+        let lent = t.to_dlpack_versioned().unwrap();
+        assert_eq!(lent.version(), V1_1, "{dtype:?}");
+        assert_eq!(lent.flags(), 0);
+        assert_eq!(lent.dtype(), expect, "{dtype:?}");
+        assert_eq!(lent.device(), CPU);
+        assert_eq!(lent.shape(), [2, 3]);
+        assert_eq!(lent.strides(), Some(&[3i64, 1][..]));
+        assert_eq!(lent.dl_tensor().byte_offset, 0);
+        assert_eq!(lent.data_ptr(), t.data_ptr().unwrap());
+        let debug = format!("{lent:?}");
+        assert!(debug.starts_with("ManagedTensorVersioned") && debug.contains("minor: 1"), "{debug}");
+        // The unversioned struct has no FP8 code: uint8 there.
+        assert_eq!(t.to_dlpack().unwrap().dtype(), DLDataType { code: dlpack::kDLUInt, bits: 8, lanes: 1 });
+        drop(t);
+        // SAFETY (test): CPU memory libfp8 keeps until the deleter; 6 bytes; nothing writes it.
+        let seen = unsafe { std::slice::from_raw_parts(lent.data_ptr().cast::<u8>(), 6) }.to_vec();
+        assert_eq!(seen, codes);
+
+        let back = Tensor::from_managed_versioned(&ctx, lent).unwrap();
+        assert_eq!(back.dtype().unwrap(), dtype);
+        assert_eq!(back.shape().unwrap(), [2, 3]);
+        assert_eq!(back.to_vec::<u8>().unwrap(), codes);
+        assert_eq!(back.scale_inv().unwrap(), 1.0, "an FP8 tensor taken in gets a scale_inv of 1.0");
+        // And through the raw pointer, as a consumer would hand it over.
+        let raw = back.to_dlpack_versioned().unwrap().into_raw();
+        // SAFETY (test): libfp8's own struct, handed over once.
+        let again = unsafe { Tensor::from_dlpack_versioned(&ctx, raw) }.unwrap();
+        drop(back);
+        assert_eq!((again.dtype().unwrap(), again.to_vec::<u8>().unwrap()), (dtype, codes));
+    }
+    let (e4m3, e5m2) = (fp8_codes(&values, DType::E4M3), fp8_codes(&values, DType::E5M2));
+    assert_ne!(e4m3, e5m2, "the two formats' codes differ, so a swapped dtype would show");
+
+    // The other dtypes carry the unversioned codes.
+    let data: Vec<f32> = (0..6).map(|i| i as f32 * 0.75).collect();
+    let t = Tensor::from_host(&ctx, DType::F32, &[3, 2], &data).unwrap();
+    let lent = t.to_dlpack_versioned().unwrap();
+    assert_eq!((lent.dtype(), lent.strides()), (F32, Some(&[2i64, 1][..])));
+    assert_eq!(Tensor::from_managed_versioned(&ctx, lent).unwrap().to_vec::<f32>().unwrap(), data);
+    for (dtype, code) in [(DType::F16, dlpack::kDLFloat), (DType::BF16, dlpack::kDLBfloat)] {
+        let lent = Tensor::new(&ctx, dtype, &[4]).unwrap().to_dlpack_versioned().unwrap();
+        assert_eq!(lent.dtype(), DLDataType { code, bits: 16, lanes: 1 });
+        assert_eq!(Tensor::from_managed_versioned(&ctx, lent).unwrap().dtype().unwrap(), dtype);
+    }
+    let scalar = Tensor::from_host(&ctx, DType::F32, &[], &[2.5f32]).unwrap().to_dlpack_versioned().unwrap();
+    assert_eq!((scalar.shape(), scalar.strides()), (&[][..], Some(&[][..])));
+
+    // A model's parameter, kept alive past the model by the consumer.
+    let raw;
+    let weights: Vec<f32>;
+    {
+        let m = small_model(&ctx);
+        let (w, _) = m.parameter("fc1.weight").unwrap();
+        weights = w.to_vec().unwrap();
+        let lent = w.to_dlpack_versioned().unwrap();
+        assert_eq!((lent.shape(), lent.dtype(), lent.version(), lent.flags()), (&[32i64, 16][..], F32, V1_1, 0));
+        raw = lent.into_raw();
+    }
+    // SAFETY (test): the consumer's view, valid until its deleter, which runs once.
+    unsafe {
+        let t = &(*raw).dl_tensor;
+        assert_eq!(std::slice::from_raw_parts(t.data.cast::<f32>(), 32 * 16), &weights[..]);
+        ((*raw).deleter.unwrap())(raw);
+    }
+}
+
+/// A DLPack 1.x producer's tensor taken in: FP8 by its codes, its memory used in place, its deleter
+/// run exactly once, when the last holder lets go.
+#[test]
+fn dlpack_versioned_takes_tensors_in() {
+    let ctx = Context::cpu().unwrap();
+    let codes = fp8_codes(&[1.0, -2.0, 0.125, 4.0, 8.0, -0.5, 3.0, 0.0], DType::E4M3);
+    let made = produce_versioned(&codes, &[2, 4], None, E4M3FN, DLPackVersion { major: 1, minor: 0 }, 0);
+    // SAFETY (test): a valid DLManagedTensorVersioned of host memory, handed over once.
+    let mut t = unsafe { Tensor::from_dlpack_versioned(&ctx, made.managed) }.unwrap();
+    assert_eq!((t.dtype().unwrap(), t.shape().unwrap()), (DType::E4M3, vec![2, 4]));
+    assert_eq!(t.data_ptr().unwrap(), made.data.cast());
+    assert_eq!(t.to_vec::<u8>().unwrap(), codes);
+    assert_eq!(t.scale_inv().unwrap(), 1.0);
+    t.copy_from_host(&[0x38u8; 8]).unwrap();
+    assert_eq!(unsafe { *made.data.add(7) }, 0x38, "the producer's memory, in place");
+    let lent = t.to_dlpack_versioned().unwrap();
+    drop(t);
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 0, "a view lent on keeps it");
+    drop(lent);
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 1, "deleted once, by the last holder");
+
+    // E5M2 through the safe owner; any minor version; IS_COPIED is no refusal; explicit strides.
+    let codes = fp8_codes(&[1.0, -2.0, 0.125, 4.0, 8.0, -0.5], DType::E5M2);
+    let made = produce_versioned(
+        &codes,
+        &[3, 2],
+        Some(&[2, 1]),
+        E5M2,
+        DLPackVersion { major: 1, minor: 7 },
+        dlpack::DLPACK_FLAG_BITMASK_IS_COPIED,
+    );
+    let managed = unsafe { ManagedTensorVersioned::from_raw(made.managed) }.unwrap();
+    assert_eq!((managed.version(), managed.flags()), (DLPackVersion { major: 1, minor: 7 }, 2));
+    assert_eq!((managed.dtype(), managed.shape(), managed.strides()), (E5M2, &[3i64, 2][..], Some(&[2i64, 1][..])));
+    let t = Tensor::from_managed_versioned(&ctx, managed).unwrap();
+    assert_eq!((t.dtype().unwrap(), t.to_vec::<u8>().unwrap()), (DType::E5M2, codes));
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 0);
+    drop(t);
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 1);
+
+    // float32 bytes.
+    let values = [1.5f32, -2.0, 0.25];
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    let made = produce_versioned(&bytes, &[3], None, F32, V1_1, 0);
+    let t = unsafe { Tensor::from_dlpack_versioned(&ctx, made.managed) }.unwrap();
+    assert_eq!(t.to_vec::<f32>().unwrap(), values);
+    drop(t);
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 1);
+
+    // An owner never handed over runs the deleter when dropped, once.
+    let made = produce_versioned(&[0; 4], &[4], None, E4M3FN, V1_1, 0);
+    drop(unsafe { ManagedTensorVersioned::from_raw(made.managed) }.unwrap());
+    assert_eq!(made.deleted.load(Ordering::SeqCst), 1);
+    let err = unsafe { ManagedTensorVersioned::from_raw(std::ptr::null_mut()) }.unwrap_err();
+    assert_eq!(err.status(), Status::InvalidArgument);
+    assert!(err.message().contains("ManagedTensorVersioned::from_raw"), "{err}");
+}
+
+/// Refusals of DLPack 1.x tensors: another major version (before anything else is read), a
+/// read-only tensor, a type code that is not E4M3 or E5M2; from_dlpack_versioned leaves the tensor
+/// the caller's (deleter not run), from_managed_versioned drops it (deleter run once).
+#[test]
+fn dlpack_versioned_refusals() {
+    let ctx = Context::cpu().unwrap();
+    let v = |major, minor| DLPackVersion { major, minor };
+    let ro = dlpack::DLPACK_FLAG_BITMASK_READ_ONLY;
+    let code = |code, bits, lanes| DLDataType { code, bits, lanes };
+    let bad = [
+        // (version, flags, dtype, status, what the message names)
+        (v(2, 0), 0, E4M3FN, Status::Version, "2.0"),
+        (v(0, 8), 0, F32, Status::Version, "0.8"),
+        // The version is read first: a major version 2 with an unknown dtype is a version refusal.
+        (v(2, 0), 0, code(99, 8, 1), Status::Version, "2.0"),
+        (V1_1, ro, E4M3FN, Status::InvalidArgument, "read-only"),
+        (V1_1, ro | dlpack::DLPACK_FLAG_BITMASK_IS_COPIED, F32, Status::InvalidArgument, "read-only"),
+        (V1_1, 0, code(11, 8, 1), Status::Dtype, "code 11"), // float8_e4m3fnuz: not libfp8's E4M3
+        (V1_1, 0, code(99, 8, 1), Status::Dtype, "code 99"),
+        (V1_1, 0, code(dlpack::kDLFloat8_e4m3fn, 16, 1), Status::Dtype, "code 10 16"),
+        (V1_1, 0, code(dlpack::kDLFloat8_e5m2, 8, 2), Status::Dtype, "float8_e5m2x2"),
+    ];
+    for (version, flags, dtype, status, names) in bad {
+        let made = produce_versioned(&[0; 16], &[4], None, dtype, version, flags);
+        let err = unsafe { Tensor::from_dlpack_versioned(&ctx, made.managed) }.unwrap_err();
+        assert_eq!(err.status(), status, "{version:?} {flags} {dtype:?}: {err}");
+        assert!(err.message().contains(names), "{err}");
+        assert_eq!(made.deleted.load(Ordering::SeqCst), 0, "still the caller's");
+        // SAFETY (test): the struct is laid out as DLPack 1.x's whatever its version says.
+        let managed = unsafe { ManagedTensorVersioned::from_raw(made.managed) }.unwrap();
+        assert_eq!(Tensor::from_managed_versioned(&ctx, managed).unwrap_err().status(), status);
+        assert_eq!(made.deleted.load(Ordering::SeqCst), 1, "dropped once");
+    }
+
+    // The unversioned struct takes no FP8 codes (DLPack 0.x has none).
+    for dtype in [E4M3FN, E5M2] {
+        let made = produce(vec![0.0; 2], &[4], None, CPU, dtype);
+        let err = unsafe { Tensor::from_dlpack(&ctx, made.managed) }.unwrap_err();
+        assert_eq!(err.status(), Status::Dtype, "{err}");
+        drop(unsafe { ManagedTensor::from_raw(made.managed) }.unwrap());
+        assert_eq!(made.deleted.load(Ordering::SeqCst), 1);
     }
 }
