@@ -2,16 +2,18 @@
 // reference (backend/cpu_recipe_quantize.cpp). Blocks walk the 128 x 128 tiles of the input (a
 // tile holds every cell of the block modes whole), each tile loaded once into registers (16
 // columns of 4 rows per thread, 16-byte loads where the tile is whole and aligned; the next tile's
-// loads issued before this one is worked on, except in the per-column +T modes: kPrefetch), then reduced to the amax of
-// each 128-wide row segment (1x128 cells of `out`) or of the tile (128x128 cells, the same for both layouts), and cast
-// with the scale of each value's cell into `out` row-major. The transposed copy `out_t` (quantised along its own K) is
-// written through a shared tile of codes where both layouts share a scale; where each column has its own (per-row, and
-// 1x128 whose cells are 128-high column segments), the input tile goes to shared memory and is cast from column strips
-// (StripTile). The per-row and per-tensor modes need amaxes that span tiles: a first pass (line_amax_kernel, or the
-// amax kernel) puts them into the job's workspace, so those modes read the input twice. Edge tiles load element by
-// element (missing elements count as 0, which changes no amax) and store only what exists. The per-row mode without the
-// transposed copy reads the input once where a row fits a block's registers (row_quantize_kernel: one row per block at
-// a time, its amax reduced in the block).
+// loads issued before this one is worked on, except in the per-column +T modes: kPrefetch), then
+// reduced to the amax of each 128-wide row segment (1x128 cells of `out`) or of the tile (128x128
+// cells, the same for both layouts), and cast with the scale of each value's cell into `out`
+// row-major. The transposed copy `out_t` (quantised along its own K) is written through a shared
+// tile of codes where both layouts share a scale; where each column has its own (per-row, and
+// 1x128 whose cells are 128-high column segments), the input tile goes to shared memory and is
+// cast from column strips (StripTile). The per-row and per-tensor modes need amaxes that span
+// tiles: a first pass (line_amax_kernel, or the amax kernel) puts them into the job's workspace, so
+// those modes read the input twice. Edge tiles load element by element (missing elements count as
+// 0, which changes no amax) and store only what exists. The per-row mode without the transposed
+// copy reads the input once where a row fits a block's registers (row_quantize_kernel: one row per
+// block at a time, its amax reduced in the block).
 #include <algorithm>
 
 #include "kernels/common.cuh"

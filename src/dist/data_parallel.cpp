@@ -718,7 +718,7 @@ Agreement agree(Transport& t, const std::shared_ptr<Backend>& be, fp8_status_t m
 }
 
 bool same_on_every_rank(Transport& t, const std::shared_ptr<Backend>& be, bool mine) {
-  // whether each value occurs
+  // seen[0]: some rank has true; seen[1]: some rank has false.
   const auto seen = max_over_ranks<uint32_t, 2>(t, be, {mine ? 1u : 0u, mine ? 0u : 1u});
   return !(seen[0] && seen[1]);
 }

@@ -666,8 +666,16 @@ std::vector<Outcome> outcomes(int n, const std::function<fp8_status_t(int)>& cal
 }
 
 // A bound on a regression that leaves ranks waiting: they fail after it, not after ten minutes.
-void bound_waits(Group& g, double seconds = 20.0) {
-  for (Rank& r : g.ranks) EXPECT_OK(fp8_comm_set_timeout(r.comm.get(), seconds));
+void bound_waits(std::vector<Rank>& ranks, double seconds = 20.0) {
+  for (Rank& r : ranks) EXPECT_OK(fp8_comm_set_timeout(r.comm.get(), seconds));
+}
+
+// n CPU ranks of one in-process group (no models yet), their waits bounded.
+std::vector<Rank> bounded_cpu_ranks(int n) {
+  std::vector<Rank> ranks;
+  EXPECT_OK(join_ranks(ranks, std::vector<int32_t>(static_cast<size_t>(n), FP8_DEVICE_CPU)));
+  bound_waits(ranks);
+  return ranks;
 }
 
 // fp8.h: "if one fails, every rank fails and none changes". A checkpoint refused by one rank alone
@@ -679,7 +687,7 @@ TEST(DataParallelMisuse, ACheckpointRefusedOnOneRankFailsOnEveryRankInsteadOfWai
   std::remove(path.c_str());
   std::remove(unwritten.c_str());
   Group g(2, o3);
-  bound_waits(g);
+  bound_waits(g.ranks);
   on_ranks(2, [&](int k) { train_step(g.ranks[k], 0, k); });
   on_ranks(
       2, [&](int k) { EXPECT_OK(fp8_checkpoint_save(g.ranks[k].model.get(), g.ranks[k].opt.get(), path.c_str(), 0)); });
@@ -761,7 +769,7 @@ TEST(DataParallelMisuse, ACheckpointRefusedOnOneRankFailsOnEveryRankInsteadOfWai
 TEST(DataParallelMisuse, SetCommWithAnOptimizerIsRefusedOnEveryRank) {
   const char* o2 = "backend=msamp, opt_level=O2, small_layer_fallback=0";
   Group g(2, o2);
-  bound_waits(g);
+  bound_waits(g.ranks);
   on_ranks(2, [&](int k) { train_step(g.ranks[k], 0, k); });
   const std::vector<unsigned char> before = state_bytes(g.ranks[0], true);
   auto o = outcomes(2, [&](int k) { return fp8_model_set_comm(g.ranks[k].model.get(), g.ranks[k].comm.get()); });
@@ -775,12 +783,8 @@ TEST(DataParallelMisuse, SetCommWithAnOptimizerIsRefusedOnEveryRank) {
   EXPECT_EQ(state_bytes(g.ranks[0], true), state_bytes(g.ranks[1], true));
 
   // An optimizer on rank 1 only (made before any communicator): both refuse, neither joins.
-  std::vector<Rank> ranks;
-  FP8_ASSERT_OK(join_ranks(ranks, {FP8_DEVICE_CPU, FP8_DEVICE_CPU}));
-  for (int k = 0; k < 2; ++k) {
-    ranks[k].model = build_model(ranks[k].ctx.get(), o2, static_cast<uint32_t>(k + 1));
-    EXPECT_OK(fp8_comm_set_timeout(ranks[k].comm.get(), 20.0));
-  }
+  std::vector<Rank> ranks = bounded_cpu_ranks(2);
+  for (int k = 0; k < 2; ++k) ranks[k].model = build_model(ranks[k].ctx.get(), o2, static_cast<uint32_t>(k + 1));
   ranks[1].opt = make_optimizer(ranks[1].model.get(), FP8_OPTIMIZER_ADAM);
   std::vector<std::vector<unsigned char>> own(2);
   for (int k = 0; k < 2; ++k) own[k] = state_bytes(ranks[k], true);
@@ -800,28 +804,21 @@ TEST(DataParallelMisuse, SetCommWithAnOptimizerIsRefusedOnEveryRank) {
 // is refused through that communicator's group (its own context's memory), so the other ranks refuse
 // too instead of waiting for it until their timeout; nothing changes on any rank.
 TEST(DataParallelMisuse, ACommOfAnotherContextIsRefusedOnEveryRank) {
-  Rank a, b;
-  Rank* rs[2] = {&a, &b};
-  std::vector<fp8_context_t*> ctxs = {a.ctx.get(), b.ctx.get()};
-  fp8_comm_t* comms[2] = {};
-  FP8_ASSERT_OK(fp8_comm_create_local(comms, ctxs.data(), 2));
-  for (int k = 0; k < 2; ++k) {
-    rs[k]->comm.reset(comms[k]);
-    EXPECT_OK(fp8_comm_set_timeout(comms[k], 20.0));
-  }
+  std::vector<Rank> rs = bounded_cpu_ranks(2);
+  Rank &a = rs[0], &b = rs[1];
   Context other = make_context(FP8_DEVICE_CPU);
   a.model = build_model(a.ctx.get(), nullptr, 1);
   b.model = build_model(other.get(), nullptr, 2);  // rank 1's model: not of its communicator's context
-  const auto o = outcomes(2, [&](int k) { return fp8_model_set_comm(rs[k]->model.get(), rs[k]->comm.get()); });
+  const auto o = outcomes(2, [&](int k) { return fp8_model_set_comm(rs[k].model.get(), rs[k].comm.get()); });
   EXPECT_EQ(o[1].status, FP8_ERR_INVALID_ARGUMENT) << o[1].message;
   EXPECT_NE(o[1].message.find("comm belongs to another context"), std::string::npos) << o[1].message;
   EXPECT_EQ(o[0].status, FP8_ERR_INVALID_STATE) << o[0].message;
   EXPECT_NE(o[0].message.find("fp8_model_set_comm failed on rank 1"), std::string::npos) << o[0].message;
   for (int k = 0; k < 2; ++k)  // neither model became data-parallel
-    EXPECT_REFUSED(fp8_model_set_backward_sync(rs[k]->model.get(), 1), FP8_ERR_INVALID_STATE,
+    EXPECT_REFUSED(fp8_model_set_backward_sync(rs[k].model.get(), 1), FP8_ERR_INVALID_STATE,
                    "fp8_model_set_backward_sync", "not data-parallel");
   b.model = build_model(b.ctx.get(), nullptr, 2);  // the group is still usable
-  on_ranks(2, [&](int k) { EXPECT_OK(fp8_model_set_comm(rs[k]->model.get(), rs[k]->comm.get())); });
+  on_ranks(2, [&](int k) { EXPECT_OK(fp8_model_set_comm(rs[k].model.get(), rs[k].comm.get())); });
   EXPECT_EQ(state_bytes(b, false), state_bytes(a, false));  // rank 0's model on both
 }
 
@@ -832,12 +829,9 @@ TEST(DataParallelMisuse, SetCommTwiceReplicatesAgainButAShardedO3ModelKeepsItsGr
        {"backend=msamp, opt_level=O2, small_layer_fallback=0", "backend=msamp, opt_level=O3, small_layer_fallback=0"}) {
     SCOPED_TRACE(recipe);
     const bool o3 = std::string(recipe).find("O3") != std::string::npos;
-    std::vector<Rank> ranks;
-    FP8_ASSERT_OK(join_ranks(ranks, {FP8_DEVICE_CPU, FP8_DEVICE_CPU}));
-    for (int k = 0; k < 2; ++k) {
+    std::vector<Rank> ranks = bounded_cpu_ranks(2);
+    for (int k = 0; k < 2; ++k)
       ranks[k].model = build_model(ranks[k].ctx.get(), recipe, static_cast<uint32_t>(k + 1));
-      EXPECT_OK(fp8_comm_set_timeout(ranks[k].comm.get(), 20.0));
-    }
     on_ranks(2, [&](int k) { EXPECT_OK(fp8_model_set_comm(ranks[k].model.get(), ranks[k].comm.get())); });
     std::vector<std::vector<unsigned char>> before(2), masters(2);
     for (int k = 0; k < 2; ++k) before[k] = state_bytes(ranks[k], true), masters[k] = master_bytes(ranks[k]);
@@ -871,7 +865,7 @@ TEST(DataParallelMisuse, SetCommTwiceReplicatesAgainButAShardedO3ModelKeepsItsGr
 TEST(DataParallelMisuse, DestroyingTheCommunicatorKeepsItsModelsInTheGroup) {
   Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU, 4096,
           true);
-  bound_waits(g);
+  bound_waits(g.ranks);
   for (Rank& r : g.ranks) r.comm.reset();
   on_ranks(2, [&](int k) {
     train_step(g.ranks[k], 0, k);
@@ -892,7 +886,7 @@ TEST(DataParallelMisuse, DestroyingTheCommunicatorKeepsItsModelsInTheGroup) {
 TEST(DataParallelMisuse, BackwardSyncTurnedOffMidAccumulationStillRefusesRewritingAnExchangedBucket) {
   Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU, 4096,
           true);
-  bound_waits(g);
+  bound_waits(g.ranks);
   std::vector<std::vector<unsigned char>> before(2);
   on_ranks(2, [&](int k) {
     Rank& r = g.ranks[k];
@@ -934,7 +928,7 @@ TEST(DataParallelMisuse, BucketBytesAtTheEndsOfTheirRange) {
                        "bytes = 0");
   Group g(2, "backend=msamp, opt_level=O2, small_layer_fallback=0", FP8_OPTIMIZER_ADAM, 0.0f, FP8_DEVICE_CPU,
           std::numeric_limits<size_t>::max(), true);
-  bound_waits(g);
+  bound_waits(g.ranks);
   Group ref(2, "backend=msamp, opt_level=O2, small_layer_fallback=0");
   on_ranks(2, [&](int k) {
     train_step(g.ranks[k], 0, k);

@@ -872,6 +872,27 @@ use fp8::dlpack::{self, DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVe
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// A producer's DLTensor header before its pointers are set (`point`): its arrays must first reach
+/// their final place (a Box).
+fn header(device: DLDevice, dtype: DLDataType, ndim: usize) -> DLTensor {
+    DLTensor {
+        data: std::ptr::null_mut(),
+        device,
+        ndim: ndim as i32,
+        dtype,
+        shape: std::ptr::null_mut(),
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    }
+}
+
+/// Points `t` at the producer's data, shape and strides (NULL strides where there are none).
+fn point(t: &mut DLTensor, data: *mut std::ffi::c_void, shape: &mut [i64], strides: &mut Option<Vec<i64>>) {
+    t.data = data;
+    t.shape = shape.as_mut_ptr();
+    t.strides = strides.as_mut().map_or(std::ptr::null_mut(), |s| s.as_mut_ptr());
+}
+
 /// A producer's tensor, as a framework's to_dlpack makes one: its memory, shape and strides live
 /// with the DLManagedTensor, and the deleter counts its calls.
 struct Producer {
@@ -897,15 +918,7 @@ fn produce(data: Vec<f32>, shape: &[i64], strides: Option<&[i64]>, device: DLDev
     let deleted = Arc::new(AtomicUsize::new(0));
     let mut p = Box::new(Producer {
         managed: DLManagedTensor {
-            dl_tensor: DLTensor {
-                data: std::ptr::null_mut(),
-                device,
-                ndim: shape.len() as i32,
-                dtype,
-                shape: std::ptr::null_mut(),
-                strides: std::ptr::null_mut(),
-                byte_offset: 0,
-            },
+            dl_tensor: header(device, dtype, shape.len()),
             manager_ctx: std::ptr::null_mut(),
             deleter: Some(delete_producer),
         },
@@ -915,9 +928,8 @@ fn produce(data: Vec<f32>, shape: &[i64], strides: Option<&[i64]>, device: DLDev
         deleted: deleted.clone(),
     });
     let data = p._data.as_mut_ptr();
-    p.managed.dl_tensor.data = data.cast();
-    p.managed.dl_tensor.shape = p._shape.as_mut_ptr();
-    p.managed.dl_tensor.strides = p._strides.as_mut().map_or(std::ptr::null_mut(), |s| s.as_mut_ptr());
+    let Producer { managed, _shape, _strides, .. } = &mut *p;
+    point(&mut managed.dl_tensor, data.cast(), _shape, _strides);
     let p = Box::into_raw(p);
     unsafe {
         (*p).managed.manager_ctx = p.cast();
@@ -1252,15 +1264,7 @@ fn produce_versioned(
             manager_ctx: std::ptr::null_mut(),
             deleter: Some(delete_versioned_producer),
             flags,
-            dl_tensor: DLTensor {
-                data: std::ptr::null_mut(),
-                device: CPU,
-                ndim: shape.len() as i32,
-                dtype,
-                shape: std::ptr::null_mut(),
-                strides: std::ptr::null_mut(),
-                byte_offset: 0,
-            },
+            dl_tensor: header(CPU, dtype, shape.len()),
         },
         _shape: shape.to_vec(),
         _strides: strides.map(<[i64]>::to_vec),
@@ -1268,9 +1272,8 @@ fn produce_versioned(
         deleted: deleted.clone(),
     });
     let data = p._data.as_mut_ptr().cast::<u8>();
-    p.managed.dl_tensor.data = data.cast();
-    p.managed.dl_tensor.shape = p._shape.as_mut_ptr();
-    p.managed.dl_tensor.strides = p._strides.as_mut().map_or(std::ptr::null_mut(), |s| s.as_mut_ptr());
+    let VersionedProducer { managed, _shape, _strides, .. } = &mut *p;
+    point(&mut managed.dl_tensor, data.cast(), _shape, _strides);
     let p = Box::into_raw(p);
     unsafe {
         (*p).managed.manager_ctx = p.cast();
